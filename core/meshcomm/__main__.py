@@ -1,0 +1,7 @@
+"""``python -m meshcomm``: same as the ``meshcomm`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,227 @@
+"""Collectives built from point-to-point messages, for any group size.
+
+These are the defaults of :class:`meshcomm.backend.Backend`: a transport that only
+moves bytes between two ranks gets every collective from here. Large reductions use
+the bandwidth-optimal ring (reduce-scatter then all-gather, each rank sends about
+``2 (n-1)/n`` of the array); small ones use recursive doubling (``log2 n`` rounds).
+Reductions combine operands in a fixed rank order and each result element is computed
+on one rank only, so every rank ends with bit-identical bytes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .dtypes import reducer
+
+if TYPE_CHECKING:
+    from .backend import Backend
+
+__all__ = [
+    "SMALL_BYTES",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "split",
+    "block_bounds",
+]
+
+#: arrays up to this many bytes use the latency-optimal algorithms
+SMALL_BYTES = 64 * 1024
+
+
+def block_bounds(length: int, n: int) -> list[int]:
+    """Boundaries of ``n`` nearly equal blocks of ``length`` elements (``n + 1`` offsets)."""
+    return [(length * i) // n for i in range(n + 1)]
+
+
+# -- all-reduce ---------------------------------------------------------------------------
+def all_reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+    """Reduce ``sendbuf`` over all ranks into ``recvbuf`` (ring for large, doubling for small)."""
+    recvbuf[...] = sendbuf
+    n = b.size()
+    if n == 1 or recvbuf.size == 0:
+        return
+    if recvbuf.nbytes <= SMALL_BYTES or recvbuf.size < n:
+        _recursive_doubling(b, recvbuf, op)
+    else:
+        bounds = block_bounds(recvbuf.size, n)
+        ring_reduce_scatter(b, recvbuf, bounds, op, offset=0)
+        ring_all_gather(b, recvbuf, bounds, offset=1)
+
+
+def _recursive_doubling(b: Backend, acc: np.ndarray, op: str) -> None:
+    """In-place all-reduce in ``ceil(log2 n) + 2`` rounds; non-powers of two fold in first."""
+    f = reducer(op)
+    n, r = b.size(), b.rank()
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    rem = n - p
+    tmp = np.empty_like(acc)
+    # fold: the first 2*rem ranks pair up so that p ranks remain
+    if r < 2 * rem:
+        if r % 2:  # odd: hand the data to the even neighbour, get the result at the end
+            b.send(acc, r - 1)
+            b.recv(acc, r - 1)
+            return
+        b.recv(tmp, r + 1)
+        f(acc, tmp, out=acc)  # lower rank's operand first
+        vrank = r // 2
+    else:
+        vrank = r - rem
+
+    def real(v: int) -> int:
+        return v * 2 if v < rem else v + rem
+
+    mask = 1
+    while mask < p:
+        vpeer = vrank ^ mask
+        peer = real(vpeer)
+        b.sendrecv(acc, peer, tmp, peer)
+        if vrank < vpeer:
+            f(acc, tmp, out=acc)
+        else:
+            f(tmp, acc, out=acc)
+        mask <<= 1
+    if r < 2 * rem:
+        b.send(acc, r + 1)
+
+
+def ring_reduce_scatter(
+    b: Backend, buf: np.ndarray, bounds: list[int], op: str, *, offset: int
+) -> None:
+    """Ring reduce-scatter in place: afterwards rank r holds the full reduction of block
+    ``(r + 1 + offset) % n`` (the other blocks hold partial sums)."""
+    f = reducer(op)
+    n, r = b.size(), b.rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    biggest = max(bounds[i + 1] - bounds[i] for i in range(n))
+    tmp = np.empty(biggest, dtype=buf.dtype)
+    for step in range(n - 1):
+        s = (r - step + offset) % n
+        d = (r - step - 1 + offset) % n
+        incoming = tmp[: bounds[d + 1] - bounds[d]]
+        b.sendrecv(buf[bounds[s] : bounds[s + 1]], right, incoming, left)
+        block = buf[bounds[d] : bounds[d + 1]]
+        f(incoming, block, out=block)
+
+
+def ring_all_gather(b: Backend, buf: np.ndarray, bounds: list[int], *, offset: int) -> None:
+    """Ring all-gather in place, starting from rank r owning block ``(r + offset) % n``."""
+    n, r = b.size(), b.rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    for step in range(n - 1):
+        s = (r - step + offset) % n
+        d = (r - step - 1 + offset) % n
+        b.sendrecv(buf[bounds[s] : bounds[s + 1]], right, buf[bounds[d] : bounds[d + 1]], left)
+
+
+# -- reduce-scatter ---------------------------------------------------------------------
+def reduce_scatter(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+    """Block ``rank`` of the reduction of ``sendbuf`` (whose length is ``size * len(recvbuf)``)."""
+    n, r = b.size(), b.rank()
+    m = recvbuf.size
+    if n == 1 or m == 0:
+        recvbuf[...] = sendbuf
+        return
+    if sendbuf.nbytes <= SMALL_BYTES:
+        full = np.empty_like(sendbuf)
+        all_reduce(b, sendbuf, full, op)
+        recvbuf[...] = full[r * m : (r + 1) * m]
+        return
+    work = sendbuf.copy()
+    bounds = [i * m for i in range(n + 1)]
+    ring_reduce_scatter(b, work, bounds, op, offset=-1)
+    recvbuf[...] = work[r * m : (r + 1) * m]
+
+
+# -- all-gather -------------------------------------------------------------------------
+def all_gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+    """Concatenate every rank's ``sendbuf`` into ``recvbuf`` in rank order."""
+    n, r = b.size(), b.rank()
+    m = sendbuf.size
+    recvbuf[r * m : (r + 1) * m] = sendbuf
+    if n == 1 or m == 0:
+        return
+    if sendbuf.nbytes * n <= SMALL_BYTES:
+        _bruck_all_gather(b, sendbuf, recvbuf)
+    else:
+        ring_all_gather(b, recvbuf, [i * m for i in range(n + 1)], offset=0)
+
+
+def _bruck_all_gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+    """All-gather in ``ceil(log2 n)`` rounds (Bruck): blocks collect in rotated order."""
+    n, r = b.size(), b.rank()
+    m = sendbuf.size
+    rot = np.empty(n * m, dtype=sendbuf.dtype)  # rot block i = rank (r + i) % n
+    rot[:m] = sendbuf
+    have = 1
+    dist = 1
+    while have < n:
+        count = min(dist, n - have)
+        b.sendrecv(rot[: count * m], (r - dist) % n, rot[have * m : (have + count) * m], (r + dist) % n)
+        have += count
+        dist <<= 1
+    # un-rotate: rank q's block sits at rot block (q - r) % n
+    recvbuf[r * m :] = rot[: (n - r) * m]
+    recvbuf[: r * m] = rot[(n - r) * m :]
+
+
+# -- broadcast --------------------------------------------------------------------------
+def broadcast(b: Backend, buf: np.ndarray, root: int) -> None:
+    """Root's ``buf`` to every rank: binomial tree, or scatter + ring all-gather when large."""
+    n, r = b.size(), b.rank()
+    if n == 1 or buf.size == 0:
+        return
+    if buf.nbytes > SMALL_BYTES and n > 2 and buf.size >= n:
+        bounds = block_bounds(buf.size, n)
+        if r == root:
+            for peer in range(n):
+                if peer != root:
+                    b.send(buf[bounds[peer] : bounds[peer + 1]], peer)
+        else:
+            b.recv(buf[bounds[r] : bounds[r + 1]], root)
+        ring_all_gather(b, buf, bounds, offset=0)
+        return
+    vr = (r - root) % n
+    mask = 1
+    while mask < n:
+        if vr & mask:
+            b.recv(buf, (vr - mask + root) % n)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < n:
+            b.send(buf, (vr + mask + root) % n)
+        mask >>= 1
+
+
+# -- barrier ----------------------------------------------------------------------------
+def barrier(b: Backend) -> None:
+    """Dissemination barrier: ``ceil(log2 n)`` rounds of one-byte messages."""
+    n, r = b.size(), b.rank()
+    token = np.zeros(1, dtype=np.uint8)
+    got = np.empty(1, dtype=np.uint8)
+    dist = 1
+    while dist < n:
+        b.sendrecv(token, (r + dist) % n, got, (r - dist) % n)
+        dist <<= 1
+
+
+# -- split ------------------------------------------------------------------------------
+def split(b: Backend, color: int, key: int) -> Backend:
+    """Subgroup of the ranks that passed the same ``color``, ordered by ``key`` then rank."""
+    n, r = b.size(), b.rank()
+    mine = np.array([color, key], dtype=np.int64)
+    table = np.empty(2 * n, dtype=np.int64)
+    b.all_gather(mine, table)
+    colors, keys = table[0::2], table[1::2]
+    members = [q for q in range(n) if colors[q] == color]
+    members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
+    from .subgroup import SubgroupBackend
+
+    return SubgroupBackend(b, members)

@@ -1,0 +1,110 @@
+"""The backend protocol: what a transport implements, on contiguous 1-D NumPy buffers.
+
+A backend must implement ``rank``, ``size``, ``send`` and ``recv``. Everything else
+has a default built from those (the generic algorithms in :mod:`meshcomm.algorithms`),
+so a point-to-point transport gets every collective, ``split`` and ``barrier`` for
+free; a transport with native collectives overrides the methods it does better.
+
+Rules every method may rely on (the core enforces them before calling):
+
+* buffers are C-contiguous, one-dimensional NumPy arrays of a supported dtype;
+* send buffers are read-only for the backend; receive buffers are fresh and may be
+  written anywhere;
+* sizes agree with the contract (``all_gather``: ``len(recv) == size * len(send)``;
+  ``reduce_scatter``: ``len(send) == size * len(recv)``);
+* ranks are valid and a rank never sends to itself.
+
+Errors: raise :class:`meshcomm.PeerLostError` when a peer goes away and
+:class:`meshcomm.CommTimeoutError` when it does not answer within ``timeout``
+seconds. Anything else that escapes is wrapped in a :class:`meshcomm.DistributedError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+
+import numpy as np
+
+from . import algorithms
+
+__all__ = ["Backend"]
+
+
+class Backend(abc.ABC):
+    """Base class of every transport. Subclass it and implement the four abstract methods."""
+
+    #: seconds a blocking call waits on a peer before raising CommTimeoutError
+    timeout: float = 300.0
+
+    # -- required -------------------------------------------------------------------
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank in ``[0, size)``."""
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Number of ranks in the group."""
+
+    @abc.abstractmethod
+    def send(self, buf: np.ndarray, dst: int) -> None:
+        """Send all of ``buf`` to rank ``dst``; messages between two ranks arrive in order."""
+
+    @abc.abstractmethod
+    def recv(self, buf: np.ndarray, src: int) -> None:
+        """Fill ``buf`` with the next message from rank ``src`` (its length is known)."""
+
+    # -- point-to-point with a default -------------------------------------------------
+    def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
+        """Send to ``dst`` and receive from ``src`` at the same time (no deadlock if both block).
+
+        The default sends on a helper thread; override it when the transport can do
+        both without a thread. An error on the helper thread is raised here.
+        """
+        errors: list[BaseException] = []
+
+        def _send() -> None:
+            try:
+                self.send(sendbuf, dst)
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
+
+        t = threading.Thread(target=_send, name="meshcomm-sendrecv", daemon=True)
+        t.start()
+        try:
+            self.recv(recvbuf, src)
+        finally:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    # -- collectives with generic defaults -----------------------------------------------
+    def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """``recvbuf`` = reduction ``op`` ("sum", "max", "min") of every rank's ``sendbuf``.
+
+        Every rank must end with bit-identical bytes.
+        """
+        algorithms.all_reduce(self, sendbuf, recvbuf, op)
+
+    def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """``recvbuf`` = every rank's ``sendbuf`` concatenated in rank order."""
+        algorithms.all_gather(self, sendbuf, recvbuf)
+
+    def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """``recvbuf`` = block ``rank`` of the reduction of every rank's ``sendbuf``."""
+        algorithms.reduce_scatter(self, sendbuf, recvbuf, op)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Every rank's ``buf`` becomes root's ``buf`` (written in place on non-roots)."""
+        algorithms.broadcast(self, buf, root)
+
+    def barrier(self) -> None:
+        """Return only once every rank has entered the barrier."""
+        algorithms.barrier(self)
+
+    def split(self, color: int, key: int) -> Backend:
+        """The backend of the subgroup of ranks sharing ``color``, ordered by (key, rank)."""
+        return algorithms.split(self, color, key)
+
+    def close(self) -> None:
+        """Release connections and threads; called once, when the group is destroyed."""

@@ -1,0 +1,50 @@
+"""The ``meshcomm`` command: ``info`` (installed backends) and the subcommands plugins add."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _info(args: argparse.Namespace) -> int:
+    import numpy
+
+    from . import __version__
+    from .registry import get_registry
+
+    infos = get_registry().info()
+    if args.json:
+        print(json.dumps([vars(i) | {} for i in infos], indent=2))
+        return 0
+    print(f"meshcomm {__version__} (numpy {numpy.__version__}, python {sys.version.split()[0]})")
+    print(f"{'backend':<10} {'distribution':<18} {'version':<9} {'available':<9} {'configured':<10} note")
+    for i in infos:
+        note = i.reason if not i.available else i.description
+        print(f"{i.name:<10} {i.distribution or '-':<18} {i.version or '-':<9} "
+              f"{'yes' if i.available else 'no':<9} {'yes' if i.configured else 'no':<10} {note}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshcomm", description="collective communication for NumPy arrays")
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="list installed backends, versions and why any is unavailable")
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.set_defaults(func=_info)
+    try:
+        from .launch.cli import add_parser as add_launch
+    except ImportError:  # pragma: no cover - launcher not present in this build
+        pass
+    else:
+        add_launch(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``meshcomm`` console script and ``python -m meshcomm``."""
+    args = _parser().parse_args(argv)
+    return int(args.func(args) or 0)

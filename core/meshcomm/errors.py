@@ -1,0 +1,44 @@
+"""The errors meshcomm raises: one base class and one subclass per way a job can fail."""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistributedError",
+    "PeerLostError",
+    "CommTimeoutError",
+    "CollectiveMismatchError",
+    "BackendUnavailableError",
+    "ConfigError",
+]
+
+
+class DistributedError(RuntimeError):
+    """Base of every error meshcomm raises about communication."""
+
+
+class PeerLostError(DistributedError):
+    """A peer closed its connection, reset it, or died."""
+
+    def __init__(self, message: str, *, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class CommTimeoutError(DistributedError, TimeoutError):
+    """A peer did not answer within the configured timeout (``MLX_TIMEOUT``)."""
+
+    def __init__(self, message: str, *, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class CollectiveMismatchError(DistributedError):
+    """Ranks called different operations, or the same one with different shapes or dtypes."""
+
+
+class BackendUnavailableError(DistributedError):
+    """A backend was asked for but cannot start (not installed, or its environment is broken)."""
+
+
+class ConfigError(ValueError):
+    """A setting has an invalid value; the message names the setting and what it accepts."""

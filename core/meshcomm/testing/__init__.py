@@ -1,0 +1,1 @@
+"""Tools for testing meshcomm and its backends (the conformance kit lives here)."""

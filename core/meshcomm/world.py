@@ -1,0 +1,87 @@
+"""``init``, ``is_available`` and ``backends``: starting the world group once per process."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from .config import Config
+from .group import Group
+from .registry import BackendInfo, get_registry
+
+__all__ = ["init", "is_available", "backends", "default_group", "shutdown"]
+
+_lock = threading.RLock()
+_worlds: dict[str, Group] = {}
+_default: Group | None = None
+
+
+def init(strict: bool = False, backend: str | None = None, *, config: Config | None = None,
+         **settings: Any) -> Group:
+    """The world group.
+
+    Args:
+        strict: raise instead of falling back to a size-1 group when no backend can start.
+        backend: a backend name or ``"any"``; ``None`` reads ``MLX_BACKEND`` (default ``any``).
+        config: settings to use instead of reading the environment.
+        **settings: overrides of :class:`meshcomm.Config` fields (``timeout=30``, ``debug=True``).
+
+    Calling it again with the same backend returns the same group.
+    """
+    global _default
+    with _lock:
+        if config is None:
+            config = Config.load(**({"backend": backend} if backend else {}), **settings)
+        elif backend or settings:
+            config = config.model_copy(update={**settings, **({"backend": backend.strip().lower()} if backend else {})})
+        name = config.backend
+        if name in _worlds:
+            return _worlds[name]
+        registry = get_registry()
+        transport, started = registry.start(name, config, strict)
+        group = Group(transport, started, debug=config.debug)
+        if started != "single":
+            _worlds[name] = group
+            _worlds.setdefault(started, group)
+        if _default is None or _default.backend == "single":
+            _default = group
+        return group
+
+
+def default_group() -> Group:
+    """The group operations use when none is passed: the first world ``init()`` made."""
+    return _default if _default is not None else init()
+
+
+def is_available(backend: str | None = None) -> bool:
+    """True if a multi-process backend (or the named one) is installed and its libraries load."""
+    registry = get_registry()
+    if backend is None:
+        return any(s.multiprocess and s.unavailable_reason() is None for s in registry.specs.values())
+    spec = registry.specs.get(backend.strip().lower())
+    return spec is not None and spec.unavailable_reason() is None
+
+
+def backends() -> list[BackendInfo]:
+    """Every registered backend with its distribution, version, availability and reason."""
+    return get_registry().info()
+
+
+def shutdown() -> None:
+    """Close every world's backend (registered with atexit; safe to call twice)."""
+    global _default
+    with _lock:
+        seen = set()
+        for group in _worlds.values():
+            if id(group) not in seen:
+                seen.add(id(group))
+                try:
+                    group.transport.close()
+                except Exception:
+                    pass
+        _worlds.clear()
+        _default = None
+
+
+atexit.register(shutdown)

@@ -1,0 +1,1 @@
+"""meshcomm's mpi backend."""
