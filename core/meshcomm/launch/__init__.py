@@ -1,0 +1,1 @@
+"""``meshcomm launch``: start a job's ranks locally or over ssh, for any backend."""

