@@ -1,0 +1,43 @@
+"""Turning gloo/torch exceptions into meshcomm errors that say who, what and what to do.
+
+gloo reports a dead peer as "Connection closed by peer [ip]:port" (or reset / broken
+pipe) and a silent one as "Timed out waiting ...ms"; neither names a rank. What the
+backend knows (rank, group, op, peer of a send/recv, the timeout) is added here.
+"""
+
+from __future__ import annotations
+
+from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
+
+__all__ = ["translate"]
+
+_LOST = ("connection closed", "connection reset", "broken pipe", "closed by peer", "connection refused",
+         "socket closed", "eof", "read error", "write error", "pair closed")
+_TIMEOUT = ("timed out", "timeout", "deadline")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("Exception raised from")]
+    return (lines[0] if lines else type(exc).__name__)[:400]
+
+
+def translate(exc: BaseException, *, where: str, op: str, timeout: float, peer: int | None = None) -> DistributedError:
+    """The meshcomm error for ``exc`` raised by gloo during ``op`` on ``where`` (e.g. "rank 1 of ...")."""
+    said = _first_line(exc)
+    low = said.lower()
+    who = f"peer rank {peer}" if peer is not None else "a peer (gloo does not say which rank)"
+    if any(s in low for s in _TIMEOUT):
+        return CommTimeoutError(
+            f"[gloo] {where}: {op} timed out: {who} did not answer within {timeout:g} s (MLX_TIMEOUT). "
+            f"gloo said: {said}. A rank may have skipped this call, be stuck, or be too slow; "
+            "raise MLX_TIMEOUT if it is only slow.",
+            peer=peer,
+        )
+    if any(s in low for s in _LOST):
+        return PeerLostError(
+            f"[gloo] {where}: {op} failed: {who} closed its connection (it probably crashed or exited). "
+            f"gloo said: {said}. Check that rank's output; this group cannot be used any more.",
+            peer=peer,
+        )
+    return DistributedError(f"[gloo] {where}: {op} failed: {type(exc).__name__}: {said}")

@@ -1,0 +1,87 @@
+"""Starting the world: the rendezvous store and the world's ProcessGroupGloo.
+
+Nothing here touches torch.distributed's global state (no ``init_process_group``):
+the store and process group are plain objects owned by the backend, so a user's own
+torch.distributed default group in the same process is unaffected. Imports torch;
+imported only by the factory.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+from meshcomm.config import Config
+from meshcomm.errors import BackendUnavailableError, CommTimeoutError, ConfigError
+
+from .settings import GlooSettings
+
+__all__ = ["make_store", "make_group", "WORLD_PREFIX"]
+
+#: key prefix of every store key meshcomm writes (the world group's own prefix is below it)
+WORLD_PREFIX = "meshcomm/world"
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_store(config: Config, settings: GlooSettings) -> tuple[Any, int, int, str]:
+    """The rendezvous store, this rank, the world size and a description of the store."""
+    missing = settings.missing(config.rank)
+    if missing:
+        raise BackendUnavailableError(
+            f"gloo backend: missing {', '.join(missing)}; start the job with "
+            "`meshcomm launch --backend gloo`, or set those variables on every rank"
+        )
+    rank, size = int(config.rank or 0), int(settings.world_size or 0)
+    if rank >= size:
+        raise ConfigError(
+            f"gloo backend: MLX_RANK={rank} is not below MLX_WORLD_SIZE={size}; ranks run from 0 to {size - 1}"
+        )
+    if settings.port is not None:
+        where = f"TCPStore {settings.addr}:{settings.port}"
+        try:
+            store = dist.TCPStore(settings.addr, settings.port, size, rank == 0,
+                                  timeout=_delta(config.timeout), wait_for_workers=True)
+        except Exception as exc:
+            raise _store_error(exc, where, rank, size, config.timeout, host=rank == 0) from exc
+        return store, rank, size, where
+    path = str(settings.file)
+    where = f"FileStore {path}"
+    try:
+        store = dist.FileStore(path, size)
+        store.set_timeout(_delta(config.timeout))
+    except Exception as exc:
+        raise _store_error(exc, where, rank, size, config.timeout, host=False) from exc
+    return store, rank, size, where
+
+
+def _store_error(exc: Exception, where: str, rank: int, size: int, timeout: float, host: bool) -> Exception:
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    low = said.lower()
+    if "address already in use" in low or "eaddrinuse" in low:
+        return BackendUnavailableError(
+            f"gloo backend: rank {rank} cannot host the {where}: the port is in use. "
+            "Pick another MESHCOMM_GLOO_PORT (or let `meshcomm launch` choose one)."
+        )
+    if "timed out" in low or "timeout" in low:
+        role = f"waiting for all {size} ranks to connect" if host else "connecting to rank 0's store"
+        return CommTimeoutError(
+            f"gloo backend: rank {rank} timed out after {timeout:g} s (MLX_TIMEOUT) {role} at the {where}. "
+            "Check that every rank was started with the same MESHCOMM_GLOO_ADDR/PORT and MLX_WORLD_SIZE "
+            f"and that rank 0 is running. torch said: {said}"
+        )
+    return BackendUnavailableError(f"gloo backend: rank {rank} could not open the {where}: {said}")
+
+
+def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None) -> Any:
+    """A ProcessGroupGloo over ``PrefixStore(prefix, store)``; connects to every member."""
+    pstore = dist.PrefixStore(prefix, store)
+    if not ifname:
+        return dist.ProcessGroupGloo(pstore, rank, size, _delta(timeout))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
+    opts._timeout = _delta(timeout)
+    return dist.ProcessGroupGloo(pstore, rank, size, opts)

@@ -1,0 +1,67 @@
+"""The gloo backend's settings section: where the rendezvous store is and how big the job is.
+
+Every field is built with :func:`meshcomm.config.setting`, so it names its environment
+variable and what it accepts; a bad value raises a ConfigError naming the variable.
+The rank comes from the core config (``MLX_RANK``), not from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshcomm.config import setting
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["GlooSettings"]
+
+
+class GlooSettings(BaseModel):
+    """Rendezvous of the gloo backend: a TCPStore hosted by rank 0, or a shared file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    addr: str = setting(
+        "127.0.0.1",
+        env="MESHCOMM_GLOO_ADDR",
+        accepts="a host name or IP address that every rank can reach (rank 0's machine)",
+        description="address of the TCPStore that rank 0 hosts for the rendezvous",
+        min_length=1,
+    )
+    port: int | None = setting(
+        None,
+        env="MESHCOMM_GLOO_PORT",
+        accepts="a TCP port number 1-65535 that is free on rank 0's machine",
+        description="port of the rendezvous TCPStore (rank 0 listens on it)",
+        ge=1,
+        le=65535,
+    )
+    file: Path | None = setting(
+        None,
+        env="MESHCOMM_GLOO_FILE",
+        accepts="the path of a file on a file system every rank shares (it must not hold an old job's data)",
+        description="rendezvous through a FileStore instead of a TCPStore (used when no port is set)",
+    )
+    world_size: int | None = setting(
+        None,
+        env="MLX_WORLD_SIZE",
+        accepts="an integer >= 1, the same on every rank",
+        description="number of ranks in the job",
+        ge=1,
+    )
+    ifname: str | None = setting(
+        None,
+        env="MESHCOMM_GLOO_IFNAME",
+        accepts="a network interface name such as eth0 or lo (GLOO_SOCKET_IFNAME is honoured too)",
+        description="network interface gloo's data connections use (default: the host name's address)",
+    )
+
+    def missing(self, rank: int | None) -> list[str]:
+        """Names of the variables still needed to start (empty when the environment is complete)."""
+        out = []
+        if rank is None:
+            out.append("MLX_RANK")
+        if self.world_size is None:
+            out.append("MLX_WORLD_SIZE")
+        if self.port is None and self.file is None:
+            out.append("MESHCOMM_GLOO_PORT (with MESHCOMM_GLOO_ADDR) or MESHCOMM_GLOO_FILE")
+        return out
