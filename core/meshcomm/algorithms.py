@@ -28,6 +28,10 @@ __all__ = [
     "barrier",
     "split",
     "block_bounds",
+    "recursive_doubling",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "split_members",
 ]
 
 #: arrays up to this many bytes use the latency-optimal algorithms
@@ -47,14 +51,14 @@ def all_reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) ->
     if n == 1 or recvbuf.size == 0:
         return
     if recvbuf.nbytes <= SMALL_BYTES or recvbuf.size < n:
-        _recursive_doubling(b, recvbuf, op)
+        recursive_doubling(b, recvbuf, op)
     else:
         bounds = block_bounds(recvbuf.size, n)
         ring_reduce_scatter(b, recvbuf, bounds, op, offset=0)
         ring_all_gather(b, recvbuf, bounds, offset=1)
 
 
-def _recursive_doubling(b: Backend, acc: np.ndarray, op: str) -> None:
+def recursive_doubling(b: Backend, acc: np.ndarray, op: str) -> None:
     """In-place all-reduce in ``ceil(log2 n) + 2`` rounds; non-powers of two fold in first."""
     f = reducer(op)
     n, r = b.size(), b.rank()
@@ -215,13 +219,18 @@ def barrier(b: Backend) -> None:
 # -- split ------------------------------------------------------------------------------
 def split(b: Backend, color: int, key: int) -> Backend:
     """Subgroup of the ranks that passed the same ``color``, ordered by ``key`` then rank."""
-    n, r = b.size(), b.rank()
+    from .subgroup import SubgroupBackend
+
+    return SubgroupBackend(b, split_members(b, color, key))
+
+
+def split_members(b: Backend, color: int, key: int) -> list[int]:
+    """Ranks of ``b`` (in their new order) that passed the same ``color`` as this rank."""
+    n = b.size()
     mine = np.array([color, key], dtype=np.int64)
     table = np.empty(2 * n, dtype=np.int64)
     b.all_gather(mine, table)
     colors, keys = table[0::2], table[1::2]
     members = [q for q in range(n) if colors[q] == color]
     members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
-    from .subgroup import SubgroupBackend
-
-    return SubgroupBackend(b, members)
+    return members

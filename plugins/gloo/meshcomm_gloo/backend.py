@@ -8,6 +8,7 @@ fresh output (all-reduce is in place in gloo) or a dtype needs re-encoding
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from meshcomm.errors import DistributedError
 
 from .codecs import Plan, plan_for
 from .errors import translate
+from .liveness import Peer, suspects
 from .rendezvous import make_group
 
 __all__ = ["GlooBackend"]
@@ -49,7 +51,8 @@ class GlooBackend(Backend):
     """One meshcomm group = one ProcessGroupGloo; ``split`` makes a new one for each colour."""
 
     def __init__(self, pg: Any, store: Any, prefix: str, rank: int, size: int, timeout: float,
-                 ifname: str | None = None, label: str = "world") -> None:
+                 ifname: str | None = None, label: str = "world", peers: list[Peer] | None = None,
+                 members: list[int] | None = None) -> None:
         self._pg = pg
         self._store = store
         self._prefix = prefix
@@ -58,6 +61,8 @@ class GlooBackend(Backend):
         self._ifname = ifname
         self._label = label
         self._splits = 0
+        self._peers = peers or []
+        self._members = members if members is not None else list(range(size))
         self.timeout = timeout
 
     # -- identity -------------------------------------------------------------------
@@ -81,7 +86,18 @@ class GlooBackend(Backend):
         try:
             start().wait()
         except RuntimeError as exc:
-            raise translate(exc, where=self._where(), op=op, timeout=self.timeout, peer=peer) from exc
+            raise self._error(exc, op, peer) from exc
+
+    def _error(self, exc: BaseException, op: str, peer: int | None) -> DistributedError:
+        """Translate ``exc``, naming dead or stopped members of this host when gloo does not."""
+        found: list[tuple[int, str]] = []
+        if peer is None:
+            for _ in range(10):  # a killed peer's socket may close just before it is reaped
+                found = suspects(self._peers, self._members, self._rank)
+                if found:
+                    break
+                time.sleep(0.05)
+        return translate(exc, where=self._where(), op=op, timeout=self.timeout, peer=peer, suspects=found)
 
     # -- point-to-point -------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
@@ -107,9 +123,7 @@ class GlooBackend(Backend):
             for w, _ in works:
                 w.wait()
         except RuntimeError as exc:
-            peer = src if dst == src else None
-            raise translate(exc, where=self._where(), op=f"sendrecv (to {dst}, from {src})",
-                            timeout=self.timeout, peer=peer) from exc
+            raise self._error(exc, f"sendrecv (to {dst}, from {src})", src if dst == src else None) from exc
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -182,10 +196,9 @@ class GlooBackend(Backend):
         try:
             pg = make_group(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
         except RuntimeError as exc:
-            raise translate(exc, where=f"rank {r} of the {self._label} group (size {n})",
-                            op=f"split(color={color}) connecting to ranks {members}",
-                            timeout=self.timeout) from exc
-        return GlooBackend(pg, self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname, label)
+            raise self._error(exc, f"split(color={color}) connecting to ranks {members}", None) from exc
+        return GlooBackend(pg, self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname, label,
+                           self._peers, [self._members[q] for q in members])
 
     def close(self) -> None:
         """Drop the process group (gloo closes its connections when the object is freed)."""

@@ -22,11 +22,25 @@ def _first_line(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:400]
 
 
-def translate(exc: BaseException, *, where: str, op: str, timeout: float, peer: int | None = None) -> DistributedError:
-    """The meshcomm error for ``exc`` raised by gloo during ``op`` on ``where`` (e.g. "rank 1 of ...")."""
+def translate(exc: BaseException, *, where: str, op: str, timeout: float, peer: int | None = None,
+              suspects: list[tuple[int, str]] | None = None) -> DistributedError:
+    """The meshcomm error for ``exc`` raised by gloo during ``op`` on ``where`` (e.g. "rank 1 of ...").
+
+    ``peer`` is the group rank the operation talked to, when it talked to one; ``suspects``
+    are (group rank, description) of members found dead or stopped (see :mod:`.liveness`).
+    """
     said = _first_line(exc)
     low = said.lower()
-    who = f"peer rank {peer}" if peer is not None else "a peer (gloo does not say which rank)"
+    suspects = suspects or []
+    if peer is None and len(suspects) == 1:
+        peer = suspects[0][0]
+    if suspects:
+        who = "; ".join(text for _, text in suspects)
+        who = f"peer {who}" if peer is not None else f"a peer ({who})"
+    elif peer is not None:
+        who = f"peer rank {peer}"
+    else:
+        who = "a peer (gloo does not say which rank, and none on this host is dead)"
     if any(s in low for s in _TIMEOUT):
         return CommTimeoutError(
             f"[gloo] {where}: {op} timed out: {who} did not answer within {timeout:g} s (MLX_TIMEOUT). "

@@ -1,15 +1,48 @@
-"""Registers the mpi backend with meshcomm (entry point group ``meshcomm``)."""
+"""Registers the ``mpi`` backend with meshcomm (entry-point group ``meshcomm``).
+
+Importing this module must be fast and must never fail, whatever MPI is (or is not)
+installed: it imports neither mpi4py nor numpy. The availability check, the launcher
+check and the factory load what they need when the core calls them.
+"""
 
 from __future__ import annotations
 
-from meshcomm.errors import BackendUnavailableError
+from typing import Any
+
+from meshcomm.backend import Backend
 from meshcomm.hookspecs import hookimpl
 
+from .environment import launch_reason, unavailable_reason
+from .settings import MPISettings
 
-def _factory(config, settings):
-    raise BackendUnavailableError("the mpi backend is not implemented yet")
+__all__ = ["meshcomm_register_backends", "MPILauncher"]
+
+
+def _factory(config: Any, settings: Any) -> Backend:
+    from .factory import create_backend
+
+    return create_backend(config, settings)
+
+
+class MPILauncher:
+    """``meshcomm launch --backend mpi`` support: one mpiexec command for the whole job."""
+
+    def external_command(self, job: Any, argv: list[str], env: dict[str, str]) -> list[str]:
+        """The mpiexec command that runs ``argv`` on ``job.nranks`` ranks with ``env`` set."""
+        from .launcher import job_command
+
+        return job_command(job, argv, env)
 
 
 @hookimpl
-def meshcomm_register_backends(register):
-    register("mpi", factory=_factory, available=lambda: "not implemented yet")
+def meshcomm_register_backends(register: Any) -> None:
+    register(
+        "mpi",
+        factory=_factory,
+        available=unavailable_reason,
+        environment=launch_reason,
+        settings=MPISettings,
+        launcher=MPILauncher(),
+        priority=20,
+        description="MPI through mpi4py (native collectives; start under mpiexec)",
+    )

@@ -1,15 +1,127 @@
-"""Registers the sockets backend with meshcomm (entry point group ``meshcomm``)."""
+"""Registers the ``sockets`` backend: settings, environment check, factory, launcher support."""
 
 from __future__ import annotations
 
-from meshcomm.errors import BackendUnavailableError
+import json
+import socket
+from importlib import metadata
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from meshcomm.backend import Backend
+from meshcomm.config import Config, setting
+from meshcomm.errors import ConfigError
 from meshcomm.hookspecs import hookimpl
+from meshcomm.registry import BackendRegistrar
+
+__all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher"]
 
 
-def _factory(config, settings):
-    raise BackendUnavailableError("the sockets backend is not implemented yet")
+class SocketsSettings(BaseModel):
+    """Settings of the sockets backend (besides the core's MLX_HOSTFILE, MLX_RANK, MLX_TIMEOUT)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bind: str | None = setting(
+        None, env="MESHCOMM_SOCKETS_BIND",
+        accepts="a local address to listen on, e.g. 0.0.0.0 or ::",
+        description="listen here instead of this rank's hostfile address (peers still use the hostfile's)",
+    )
+    secret: str | None = setting(
+        None, env="MESHCOMM_JOB_SECRET", accepts="any string, the same on every rank",
+        description="per-job secret every connection must prove (meshcomm launch generates one)",
+    )
+    chunk_kib: int = setting(
+        256, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
+        description="chunk size of the pipelined ring, KiB (the same on every rank)", ge=4, le=65536,
+    )
+    listen_fd: int | None = setting(
+        None, env="MESHCOMM_SOCKETS_LISTEN_FD", accepts="an inherited listening socket's file descriptor",
+        description="set by meshcomm launch: a listening socket it opened for this rank (no port race)",
+        ge=0,
+    )
+
+
+def _version(chunk_kib: int) -> str:
+    def v(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "?"
+
+    from .wire import PROTOCOL
+
+    return f"meshcomm {v('meshcomm')}, meshcomm-sockets {v('meshcomm-sockets')}, protocol {PROTOCOL}, chunk {chunk_kib} KiB"
+
+
+def _environment(config: Config, settings: SocketsSettings) -> str | None:
+    if config.hostfile is None or config.rank is None:
+        return (
+            "needs both MLX_HOSTFILE and MLX_RANK "
+            f"(MLX_HOSTFILE={str(config.hostfile) if config.hostfile else ''!r}, "
+            f"MLX_RANK={'' if config.rank is None else config.rank!r})"
+        )
+    return None
+
+
+def _factory(config: Config, settings: SocketsSettings) -> Backend:
+    from .backend import SocketsBackend
+    from .connect import establish
+    from .engine import Fabric
+    from .hostfile import read_hostfile
+
+    if config.hostfile is None or config.rank is None:
+        raise ConfigError(_environment(config, settings) or "")
+    peers = read_hostfile(config.hostfile)
+    if config.rank >= len(peers):
+        raise ConfigError(
+            f"MLX_RANK={config.rank} but MLX_HOSTFILE={str(config.hostfile)!r} lists {len(peers)} "
+            f"ranks; expected 0 <= MLX_RANK < {len(peers)}"
+        )
+    listener = None
+    if settings.listen_fd is not None:
+        listener = socket.socket(fileno=settings.listen_fd)
+    secret = (settings.secret or "").encode()
+    socks = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib),
+                      timeout=config.timeout, bind=settings.bind, listener=listener)
+    fabric = Fabric(config.rank, len(peers), socks, config.timeout)
+    return SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True)
+
+
+class SocketsLauncher:
+    """How ``meshcomm launch`` starts a sockets job: a hostfile with a port per rank.
+
+    Local ranks inherit a listening socket the launcher opened (so no two ranks, and no
+    other process, can take the port in between); remote ranks get a free port probed
+    on their host.
+    """
+
+    def rank_env(self, job: Any) -> list[dict[str, str]]:
+        entries, envs = [], []
+        for place in job.places:
+            port, fd = job.listen_socket(place)
+            entries.append({"ip": place.ip, "port": port})
+            env = {}
+            if fd is not None:
+                env["MESHCOMM_SOCKETS_LISTEN_FD"] = str(fd)
+            envs.append(env)
+        path = job.add_file("hostfile.json", json.dumps(entries, indent=1))
+        for env in envs:
+            env["MLX_HOSTFILE"] = path
+        return envs
 
 
 @hookimpl
-def meshcomm_register_backends(register):
-    register("sockets", factory=_factory, available=lambda: "not implemented yet")
+def meshcomm_register_backends(register: BackendRegistrar) -> None:
+    register(
+        "sockets",
+        factory=_factory,
+        environment=_environment,
+        settings=SocketsSettings,
+        launcher=SocketsLauncher(),
+        priority=10,
+        description="TCP sockets, standard library only (the default)",
+    )
+
+

@@ -1,0 +1,61 @@
+"""Starting the mpi backend: initialise MPI, check the world is the one launched, probe ops.
+
+Imported only when the backend starts, because importing ``mpi4py.MPI`` initialises MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from meshcomm.backend import Backend
+from meshcomm.errors import BackendUnavailableError
+
+from .environment import launched_world_size
+from .settings import MPISettings
+
+__all__ = ["create_backend"]
+
+
+def create_backend(config: Any, settings: MPISettings | None) -> Backend:
+    """The ``factory`` of the mpi backend: an MPIBackend on a duplicate of COMM_WORLD.
+
+    Raises BackendUnavailableError when MPI cannot initialise, or when the launcher
+    announced N ranks but MPI sees a different world (mpiexec of another MPI than the
+    one mpi4py loads: every rank would silently run alone as a singleton).
+    """
+    settings = settings if settings is not None else MPISettings()
+    try:
+        from mpi4py import MPI
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"mpi backend: mpi4py could not load or initialise MPI: {type(exc).__name__}: {exc}"
+        ) from exc
+    from .backend import MPIBackend
+    from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
+
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+    launched = launched_world_size()
+    if launched is not None and launched[1] is not None and launched[1] != size:
+        who, want = launched
+        raise BackendUnavailableError(
+            f"mpi backend: started by {who} for {want} ranks, but {MPI.Get_library_version().splitlines()[0]} "
+            f"(the MPI that mpi4py loaded) sees a world of {size}: the mpiexec belongs to a different "
+            "MPI. Start the job with `meshcomm launch --backend mpi` or the mpiexec printed by "
+            "`python -m meshcomm_mpi.launcher --which`."
+        )
+    comm = world.Dup()
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    if settings.int_sum == "numpy":
+        numpy_sums = list(INTS)
+    elif settings.int_sum == "native":
+        numpy_sums = []
+    else:
+        # probe locally, then agree: all ranks must use the same op in a collective
+        flags = np.array([dt in saturating_sum_dtypes() for dt in INTS], dtype=np.bool_)
+        agreed = np.empty_like(flags)
+        comm.Allreduce([flags, MPI.C_BOOL], [agreed, MPI.C_BOOL], MPI.LOR)
+        numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
+    ops = OpTable(numpy_sums)
+    return MPIBackend(comm, ops, timeout=float(getattr(config, "timeout", 300.0)), owns_ops=True)

@@ -1,0 +1,144 @@
+"""Building the mpiexec command of the MPI that mpi4py loads.
+
+Used by ``meshcomm launch --backend mpi`` (through :class:`meshcomm_mpi.plugin.MPILauncher`)
+and directly by tests and scripts::
+
+    subprocess.run(mpiexec_command(4, [sys.executable, "train.py"]))
+
+Open MPI and MPICH (Hydra) spell things differently; the flavour comes from the
+library mpi4py loads (or from ``mpiexec --version`` for ``MESHCOMM_MPIEXEC``):
+
+* Open MPI refuses to run as root without ``--allow-run-as-root``, and more ranks
+  than cores without ``--oversubscribe``; environment variables go with ``-x K=V``;
+* MPICH passes environment variables with ``-genv K V`` and hosts with ``-hosts``.
+
+``python -m meshcomm_mpi.launcher --which`` prints the mpiexec and MPI it found.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from meshcomm.config import load_settings
+
+from .discover import find_library, find_mpiexec, mpiexec_flavor
+from .settings import MPISettings
+
+__all__ = ["mpiexec_command", "job_command", "resolve_mpiexec", "main"]
+
+
+def _local_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def resolve_mpiexec(settings: MPISettings | None = None) -> tuple[Path, str]:
+    """``(mpiexec path, flavour)`` for the MPI mpi4py loads (or ``MESHCOMM_MPIEXEC``).
+
+    Raises RuntimeError saying what to install or set when there is none.
+    """
+    settings = settings if settings is not None else load_settings(MPISettings)
+    lib = find_library()
+    exe = find_mpiexec(lib, settings.mpiexec)
+    flavor = lib.flavor
+    if settings.mpiexec is not None:
+        flavor = mpiexec_flavor(str(exe)) or flavor
+        if flavor != lib.flavor:
+            raise RuntimeError(
+                f"MESHCOMM_MPIEXEC={settings.mpiexec} is a {flavor} mpiexec but mpi4py loads "
+                f"{lib.version} ({lib.path}); ranks would each start alone. Point MESHCOMM_MPIEXEC "
+                f"at the {lib.flavor} mpiexec, or MPI4PY_LIBMPI at the {flavor} library."
+            )
+    return exe, flavor
+
+
+def mpiexec_command(
+    n: int,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    hosts: Sequence[tuple[str, int]] | None = None,
+    extra: Sequence[str] = (),
+    settings: MPISettings | None = None,
+) -> list[str]:
+    """The command that runs ``argv`` on ``n`` MPI ranks.
+
+    Args:
+        n: number of ranks (>= 1).
+        argv: the program and its arguments, run by every rank.
+        env: variables to set on every rank (forwarded to remote hosts as well).
+        hosts: ``[(host, ranks on it), ...]`` for multi-host jobs; None runs locally.
+        extra: further mpiexec arguments (``MESHCOMM_MPIEXEC_ARGS`` is appended too).
+        settings: the mpi backend's settings (default: from the environment).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"mpiexec_command: n={n!r} is not a positive number of ranks")
+    if not argv:
+        raise ValueError("mpiexec_command: argv is empty; pass the program to run, e.g. [sys.executable, 'x.py']")
+    settings = settings if settings is not None else load_settings(MPISettings)
+    exe, flavor = resolve_mpiexec(settings)
+    cmd = [str(exe), "-n", str(n)]
+    env = dict(env or {})
+    if flavor == "openmpi":
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        if hosts:
+            cmd += ["--host", ",".join(f"{h}:{k}" for h, k in hosts)]
+        elif n > _local_cores():
+            cmd.append("--oversubscribe")
+        for k, v in env.items():
+            cmd += ["-x", f"{k}={v}"]
+    else:
+        if hosts:
+            cmd += ["-hosts", ",".join(f"{h}:{k}" for h, k in hosts)]
+        for k, v in env.items():
+            cmd += ["-genv", k, v]
+    cmd += list(extra) + shlex.split(settings.mpiexec_args)
+    return cmd + list(argv)
+
+
+def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """``external_command`` of the launcher: the mpiexec command for a planned ``JobSpec``.
+
+    Ranks are placed on the job's hosts in rank order (``--host a:2,b:2``); a job that
+    only uses this machine runs locally.
+    """
+    counts: dict[str, int] = {}
+    for place in job.places:
+        if place.host is not None:
+            counts[place.host] = counts.get(place.host, 0) + 1
+    hosts = None
+    if counts:
+        local = sum(1 for p in job.places if p.host is None)
+        hosts = ([("localhost", local)] if local else []) + list(counts.items())
+    return mpiexec_command(int(job.nranks), argv, env, hosts=hosts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m meshcomm_mpi.launcher [--which | -n N -- prog args]``."""
+    import argparse
+    import subprocess
+
+    p = argparse.ArgumentParser(prog="python -m meshcomm_mpi.launcher")
+    p.add_argument("--which", action="store_true", help="print the MPI library and mpiexec found")
+    p.add_argument("-n", type=int, default=0, help="ranks to start")
+    p.add_argument("prog", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.which or not args.prog:
+        lib = find_library()
+        exe, flavor = resolve_mpiexec()
+        print(f"library: {lib.path}\nversion: {lib.version}\nflavor:  {flavor}\nmpiexec: {exe}")
+        return 0
+    prog = args.prog[1:] if args.prog[0] == "--" else args.prog
+    return subprocess.call(mpiexec_command(args.n or 1, prog, {"MLX_BACKEND": "mpi"}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Which MPI datatype and MPI reduction op carry each NumPy dtype and meshcomm op.
+
+Native MPI ops are used where they compute exactly what NumPy computes. Everything
+else runs a user-defined MPI op whose body is the NumPy ufunc, still inside MPI's own
+reduction algorithms and still on the caller's buffers (no pickling, no copies):
+
+* float16 and bfloat16: MPI has no (portable) half types;
+* max/min of floats and complex: MPI's MAX/MIN do not propagate NaN the way
+  ``np.maximum`` does (and may then differ between ranks), and MPI has no complex
+  MAX/MIN at all (NumPy orders complex numbers lexicographically);
+* 8/16-bit integer sums when the MPI library saturates instead of wrapping: Open MPI's
+  AVX op component (4.1.x up to at least 5.0.11) uses saturating vector adds, so
+  ``100 + 100`` gives ``127`` in int8 on arrays longer than one vector. A local probe
+  (:func:`saturating_sum_dtypes`) finds this at start-up.
+
+bool uses MPI's logical ops (sum and max are logical or, min is logical and), which
+is what NumPy's add/maximum/minimum do on bool.
+
+This module imports ``mpi4py.MPI``; only the backend factory imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from meshcomm.dtypes import SUPPORTED
+from mpi4py import MPI
+
+__all__ = ["OpTable", "saturating_sum_dtypes", "INTS"]
+
+#: integer dtypes whose sums are probed (Open MPI's AVX kernels saturate 8/16-bit ones)
+INTS: tuple[np.dtype, ...] = tuple(
+    np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)
+)
+
+_NATIVE_TYPES: dict[np.dtype, Any] = {
+    np.dtype(np.bool_): MPI.C_BOOL,
+    np.dtype(np.int8): MPI.INT8_T,
+    np.dtype(np.int16): MPI.INT16_T,
+    np.dtype(np.int32): MPI.INT32_T,
+    np.dtype(np.int64): MPI.INT64_T,
+    np.dtype(np.uint8): MPI.UINT8_T,
+    np.dtype(np.uint16): MPI.UINT16_T,
+    np.dtype(np.uint32): MPI.UINT32_T,
+    np.dtype(np.uint64): MPI.UINT64_T,
+    np.dtype(np.float32): MPI.FLOAT,
+    np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
+    np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
+}
+_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def _carrier(dt: np.dtype) -> Any:
+    """A predefined MPI datatype with ``dt``'s size, to move ``dt`` under a user-defined op."""
+    if dt in _NATIVE_TYPES:
+        return _NATIVE_TYPES[dt]
+    return {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}[dt.itemsize]
+
+
+def _ufunc_op(dt: np.dtype, ufunc: np.ufunc) -> Any:
+    """A commutative user-defined MPI op computing ``inout = ufunc(in, inout)`` in ``dt``."""
+
+    def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        a = np.frombuffer(inbuf, dtype=dt)
+        b = np.frombuffer(inoutbuf, dtype=dt)
+        ufunc(a, b, out=b)
+
+    return MPI.Op.Create(apply, commute=True)
+
+
+def saturating_sum_dtypes(dtypes: Iterable[np.dtype] = INTS) -> list[np.dtype]:
+    """The dtypes among ``dtypes`` whose MPI.SUM does not wrap like NumPy, probed locally.
+
+    ``MPI.Op.Reduce_local`` runs the same op kernels as the collectives, so a saturating
+    vector kernel shows up here without any communication. The probe is long enough
+    (4099 elements) to reach the vector loop and the scalar tail.
+    """
+    bad = []
+    for dt in dtypes:
+        info = np.iinfo(dt)
+        v = info.max // 2 + 17  # 2 * v overflows
+        x = np.full(4099, v, dtype=dt)
+        y = x.copy()
+        MPI.SUM.Reduce_local([x, _NATIVE_TYPES[dt]], [y, _NATIVE_TYPES[dt]])
+        if not np.array_equal(y, np.add(x, x)):
+            bad.append(dt)
+    return bad
+
+
+class OpTable:
+    """``(MPI datatype, MPI op)`` for every (dtype, op) meshcomm may ask for.
+
+    Args:
+        numpy_sums: dtypes whose sum must use the NumPy-ufunc op (the probe's finding).
+    """
+
+    def __init__(self, numpy_sums: Iterable[np.dtype] = ()) -> None:
+        self._created: list[Any] = []
+        self.numpy_sums = frozenset(np.dtype(d) for d in numpy_sums)
+        self.table: dict[tuple[np.dtype, str], tuple[Any, Any]] = {}
+        #: datatype used to move (not reduce) each dtype
+        self.move: dict[np.dtype, Any] = {}
+        for dt in SUPPORTED:
+            self.move[dt] = _carrier(dt)
+            for op, ufunc in _UFUNCS.items():
+                self.table[(dt, op)] = (_carrier(dt), self._op_for(dt, op, ufunc))
+
+    def _op_for(self, dt: np.dtype, op: str, ufunc: np.ufunc) -> Any:
+        if dt == np.bool_:
+            return MPI.LAND if op == "min" else MPI.LOR
+        native = dt in _NATIVE_TYPES and (dt.kind in "iu" or (op == "sum" and dt.kind in "fc"))
+        if native and not (op == "sum" and dt in self.numpy_sums):
+            return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        made = _ufunc_op(dt, ufunc)
+        self._created.append(made)
+        return made
+
+    def is_native(self, dt: np.dtype, op: str) -> bool:
+        """True when (dt, op) uses one of MPI's predefined ops."""
+        return self.table[(np.dtype(dt), op)][1] in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.LOR, MPI.LAND)
+
+    def free(self) -> None:
+        """Free the user-defined ops (before MPI_Finalize; safe to call twice)."""
+        if MPI.Is_finalized():
+            return
+        for op in self._created:
+            try:
+                op.Free()
+            except MPI.Exception:
+                pass
+        self._created.clear()
+
+

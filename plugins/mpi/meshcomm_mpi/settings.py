@@ -1,0 +1,47 @@
+"""The mpi backend's own settings, each tied to an environment variable.
+
+Loaded by the core with :func:`meshcomm.config.load_settings`, so an invalid value is a
+ConfigError naming the variable and what it accepts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from meshcomm.config import setting
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["MPISettings"]
+
+
+class MPISettings(BaseModel):
+    """Settings of the ``mpi`` backend (see docs/backends/mpi.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mpiexec: Path | None = setting(
+        None,
+        env="MESHCOMM_MPIEXEC",
+        accepts="the path of an mpiexec/mpirun of the MPI library that mpi4py loads",
+        description=(
+            "mpiexec used by `meshcomm launch --backend mpi`; default: the one installed "
+            "next to the MPI library mpi4py loads"
+        ),
+    )
+    mpiexec_args: str = setting(
+        "",
+        env="MESHCOMM_MPIEXEC_ARGS",
+        accepts="extra mpiexec arguments as one shell-quoted string, e.g. '--mca btl tcp,self'",
+        description="extra arguments `meshcomm launch --backend mpi` passes to mpiexec",
+    )
+    int_sum: Literal["auto", "native", "numpy"] = setting(
+        "auto",
+        env="MESHCOMM_MPI_INT_SUM",
+        accepts="auto, native or numpy",
+        description=(
+            "how 8/16-bit integer sums are reduced: auto = MPI's own op unless a start-up "
+            "probe finds it saturating instead of wrapping; native = always MPI's; "
+            "numpy = always a user-defined MPI op running NumPy's add"
+        ),
+    )

@@ -1,0 +1,396 @@
+"""The data plane: framed, checked, non-blocking transfers over the mesh of connections.
+
+One thread per rank drives every transfer: it queues frames to send and frames it
+expects, then writes and reads whatever the sockets accept, waiting in ``poll`` (in the
+kernel, never spinning) only when no socket can make progress. A callback runs as soon
+as an expected frame has fully arrived, so a ring can reduce one chunk while the kernel
+is still moving the next ones.
+
+Every received header is compared with what this rank expects (group, sequence number,
+operation, dtype, sizes); any difference raises :class:`CollectiveMismatchError` naming
+both ranks and both calls. The first failure (peer lost, timeout, mismatch) is reported
+to every other rank with an ABORT frame, so all survivors raise instead of waiting.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshcomm.dtypes import dtype_from_code
+from meshcomm.errors import CollectiveMismatchError, CommTimeoutError, DistributedError, PeerLostError
+
+from . import wire
+
+__all__ = ["Call", "Fabric", "Link"]
+
+_POLLIN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
+_POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
+_IOV = 64  # buffers handed to one sendmsg
+_MAX_ABORT = 4096
+_ABORT_CLASS: dict[int, type[DistributedError]] = {
+    1: PeerLostError, 2: CommTimeoutError, 3: CollectiveMismatchError, 4: DistributedError,
+}
+_KIND_OF = {PeerLostError: 1, CommTimeoutError: 2, CollectiveMismatchError: 3}
+
+
+@dataclass(frozen=True)
+class Call:
+    """The operation a frame belongs to; identical on every rank taking part in it."""
+
+    group: int
+    seq: int
+    op: int
+    dtype: int
+    total: int
+    label: str
+
+    def describe(self, seq: int | None = None, op: int | None = None, dtype: int | None = None,
+                 total: int | None = None) -> str:
+        return _describe(self.op if op is None else op, self.seq if seq is None else seq,
+                         self.dtype if dtype is None else dtype, self.total if total is None else total)
+
+
+def _describe(op: int, seq: int, dtype: int, total: int) -> str:
+    name = wire.OPS[op] if 0 <= op < len(wire.OPS) else f"op#{op}"
+    dt = dtype_from_code(dtype)
+    return f"{name} #{seq} ({total} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype})"
+
+
+class _Expect:
+    __slots__ = ("call", "target", "done")
+
+    def __init__(self, call: Call, target: memoryview, done: Callable[[], None] | None) -> None:
+        self.call, self.target, self.done = call, target, done
+
+
+class Link:
+    """The connection to one peer, with its send queue and its expected frames."""
+
+    __slots__ = ("peer", "sock", "fd", "where", "out", "starts", "expect", "cur", "hdr", "hdr_mv", "hdr_got",
+                 "got", "checked", "send_blocked", "recv_blocked", "closed")
+
+    def __init__(self, peer: int, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        try:
+            self.where = "%s:%s" % sock.getpeername()[:2]
+        except OSError:
+            self.where = "?"
+        self.out: deque[memoryview] = deque()
+        self.starts: deque[bool] = deque()  # True where an entry of ``out`` begins a frame
+        self.expect: deque[_Expect] = deque()
+        self.cur: _Expect | None = None
+        self.hdr = bytearray(wire.HEADER_SIZE)
+        self.hdr_mv = memoryview(self.hdr)
+        self.hdr_got = 0
+        self.got = 0
+        self.checked = False
+        self.send_blocked = False
+        self.recv_blocked = False
+        self.closed = False
+
+    def busy(self) -> bool:
+        return bool(self.out) or self.cur is not None or bool(self.expect)
+
+
+def as_bytes(buf: np.ndarray) -> memoryview:
+    """A flat byte view of a contiguous array (works for every dtype, bfloat16 included)."""
+    return memoryview(buf.view(np.uint8))
+
+
+class Fabric:
+    """This rank's connections to every other rank of the world, and the transfer loop."""
+
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.links: dict[int, Link] = {q: Link(q, s) for q, s in socks.items()}
+        self.failure: DistributedError | None = None
+
+    # -- queueing -----------------------------------------------------------------------
+    def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
+        """Queue ``payload`` to ``link`` as frames of at most ``frame`` bytes."""
+        n = len(payload)
+        if n == 0:
+            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0, call.total)))
+            link.starts.append(True)
+            return
+        for lo in range(0, n, frame):
+            part = payload[lo : lo + frame]
+            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.total)))
+            link.out.append(part)
+            link.starts.append(True)
+            link.starts.append(False)
+
+    def post_recv(self, link: Link, call: Call, target: memoryview, frame: int,
+                  done: Callable[[], None] | None = None) -> None:
+        """Expect ``target`` from ``link`` as frames of at most ``frame`` bytes."""
+        n = len(target)
+        if n == 0:
+            link.expect.append(_Expect(call, target, done))
+            return
+        for lo in range(0, n, frame):
+            last = lo + frame >= n
+            link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None))
+
+    # -- the loop -----------------------------------------------------------------------
+    def progress(self, links: list[Link]) -> None:
+        """Move data until every queued frame of ``links`` is sent and every expected one
+        received; raise (after telling every peer) on loss, timeout or mismatch."""
+        if self.failure is not None:
+            raise _again(self.failure)
+        try:
+            self._progress(links)
+        except DistributedError as exc:
+            self.fail(exc)
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, MemoryError...: streams are now unusable
+            self.fail(DistributedError(f"rank {self.rank}: interrupted mid-transfer ({type(exc).__name__})"))
+            raise
+
+    def _progress(self, links: list[Link]) -> None:
+        poller: select.poll | None = None
+        registered: dict[int, int] = {}
+        last = time.monotonic()
+        while True:
+            pending = False
+            moved = False
+            for link in links:
+                if link.out and not link.send_blocked:
+                    moved |= self._send(link)
+                if (link.cur is not None or link.expect) and not link.recv_blocked:
+                    moved |= self._recv(link)
+            wanted: dict[int, int] = {}
+            runnable = False
+            for link in links:
+                ev = 0
+                if link.out:
+                    pending = True
+                    if link.send_blocked:
+                        ev |= _POLLOUT
+                    else:
+                        runnable = True
+                if link.cur is not None or link.expect:
+                    pending = True
+                    if link.recv_blocked:
+                        ev |= _POLLIN
+                    else:
+                        runnable = True
+                if ev:
+                    wanted[link.fd] = wanted.get(link.fd, 0) | ev
+            if not pending:
+                return
+            now = time.monotonic()
+            if moved:
+                last = now
+            if runnable:
+                continue  # a callback queued work on a link already visited: no need to wait
+            if poller is None:
+                poller = select.poll()
+            for fd, ev in wanted.items():
+                if registered.get(fd) != ev:
+                    if fd in registered:
+                        poller.modify(fd, ev)
+                    else:
+                        poller.register(fd, ev)
+                    registered[fd] = ev
+            for fd in [fd for fd in registered if fd not in wanted]:
+                poller.unregister(fd)
+                del registered[fd]
+            left = self.timeout - (now - last)
+            ready = poller.poll(max(0, int(left * 1000) + 1)) if left > 0 else []
+            if not ready:
+                if time.monotonic() - last >= self.timeout:
+                    self._timeout(links)
+                continue
+            for fd, ev in ready:
+                for link in links:
+                    if link.fd == fd:
+                        if ev & _POLLOUT:
+                            link.send_blocked = False
+                        if ev & _POLLIN:
+                            link.recv_blocked = False
+
+    def _timeout(self, links: list[Link]) -> None:
+        waiting = [lk for lk in links if lk.cur is not None or lk.expect]
+        link = waiting[0] if waiting else next(lk for lk in links if lk.out)
+        exp = link.cur or (link.expect[0] if link.expect else None)
+        what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""
+        verb = "sent nothing" if waiting else "accepted no data"
+        raise CommTimeoutError(
+            f"rank {self.rank}: rank {link.peer} ({link.where}) {verb} for {self.timeout:g} s{what}. "
+            f"Rank {link.peer} is stuck, slower than MLX_TIMEOUT, or calling a different operation.",
+            peer=link.peer,
+        )
+
+    def _lost(self, link: Link, why: str) -> PeerLostError:
+        exp = link.cur or (link.expect[0] if link.expect else None)
+        what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""
+        link.closed = True
+        return PeerLostError(
+            f"rank {self.rank}: lost rank {link.peer} ({link.where}){what}: {why}. "
+            f"Rank {link.peer} exited or crashed; check its output.",
+            peer=link.peer,
+        )
+
+    def _send(self, link: Link) -> bool:
+        out = link.out
+        moved = False
+        while out:
+            bufs = [out[i] for i in range(min(_IOV, len(out)))]
+            try:
+                n = link.sock.sendmsg(bufs)
+            except BlockingIOError:
+                link.send_blocked = True
+                return moved
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise self._lost(link, f"connection reset ({exc.strerror})") from None
+            except OSError as exc:
+                raise self._lost(link, f"send failed ({exc.strerror})") from None
+            moved = True
+            while n:
+                head = out[0]
+                if n >= len(head):
+                    n -= len(head)
+                    out.popleft()
+                    link.starts.popleft()
+                else:
+                    out[0] = head[n:]
+                    link.starts[0] = False
+                    n = 0
+        return moved
+
+    def _recv(self, link: Link) -> bool:
+        moved = False
+        sock = link.sock
+        while True:
+            exp = link.cur
+            if exp is None:
+                if not link.expect:
+                    return moved
+                exp = link.cur = link.expect.popleft()
+                link.hdr_got = link.got = 0
+                link.checked = False
+            target = exp.target
+            try:
+                if link.hdr_got < wire.HEADER_SIZE:
+                    if len(target):
+                        k = sock.recvmsg_into([link.hdr_mv[link.hdr_got :], target])[0]
+                    else:
+                        k = sock.recv_into(link.hdr_mv[link.hdr_got :])
+                    if k == 0:
+                        raise self._lost(link, "connection closed")
+                    take = min(k, wire.HEADER_SIZE - link.hdr_got)
+                    link.hdr_got += take
+                    link.got += k - take
+                elif link.got < len(target):
+                    k = sock.recv_into(target[link.got :])
+                    if k == 0:
+                        raise self._lost(link, "connection closed")
+                    link.got += k
+            except BlockingIOError:
+                link.recv_blocked = True
+                return moved
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                raise self._lost(link, f"connection reset ({exc.strerror})") from None
+            except OSError as exc:
+                if isinstance(exc, DistributedError):
+                    raise
+                raise self._lost(link, f"receive failed ({exc.strerror})") from None
+            moved = True
+            if link.hdr_got == wire.HEADER_SIZE and not link.checked:
+                self._check(link, exp)
+                link.checked = True
+            if link.hdr_got == wire.HEADER_SIZE and link.got == len(target):
+                link.cur = None
+                if exp.done is not None:
+                    exp.done()
+
+    def _check(self, link: Link, exp: _Expect) -> None:
+        group, seq, op, dtype, nbytes, total = wire.HEADER.unpack(link.hdr)
+        call = exp.call
+        if op == wire.ABORT:
+            raise self._abort_from(link, dtype, nbytes, exp)
+        if (group, seq, op, dtype, nbytes, total) == (call.group, call.seq, call.op, call.dtype, len(exp.target), call.total):
+            return
+        if group != call.group:
+            theirs = f"a message of another group (id {group:#x}): {_describe(op, seq, dtype, total)}"
+        else:
+            theirs = _describe(op, seq, dtype, total)
+            if (op, seq, dtype, total) == (call.op, call.seq, call.dtype, call.total):
+                theirs += f" in pieces of {nbytes} bytes where {len(exp.target)} were expected"
+        raise CollectiveMismatchError(
+            f"rank {self.rank} called {call.describe()} in group {call.label} and expected the same "
+            f"from rank {link.peer}, but rank {link.peer} sent {theirs}. Every rank must make the "
+            "same calls in the same order with the same shapes and dtypes; send/recv pairs must match."
+        )
+
+    def _abort_from(self, link: Link, kind: int, nbytes: int, exp: _Expect) -> DistributedError:
+        nbytes = min(nbytes, _MAX_ABORT)
+        already = bytes(exp.target[: min(link.got, nbytes)])
+        rest = b""
+        if len(already) < nbytes:
+            link.sock.settimeout(1.0)
+            try:
+                while len(already) + len(rest) < nbytes:
+                    chunk = link.sock.recv(nbytes - len(already) - len(rest))
+                    if not chunk:
+                        break
+                    rest += chunk
+            except OSError:
+                pass
+        msg = (already + rest).decode("utf-8", "replace")
+        cls = _ABORT_CLASS.get(kind, DistributedError)
+        text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
+        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=link.peer)  # type: ignore[call-arg]
+        link.closed = True
+        return err
+
+    # -- failure ------------------------------------------------------------------------
+    def fail(self, exc: DistributedError) -> None:
+        """Remember the first failure and tell every peer, so that nobody waits forever."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        kind = next((k for cls, k in _KIND_OF.items() if isinstance(exc, cls)), 4)
+        msg = str(exc).encode("utf-8", "replace")[:_MAX_ABORT]
+        frame = wire.HEADER.pack(0xFFFFFFFF, self.rank, wire.ABORT, kind, len(msg), 0) + msg
+        for link in self.links.values():
+            if link.closed:
+                continue
+            partial = bool(link.out) and not link.starts[0]
+            try:
+                if partial:  # mid-frame: the peer would misread an abort; closing tells it
+                    link.sock.shutdown(socket.SHUT_RDWR)
+                else:
+                    link.sock.settimeout(0.5)
+                    link.sock.sendall(frame)
+            except OSError:
+                pass
+            link.out.clear()
+            link.starts.clear()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            try:
+                link.sock.close()
+            except OSError:
+                pass
+        self.links.clear()
+
+
+def _again(first: DistributedError) -> DistributedError:
+    cls = type(first)
+    text = f"this group can no longer be used after an earlier failure: {first}"
+    if cls in (PeerLostError, CommTimeoutError):
+        return cls(text, peer=getattr(first, "peer", None))  # type: ignore[call-arg]
+    return cls(text)

@@ -1,0 +1,166 @@
+"""Bytes on the wire: the start-up handshake and the header of every data frame.
+
+Handshake (per connection, the higher rank connects to the lower one)::
+
+    acceptor  -> connector : CHALLENGE  magic, protocol, nonce_a
+    connector -> acceptor  : HELLO      magic, protocol, world size, rank, target rank,
+                                        nonce_c, versions, HMAC(secret, nonce_a || hello)
+    acceptor  -> connector : WELCOME    magic, protocol, status, rank, versions,
+                                        HMAC(secret, nonce_c || welcome)
+
+The HMAC key is the per-job secret (``MESHCOMM_JOB_SECRET``, empty when there is none),
+so a stranger without it is rejected, and garbage fails on the magic first.
+
+Every data frame starts with a 24-byte header naming the group, the call's sequence
+number, the operation, the dtype, the payload size and the call's element count, so a
+receiver detects any disagreement between ranks before it uses a byte of payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+__all__ = [
+    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ABORT_KINDS",
+    "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
+    "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
+    "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT",
+]
+
+MAGIC = b"MESHCOMM"
+PROTOCOL = 1
+MAX_VERSION = 256
+
+#: group u32, seq u32, op u16, dtype u16, nbytes u32, total u64
+HEADER = struct.Struct("<IIHHIQ")
+HEADER_SIZE = HEADER.size
+
+OPS = ("?", "all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send",
+       "barrier", "split")
+OP_CODES = {name: i for i, name in enumerate(OPS)}
+ABORT = 0xFFFF
+#: abort frames carry the kind of failure in the dtype field
+ABORT_KINDS = {1: "peer lost", 2: "timeout", 3: "mismatch", 4: "error"}
+
+STATUS_OK, STATUS_VERSION, STATUS_WORLD, STATUS_RANK = 0, 1, 2, 3
+STATUS_TEXT = {
+    STATUS_OK: "ok",
+    STATUS_VERSION: "version skew",
+    STATUS_WORLD: "different world size",
+    STATUS_RANK: "unexpected rank",
+}
+
+_CHALLENGE = struct.Struct("<8sH16s")
+CHALLENGE_SIZE = _CHALLENGE.size
+_HELLO = struct.Struct("<8sHIII16sH")  # + version bytes + 32-byte mac
+HELLO_FIXED = _HELLO.size
+_WELCOME = struct.Struct("<8sHHIH")  # + version bytes + 32-byte mac
+WELCOME_FIXED = _WELCOME.size
+_MAC = 32
+
+
+class HandshakeError(ValueError):
+    """The peer's handshake bytes are not a valid meshcomm handshake (or fail the secret)."""
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def challenge(nonce: bytes) -> bytes:
+    return _CHALLENGE.pack(MAGIC, PROTOCOL, nonce)
+
+
+def parse_challenge(data: bytes) -> bytes:
+    """Return nonce_a; HandshakeError unless ``data`` is a CHALLENGE of our protocol."""
+    if len(data) != CHALLENGE_SIZE:
+        raise HandshakeError(f"challenge of {len(data)} bytes, expected {CHALLENGE_SIZE}")
+    magic, proto, nonce = _CHALLENGE.unpack(data)
+    if magic != MAGIC:
+        raise HandshakeError("not a meshcomm peer (bad magic)")
+    if proto != PROTOCOL:
+        raise HandshakeError(f"peer speaks sockets protocol {proto}, this rank speaks {PROTOCOL}")
+    return nonce
+
+
+@dataclass(frozen=True)
+class Hello:
+    world: int
+    rank: int
+    target: int
+    nonce: bytes
+    version: str
+
+
+def hello(secret: bytes, nonce_a: bytes, h: Hello) -> bytes:
+    v = h.version.encode()[:MAX_VERSION]
+    body = _HELLO.pack(MAGIC, PROTOCOL, h.world, h.rank, h.target, h.nonce, len(v)) + v
+    return body + _mac(secret, nonce_a, body)
+
+
+def hello_size(prefix: bytes) -> int:
+    """Total HELLO size once its fixed part is known (HandshakeError on garbage)."""
+    if len(prefix) < HELLO_FIXED:
+        raise HandshakeError("short hello")
+    magic, proto, *_rest, vlen = _HELLO.unpack(prefix[:HELLO_FIXED])
+    if magic != MAGIC:
+        raise HandshakeError("not a meshcomm peer (bad magic)")
+    if proto != PROTOCOL:
+        raise HandshakeError(f"peer speaks sockets protocol {proto}, this rank speaks {PROTOCOL}")
+    if vlen > MAX_VERSION:
+        raise HandshakeError(f"version string of {vlen} bytes (max {MAX_VERSION})")
+    return HELLO_FIXED + vlen + _MAC
+
+
+def parse_hello(secret: bytes, nonce_a: bytes, data: bytes) -> Hello:
+    """Decode and authenticate a HELLO; HandshakeError on anything wrong."""
+    size = hello_size(data)
+    if len(data) != size:
+        raise HandshakeError(f"hello of {len(data)} bytes, expected {size}")
+    _magic, _proto, world, rank, target, nonce, vlen = _HELLO.unpack(data[:HELLO_FIXED])
+    body, mac = data[:-_MAC], data[-_MAC:]
+    if not hmac.compare_digest(mac, _mac(secret, nonce_a, body)):
+        raise HandshakeError("wrong job secret (MESHCOMM_JOB_SECRET differs or is missing)")
+    version = data[HELLO_FIXED : HELLO_FIXED + vlen].decode("utf-8", "replace")
+    return Hello(world, rank, target, nonce, version)
+
+
+@dataclass(frozen=True)
+class Welcome:
+    status: int
+    rank: int
+    version: str
+
+
+def welcome(secret: bytes, nonce_c: bytes, w: Welcome) -> bytes:
+    v = w.version.encode()[:MAX_VERSION]
+    body = _WELCOME.pack(MAGIC, PROTOCOL, w.status, w.rank, len(v)) + v
+    return body + _mac(secret, nonce_c, body)
+
+
+def welcome_size(prefix: bytes) -> int:
+    if len(prefix) < WELCOME_FIXED:
+        raise HandshakeError("short welcome")
+    magic, proto, _status, _rank, vlen = _WELCOME.unpack(prefix[:WELCOME_FIXED])
+    if magic != MAGIC:
+        raise HandshakeError("not a meshcomm peer (bad magic)")
+    if proto != PROTOCOL:
+        raise HandshakeError(f"peer speaks sockets protocol {proto}, this rank speaks {PROTOCOL}")
+    if vlen > MAX_VERSION:
+        raise HandshakeError(f"version string of {vlen} bytes (max {MAX_VERSION})")
+    return WELCOME_FIXED + vlen + _MAC
+
+
+def parse_welcome(secret: bytes, nonce_c: bytes, data: bytes) -> Welcome:
+    size = welcome_size(data)
+    if len(data) != size:
+        raise HandshakeError(f"welcome of {len(data)} bytes, expected {size}")
+    _magic, _proto, status, rank, vlen = _WELCOME.unpack(data[:WELCOME_FIXED])
+    body, mac = data[:-_MAC], data[-_MAC:]
+    if not hmac.compare_digest(mac, _mac(secret, nonce_c, body)):
+        raise HandshakeError("peer failed the job secret check (MESHCOMM_JOB_SECRET differs)")
+    version = data[WELCOME_FIXED : WELCOME_FIXED + vlen].decode("utf-8", "replace")
+    return Welcome(status, rank, version)
