@@ -34,24 +34,24 @@ def translate(exc: BaseException, *, where: str, op: str, timeout: float, peer: 
     suspects = suspects or []
     if peer is None and len(suspects) == 1:
         peer = suspects[0][0]
+    target = f"rank {peer}" if peer is not None else "a peer"
     if suspects:
-        who = "; ".join(text for _, text in suspects)
-        who = f"peer {who}" if peer is not None else f"a peer ({who})"
-    elif peer is not None:
-        who = f"peer rank {peer}"
+        findings = "; on this host " + "; ".join(text for _, text in suspects)
+    elif peer is None:
+        findings = " (gloo does not say which rank, and no rank on this host is dead or stopped)"
     else:
-        who = "a peer (gloo does not say which rank, and none on this host is dead)"
+        findings = ""
     if any(s in low for s in _TIMEOUT):
         return CommTimeoutError(
-            f"[gloo] {where}: {op} timed out: {who} did not answer within {timeout:g} s (MLX_TIMEOUT). "
-            f"gloo said: {said}. A rank may have skipped this call, be stuck, or be too slow; "
-            "raise MLX_TIMEOUT if it is only slow.",
+            f"[gloo] {where}: {op} timed out: {target} did not answer within {timeout:g} s "
+            f"(MLX_TIMEOUT){findings}. gloo said: {said}. A rank may have skipped this call, be stuck, "
+            "or be too slow; raise MLX_TIMEOUT if it is only slow.",
             peer=peer,
         )
     if any(s in low for s in _LOST):
         return PeerLostError(
-            f"[gloo] {where}: {op} failed: {who} closed its connection (it probably crashed or exited). "
-            f"gloo said: {said}. Check that rank's output; this group cannot be used any more.",
+            f"[gloo] {where}: {op} failed: lost the connection to {target}, which probably crashed or "
+            f"exited{findings}. gloo said: {said}. Check that rank's output; this group cannot be used any more.",
             peer=peer,
         )
     return DistributedError(f"[gloo] {where}: {op} failed: {type(exc).__name__}: {said}")
