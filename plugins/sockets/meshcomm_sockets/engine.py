@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -115,21 +116,24 @@ class Fabric:
         self.timeout = timeout
         self.links: dict[int, Link] = {q: Link(q, s) for q, s in socks.items()}
         self.failure: DistributedError | None = None
+        self._wake = threading.Event()  # set whenever frames are queued (wakes a sender thread)
 
     # -- queueing -----------------------------------------------------------------------
     def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
         """Queue ``payload`` to ``link`` as frames of at most ``frame`` bytes."""
         n = len(payload)
         if n == 0:
-            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0, call.total)))
             link.starts.append(True)
+            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0, call.total)))
+            self._wake.set()
             return
         for lo in range(0, n, frame):
             part = payload[lo : lo + frame]
-            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.total)))
-            link.out.append(part)
             link.starts.append(True)
             link.starts.append(False)
+            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.total)))
+            link.out.append(part)
+        self._wake.set()
 
     def post_recv(self, link: Link, call: Call, target: memoryview, frame: int,
                   done: Callable[[], None] | None = None) -> None:
@@ -143,13 +147,21 @@ class Fabric:
             link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None))
 
     # -- the loop -----------------------------------------------------------------------
-    def progress(self, links: list[Link]) -> None:
+    def progress(self, links: list[Link], *, threaded: bool = False) -> None:
         """Move data until every queued frame of ``links`` is sent and every expected one
-        received; raise (after telling every peer) on loss, timeout or mismatch."""
+        received; raise (after telling every peer) on loss, timeout or mismatch.
+
+        ``threaded``: send on a helper thread while this thread receives and reduces, so
+        both directions and the reductions run at once (for large transfers; the helper's
+        errors are raised here).
+        """
         if self.failure is not None:
             raise _again(self.failure)
         try:
-            self._progress(links)
+            if threaded:
+                self._progress_threaded(links)
+            else:
+                self._progress(links, send=True, recv=True)
         except DistributedError as exc:
             self.fail(exc)
             raise
@@ -157,29 +169,57 @@ class Fabric:
             self.fail(DistributedError(f"rank {self.rank}: interrupted mid-transfer ({type(exc).__name__})"))
             raise
 
-    def _progress(self, links: list[Link]) -> None:
+    def _progress_threaded(self, links: list[Link]) -> None:
+        errors: list[BaseException] = []
+        received = threading.Event()
+
+        def sender() -> None:
+            try:
+                self._progress(links, send=True, recv=False, more=lambda: not received.is_set())
+            except BaseException as exc:
+                errors.append(exc)
+                received.set()
+
+        t = threading.Thread(target=sender, name="meshcomm-sockets-send", daemon=True)
+        t.start()
+        try:
+            self._progress(links, send=False, recv=True, stop=errors.__len__)
+        finally:
+            received.set()
+            self._wake.set()
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _progress(self, links: list[Link], *, send: bool, recv: bool,
+                  more: Callable[[], bool] | None = None, stop: Callable[[], int] | None = None) -> None:
+        """The loop itself. ``more()`` true: frames may still be queued by another thread
+        (wait for them); ``stop()`` true: give up quietly (the other thread failed)."""
         poller: select.poll | None = None
         registered: dict[int, int] = {}
         last = time.monotonic()
+        slice_ms = 100 if (more or stop) else None
         while True:
+            if stop is not None and stop():
+                return
             pending = False
             moved = False
             for link in links:
-                if link.out and not link.send_blocked:
+                if send and link.out and not link.send_blocked:
                     moved |= self._send(link)
-                if (link.cur is not None or link.expect) and not link.recv_blocked:
+                if recv and (link.cur is not None or link.expect) and not link.recv_blocked:
                     moved |= self._recv(link)
             wanted: dict[int, int] = {}
             runnable = False
             for link in links:
                 ev = 0
-                if link.out:
+                if send and link.out:
                     pending = True
                     if link.send_blocked:
                         ev |= _POLLOUT
                     else:
                         runnable = True
-                if link.cur is not None or link.expect:
+                if recv and (link.cur is not None or link.expect):
                     pending = True
                     if link.recv_blocked:
                         ev |= _POLLIN
@@ -187,11 +227,16 @@ class Fabric:
                         runnable = True
                 if ev:
                     wanted[link.fd] = wanted.get(link.fd, 0) | ev
-            if not pending:
-                return
             now = time.monotonic()
             if moved:
                 last = now
+            if not pending:
+                if more is None or not more():
+                    return
+                self._wake.wait(0.1)  # idle sender: sleep until frames are queued
+                self._wake.clear()
+                last = time.monotonic()
+                continue
             if runnable:
                 continue  # a callback queued work on a link already visited: no need to wait
             if poller is None:
@@ -207,7 +252,10 @@ class Fabric:
                 poller.unregister(fd)
                 del registered[fd]
             left = self.timeout - (now - last)
-            ready = poller.poll(max(0, int(left * 1000) + 1)) if left > 0 else []
+            wait_ms = max(0, int(left * 1000) + 1) if left > 0 else 0
+            if slice_ms is not None:
+                wait_ms = min(wait_ms, slice_ms)
+            ready = poller.poll(wait_ms) if wait_ms else []
             if not ready:
                 if time.monotonic() - last >= self.timeout:
                     self._timeout(links)
@@ -221,7 +269,7 @@ class Fabric:
                             link.recv_blocked = False
 
     def _timeout(self, links: list[Link]) -> None:
-        waiting = [lk for lk in links if lk.cur is not None or lk.expect]
+        waiting = [lk for lk in links if (lk.cur is not None or lk.expect) and lk.recv_blocked]
         link = waiting[0] if waiting else next(lk for lk in links if lk.out)
         exp = link.cur or (link.expect[0] if link.expect else None)
         what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""

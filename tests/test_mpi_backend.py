@@ -1,0 +1,477 @@
+"""Tests of the ``mpi`` backend, run for real under the mpiexec of the MPI that mpi4py loads.
+
+The module has two halves:
+
+* pytest tests, which start jobs with :func:`meshcomm_mpi.launcher.mpiexec_command`;
+* the rank side (``python tests/test_mpi_backend.py CHECK...`` under mpiexec), a set of
+  ``rank_*`` functions that each compare what meshcomm returned with what NumPy
+  computes from every rank's input, and print one ``RANKCHECK ok`` line per check.
+
+The whole API contract runs through ``python -m meshcomm.testing.contract --backend mpi``
+on 1, 2, 3 and 4 ranks (4 oversubscribes this 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve()
+
+# -- rank side -------------------------------------------------------------------------------
+
+
+def _check_equal(got: np.ndarray, want: np.ndarray, what: str, rank: int) -> None:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        raise AssertionError(f"rank {rank}: {what}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
+    if not np.array_equal(got.view(np.uint8), want.view(np.uint8)) and not np.array_equal(
+        got, want, equal_nan=want.dtype.kind in "fc"
+    ):
+        bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:4]
+        raise AssertionError(
+            f"rank {rank}: {what} differs at {bad.tolist()}: got {got.reshape(-1)[bad]}, "
+            f"want {want.reshape(-1)[bad]}"
+        )
+
+
+def _bit_identical(g: Any, x: np.ndarray, what: str) -> None:
+    import meshcomm as mc
+
+    raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    every = mc.all_gather(raw, group=g).reshape(g.size(), -1)
+    if not (every == every[0]).all():
+        raise AssertionError(f"rank {g.rank()}: {what} is not bit-identical on every rank")
+
+
+def _fold(f: Any, xs: list[np.ndarray]) -> np.ndarray:
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        acc = f(acc, x).astype(acc.dtype)
+    return acc
+
+
+def rank_any_selects_mpi(g: Any) -> None:
+    """Under mpiexec with MLX_BACKEND unset, ``init()`` (i.e. ``any``) chose mpi."""
+    import meshcomm as mc
+
+    w = mc.init()
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"] if "OMPI_COMM_WORLD_SIZE" in os.environ else os.environ["PMI_SIZE"])
+    if w.backend != "mpi" or w.size() != n:
+        raise AssertionError(f"rank {g.rank()}: any chose {w.backend!r} of size {w.size()}, want 'mpi' of {n}")
+
+
+def rank_integer_wrap(g: Any) -> None:
+    """Long 8/16-bit integer sums wrap like NumPy (Open MPI's AVX kernels saturate)."""
+    import meshcomm as mc
+
+    n, r = g.size(), g.rank()
+    length = (1 << 20) + 3
+    for dt in (np.int8, np.int16, np.uint8, np.uint16):
+        info = np.iinfo(dt)
+        i = np.arange(length, dtype=np.int64)
+        inputs = [((i * (q + 7) + info.max - 5 * q) % (int(info.max) - int(info.min) + 1) + int(info.min)).astype(dt)
+                  for q in range(n)]
+        inputs = [np.where(i % 3 == 0, info.max - q, x).astype(dt) for q, x in enumerate(inputs)]  # overflow often
+        got = mc.all_sum(inputs[r], group=g)
+        _check_equal(got, _fold(np.add, inputs), f"all_sum({np.dtype(dt)}, {length})", r)
+        k = (length - 3) // n * n
+        got = mc.sum_scatter(inputs[r][:k], group=g)
+        want = _fold(np.add, [x[:k] for x in inputs])
+        _check_equal(got, want[r * (k // n):(r + 1) * (k // n)], f"sum_scatter({np.dtype(dt)})", r)
+        _bit_identical(g, got, f"sum_scatter({np.dtype(dt)})")
+
+
+def rank_forced_numpy_int_sum(g: Any) -> None:
+    """The user-defined NumPy op path (MESHCOMM_MPI_INT_SUM=numpy) is correct as well."""
+    import meshcomm as mc
+    from meshcomm.config import Config
+    from meshcomm_mpi.factory import create_backend
+    from meshcomm_mpi.settings import MPISettings
+
+    n, r = g.size(), g.rank()
+    b = create_backend(Config(), MPISettings(int_sum="numpy"))
+    try:
+        if b.split(0, -1).size() != n:  # type: ignore[attr-defined]
+            raise AssertionError(f"rank {r}: split of the forced backend has the wrong size")
+        sub = mc.Group(b, "mpi")
+        for dt in (np.int8, np.uint16, np.int64):
+            inputs = [np.full(70_001, np.iinfo(dt).max - q, dtype=dt) for q in range(n)]
+            _check_equal(mc.all_sum(inputs[r], group=sub), _fold(np.add, inputs), f"numpy-op all_sum({np.dtype(dt)})", r)
+    finally:
+        b.close()
+
+
+def rank_half_floats(g: Any) -> None:
+    """float16 and bfloat16 sum/max/min (MPI has no portable half types)."""
+    import meshcomm as mc
+    from meshcomm.dtypes import bfloat16
+
+    n, r = g.size(), g.rank()
+    dts = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
+    for dt in dts:
+        i = np.arange(50_003)
+        # halves of small integers: every partial sum is exact, so any order gives NumPy's answer
+        inputs = [(((i * (q + 3) + q) % 23 - 11) / 2).astype(dt) for q in range(n)]
+        for op, f, fn in (("sum", np.add, mc.all_sum), ("max", np.maximum, mc.all_max), ("min", np.minimum, mc.all_min)):
+            got = fn(inputs[r], group=g)
+            _check_equal(got, _fold(f, inputs), f"all_{op}({dt})", r)
+            _bit_identical(g, got, f"all_{op}({dt})")
+        k = 50_000 // n * n
+        got = mc.sum_scatter(inputs[r][:k], group=g)
+        want = _fold(np.add, [x[:k] for x in inputs])
+        _check_equal(got, want[r * (k // n):(r + 1) * (k // n)], f"sum_scatter({dt})", r)
+        # rounding: 2048 + 1 in float16 rounds; the ufunc op must round like NumPy
+        x = np.array([2048, 0.5, 1e4], dtype=dt) if r == 0 else np.array([1, 0.25, 7], dtype=dt)
+        got = mc.all_sum(x, group=g)
+        ins = [np.array([2048, 0.5, 1e4], dtype=dt)] + [np.array([1, 0.25, 7], dtype=dt)] * (n - 1)
+        if n <= 2:  # beyond two ranks the (legitimate) order of float additions is MPI's
+            _check_equal(got, _fold(np.add, ins), f"all_sum({dt}) rounding", r)
+        _bit_identical(g, got, f"all_sum({dt}) rounding")
+
+
+def rank_bool_and_complex(g: Any) -> None:
+    """bool sum = logical or; complex max/min in NumPy's lexicographic order."""
+    import meshcomm as mc
+
+    n, r = g.size(), g.rank()
+    i = np.arange(10_007)
+    bools = [(i % (q + 2)) == 0 for q in range(n)]
+    for op, f, fn in (("sum", np.add, mc.all_sum), ("max", np.maximum, mc.all_max), ("min", np.minimum, mc.all_min)):
+        got = fn(bools[r], group=g)
+        _check_equal(got, _fold(f, bools), f"all_{op}(bool)", r)
+        if got.view(np.uint8).max() > 1:
+            raise AssertionError(f"rank {r}: all_{op}(bool) produced bytes other than 0/1")
+    for dt in (np.complex64, np.complex128):
+        # equal real parts for many elements, so the imaginary part must decide
+        cs = [((i % 5) - 2 + 1j * ((i * (q + 1)) % 7 - 3) + (q % 2) * 1j).astype(dt) for q in range(n)]
+        for op, f, fn in (("max", np.maximum, mc.all_max), ("min", np.minimum, mc.all_min), ("sum", np.add, mc.all_sum)):
+            got = fn(cs[r], group=g)
+            _check_equal(got, _fold(f, cs), f"all_{op}({np.dtype(dt)})", r)
+            _bit_identical(g, got, f"all_{op}({np.dtype(dt)})")
+
+
+def rank_nan_max_min(g: Any) -> None:
+    """Float max/min propagate NaN like np.maximum, identically on every rank."""
+    import meshcomm as mc
+
+    n, r = g.size(), g.rank()
+    for dt in (np.float32, np.float64, np.complex64):
+        xs = [np.arange(9, dtype=dt) * (q + 1) for q in range(n)]
+        for q in range(n):
+            xs[q][q] = np.nan  # rank q's NaN at index q
+        for op, f, fn in (("max", np.maximum, mc.all_max), ("min", np.minimum, mc.all_min)):
+            got = fn(xs[r], group=g)
+            want = _fold(f, xs)
+            if not np.array_equal(np.isnan(got), np.isnan(want)):
+                raise AssertionError(f"rank {r}: all_{op}({np.dtype(dt)}) NaNs at {np.isnan(got)}, want {np.isnan(want)}")
+            _check_equal(got, want, f"all_{op}({np.dtype(dt)}) with NaN", r)
+            _bit_identical(g, got, f"all_{op}({np.dtype(dt)}) with NaN")
+
+
+def rank_split_communicators(g: Any) -> None:
+    """split gives MPIBackends on real MPI sub-communicators, for any integer colour and key."""
+    import meshcomm as mc
+    from meshcomm_mpi.backend import MPIBackend
+    from mpi4py import MPI
+
+    n, r = g.size(), g.rank()
+    world = g.transport
+    if not isinstance(world, MPIBackend):
+        raise AssertionError(f"rank {r}: world transport is {type(world).__name__}")
+    colors = {0: -7, 1: 2**40}  # negative and beyond 32 bits
+    color = colors[r % 2]
+    sub = g.split(color, key=-r)  # reverse order
+    t = sub.transport
+    members = sorted((q for q in range(n) if q % 2 == r % 2), key=lambda q: -q)
+    if not isinstance(t, MPIBackend):
+        raise AssertionError(f"rank {r}: split transport is {type(t).__name__}, not an MPIBackend")
+    if t.comm.Get_size() != len(members) or sub.rank() != members.index(r):
+        raise AssertionError(f"rank {r}: split communicator is rank {sub.rank()}/{t.comm.Get_size()}")
+    if n > 1 and MPI.Comm.Compare(t.comm, world.comm) in (MPI.IDENT, MPI.CONGRUENT) and len(members) < n:
+        raise AssertionError(f"rank {r}: split returned the world communicator")
+    got = mc.all_gather(np.array([r]), group=sub)
+    _check_equal(got, np.array(members), "all_gather in split (key order)", r)
+    x = np.full(1001, r + 1, dtype=np.float32)
+    _check_equal(mc.all_sum(x, group=sub), np.full(1001, sum(q + 1 for q in members), np.float32), "all_sum in split", r)
+    # a second level of split, and the world still works afterwards
+    solo = sub.split(sub.rank())
+    if solo.size() != 1 or solo.transport.comm.Get_size() != 1:
+        raise AssertionError(f"rank {r}: nested split has size {solo.size()}")
+    _check_equal(mc.all_sum(np.array([n]), group=g), np.array([n * n]), "world after split", r)
+    # colour/key too large for int64 on one rank: every rank raises ValueError, none hangs
+    try:
+        g.split(2**70 if r == 0 else 1)
+    except ValueError as exc:
+        if "rank 0" not in str(exc):
+            raise AssertionError(f"rank {r}: split error does not name rank 0: {exc}") from None
+    else:
+        raise AssertionError(f"rank {r}: split with a colour of 2**70 on rank 0 did not raise ValueError")
+
+
+def rank_error_translation(g: Any) -> None:
+    """MPI errors surface as DistributedError carrying MPI's message and naming the rank/peer."""
+    import meshcomm as mc
+
+    n, r = g.size(), g.rank()
+    # an invalid rank handed straight to the transport: MPI itself rejects it
+    try:
+        g.transport.send(np.zeros(2), n + 3)
+    except mc.DistributedError as exc:
+        msg = str(exc)
+        if "MPI_ERR_RANK" not in msg and "invalid rank" not in msg.lower():
+            raise AssertionError(f"rank {r}: error lacks MPI's message: {msg}") from None
+        if f"rank {r}" not in msg or f"peer {n + 3}" not in msg:
+            raise AssertionError(f"rank {r}: error does not name rank and peer: {msg}") from None
+    else:
+        raise AssertionError(f"rank {r}: send to rank {n + 3} did not raise DistributedError")
+    if n < 2 or r > 1:
+        g.barrier()
+        return
+    # a message longer than the receive buffer: MPI_ERR_TRUNCATE
+    if r == 0:
+        mc.send(np.arange(10, dtype=np.float32), 1, group=g)
+        mc.send(np.arange(3, dtype=np.float32), 1, group=g)
+    else:
+        try:
+            mc.recv((5,), np.float32, 0, group=g)
+        except mc.DistributedError as exc:
+            if "TRUNCATE" not in str(exc).upper() and "truncat" not in str(exc).lower():
+                raise AssertionError(f"rank 1: truncation error lacks MPI's message: {exc}") from None
+        else:
+            raise AssertionError("rank 1: receiving 10 floats into 5 did not raise DistributedError")
+        # a shorter message than expected is an error too, not a half-filled array
+        try:
+            mc.recv((5,), np.float32, 0, group=g)
+        except mc.DistributedError as exc:
+            if "got 3 elements" not in str(exc):
+                raise AssertionError(f"rank 1: short-message error unclear: {exc}") from None
+        else:
+            raise AssertionError("rank 1: receiving 3 floats into 5 did not raise DistributedError")
+    g.barrier()
+
+
+def rank_die_after_barrier(g: Any) -> None:
+    """The last rank is killed; the others wait on it forever unless the launcher ends the job."""
+    import meshcomm as mc
+
+    n, r = g.size(), g.rank()
+    g.barrier()
+    print(f"RANKCHECK alive rank {r}", flush=True)
+    if r == n - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    mc.recv((4,), np.float32, n - 1, group=g)  # never satisfied
+    print(f"RANKCHECK survived rank {r}", flush=True)
+
+
+RANK_CHECKS = {f.__name__: f for f in (
+    rank_any_selects_mpi, rank_integer_wrap, rank_forced_numpy_int_sum, rank_half_floats,
+    rank_bool_and_complex, rank_nan_max_min, rank_split_communicators, rank_error_translation,
+    rank_die_after_barrier,
+)}
+SPECIFIC = [k for k in RANK_CHECKS if k != "rank_die_after_barrier"]
+
+
+def _rank_main(names: list[str]) -> int:
+    import traceback
+
+    import meshcomm as mc
+
+    g = mc.init(strict=True, backend="mpi")
+    failed = 0
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            RANK_CHECKS[name](g)
+        except AssertionError as exc:
+            failed += 1
+            print(f"RANKCHECK FAILED {name} rank {g.rank()}: {exc}", flush=True)
+        except Exception:
+            print(f"RANKCHECK FAILED {name} rank {g.rank()}:\n{traceback.format_exc()}", flush=True)
+            return 1
+        else:
+            print(f"RANKCHECK ok {name} rank {g.rank()} ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1:]))
+
+
+# -- pytest side ------------------------------------------------------------------------------
+import pytest  # noqa: E402
+
+pytest.importorskip("mpi4py")
+from meshcomm_mpi.environment import launch_reason, unavailable_reason  # noqa: E402
+
+if unavailable_reason() is not None:  # pragma: no cover - depends on the machine
+    pytest.skip(f"mpi backend unavailable: {unavailable_reason()}", allow_module_level=True)
+
+from meshcomm_mpi.launcher import job_command, mpiexec_command  # noqa: E402
+
+_LAUNCH_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_", "HYDRA_", "MPI4PY_")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without MPI launcher or meshcomm variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _mpirun(n: int, argv: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = mpiexec_command(n, argv)
+    return subprocess.run(cmd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout,
+                          cwd=HERE.parent.parent)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_contract(n: int) -> None:
+    """The whole API contract, every check on every rank, on a real MPI job."""
+    res = _mpirun(n, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi"], timeout=150)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"contract failed on {n} ranks:\n{out[-6000:]}"
+    for r in range(n):
+        assert f"rank {r}/{n} on mpi: " in out and "0 failed" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_mpi_specific(n: int) -> None:
+    """Wrap-around, half floats, bool/complex, NaN, split, error translation, `any` selection."""
+    res = _mpirun(n, [sys.executable, str(HERE), *SPECIFIC], timeout=150)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"MPI checks failed on {n} ranks:\n{out[-6000:]}"
+    for name in SPECIFIC:
+        for r in range(n):
+            assert f"RANKCHECK ok {name} rank {r} " in out, f"{name} did not pass on rank {r}:\n{out[-4000:]}"
+
+
+def test_dead_rank_ends_the_job() -> None:
+    """Killing one rank ends the whole job within a bounded time (mpiexec kills the others)."""
+    t0 = time.monotonic()
+    try:
+        res = _mpirun(3, [sys.executable, str(HERE), "rank_die_after_barrier"], timeout=90)
+    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure this test exists for
+        raise AssertionError(f"job still running 90 s after a rank died:\n{exc.stdout}") from None
+    took = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert "RANKCHECK alive rank 2" in out, out[-3000:]
+    assert res.returncode != 0, f"mpiexec exited 0 although a rank was killed:\n{out[-3000:]}"
+    assert "RANKCHECK survived" not in out, out[-3000:]
+    assert took < 60, f"the job took {took:.1f} s to end after a rank died"
+
+
+def test_any_does_not_pick_mpi_without_launcher() -> None:
+    """Outside mpiexec, `any` must not start a size-1 MPI world (nor even initialise MPI)."""
+    code = (
+        "import sys, meshcomm as mc\n"
+        "g = mc.init()\n"
+        "info = {b.name: b for b in mc.backends()}['mpi']\n"
+        "print('RESULT', g.backend, g.size(), 'mpi4py.MPI' in sys.modules, info.available, info.configured)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT"))
+    _, backend, size, mpi_loaded, available, configured = line.split()
+    assert backend != "mpi" and size == "1", line
+    assert mpi_loaded == "False", "init()/backends() initialised MPI in a process not started by mpiexec"
+    assert available == "True" and configured == "False", line
+
+
+def test_world_size_mismatch_is_an_error() -> None:
+    """A launcher that announces 2 ranks while MPI sees 1 (wrong mpiexec) raises, never runs alone."""
+    code = (
+        "import meshcomm as mc\n"
+        "try:\n"
+        "    mc.init(backend='mpi')\n"
+        "except mc.BackendUnavailableError as exc:\n"
+        "    print('RAISED', exc)\n"
+    )
+    env = _clean_env(PMI_RANK="0", PMI_SIZE="2")  # MPICH's variables: Open MPI ignores them
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    lib_is_mpich = "mpich" in subprocess.run(
+        [sys.executable, "-m", "meshcomm_mpi.launcher", "--which"], capture_output=True, text=True,
+        env=_clean_env(), timeout=60).stdout.split("flavor:")[1].split()[0]
+    if lib_is_mpich:  # pragma: no cover - MPICH would try to contact a PMI server instead
+        pytest.skip("mpi4py loads MPICH; its singleton reads PMI_* itself")
+    assert "RAISED" in res.stdout and "for 2 ranks" in res.stdout and "world of 1" in res.stdout, (
+        res.stdout + res.stderr
+    )
+
+
+def test_unloadable_library_is_reported() -> None:
+    """`available` says why when the MPI library cannot load (and the plugin still imports)."""
+    code = (
+        "import meshcomm as mc\n"
+        "info = {b.name: b for b in mc.backends()}['mpi']\n"
+        "print('RESULT', info.available, info.reason)\n"
+    )
+    env = _clean_env(MPI4PY_LIBMPI="/nonexistent/libmpi.so")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT"))
+    assert line.startswith("RESULT False") and "cannot load" in line and "/nonexistent/libmpi.so" in line, line
+
+
+def test_plugin_imports_fast_without_mpi() -> None:
+    """plugin.py loads neither mpi4py nor numpy-heavy MPI code; importing it is cheap."""
+    code = (
+        "import sys, time\n"
+        "t = time.perf_counter()\n"
+        "import meshcomm_mpi.plugin\n"
+        "print('RESULT', time.perf_counter() - t, 'mpi4py' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    _, took, mpi4py_loaded = next(x for x in res.stdout.splitlines() if x.startswith("RESULT")).split()
+    assert mpi4py_loaded == "False"
+    assert float(took) < 1.0, f"import meshcomm_mpi.plugin took {took} s"
+
+
+def test_environment_detection() -> None:
+    """The `environment` callback: None under Open MPI, PMIx or Hydra variables, else a reason."""
+    assert launch_reason(environ={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}) is None
+    assert launch_reason(environ={"PMIX_RANK": "1"}) is None
+    assert launch_reason(environ={"PMI_RANK": "0", "PMI_SIZE": "4"}) is None
+    reason = launch_reason(environ={"PATH": "/usr/bin"})
+    assert reason is not None and "mpiexec" in reason and "OMPI_COMM_WORLD_SIZE" in reason
+
+
+def test_mpiexec_command_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Open MPI: root flag, --oversubscribe beyond the cores, -x K=V; MPICH: -genv K V, -hosts."""
+    import meshcomm_mpi.launcher as L
+
+    cmd = mpiexec_command(64, ["prog", "a"], {"MLX_BACKEND": "mpi"})
+    exe = Path(cmd[0])
+    assert exe.is_file() and os.access(exe, os.X_OK), cmd
+    assert cmd[1:3] == ["-n", "64"] and cmd[-2:] == ["prog", "a"]
+    flavor = L.resolve_mpiexec()[1]
+    if flavor == "openmpi":
+        assert "--oversubscribe" in cmd and ["-x", "MLX_BACKEND=mpi"] == cmd[cmd.index("-x"):cmd.index("-x") + 2]
+        assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+        assert "--oversubscribe" not in mpiexec_command(1, ["prog"])
+    monkeypatch.setattr(L, "resolve_mpiexec", lambda settings=None: (Path("/opt/mpich/bin/mpiexec"), "mpich"))
+    cmd = mpiexec_command(2, ["prog"], {"A": "1"}, hosts=[("h1", 1), ("h2", 1)])
+    assert cmd == ["/opt/mpich/bin/mpiexec", "-n", "2", "-hosts", "h1:1,h2:1", "-genv", "A", "1", "prog"]
+    with pytest.raises(ValueError, match="n=0"):
+        mpiexec_command(0, ["prog"])
+
+
+def test_job_command_places_ranks_on_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """external_command: a JobSpec's places become --host a:k,b:m (local jobs get no --host)."""
+    import meshcomm_mpi.launcher as L
+    from meshcomm.launch.spec import JobSpec, RankPlace
+
+    monkeypatch.setattr(L, "resolve_mpiexec", lambda settings=None: (Path("/x/mpiexec"), "openmpi"))
+    places = [RankPlace(0, "a", "10.0.0.1", 0), RankPlace(1, "a", "10.0.0.1", 1), RankPlace(2, "b", "10.0.0.2", 0)]
+    job = JobSpec(nranks=3, places=places, job_id="j", secret="s", tmpdir=Path("/tmp"))
+    cmd = job_command(job, ["prog"], {"MLX_BACKEND": "mpi"})
+    assert cmd[cmd.index("--host") + 1] == "a:2,b:1", cmd
+    local = JobSpec(nranks=2, places=[RankPlace(i, None, "127.0.0.1", i) for i in range(2)], job_id="j",
+                    secret="s", tmpdir=Path("/tmp"))
+    assert "--host" not in job_command(local, ["prog"], {})
