@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 from meshcomm import nn
 
 

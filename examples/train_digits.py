@@ -20,9 +20,8 @@ import argparse
 import sys
 import zlib
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 from meshcomm import nn
 
 
@@ -103,8 +102,9 @@ def main() -> int:
             model.backward(grad)
             grads = nn.average_gradients(model.grads, group=dp_group)
             model.update(nn.tree_map(lambda w, g: w - args.lr * g, model.trainable_parameters(), grads))
-            total += float(mc.all_sum(np.float64(loss), group=dp_group)) / dp
-        curve.append(total / steps)
+            total += loss
+        # One all_sum per epoch for the loss: the mean over replicas of their mean losses.
+        curve.append(float(mc.all_sum(np.float64(total), group=dp_group)) / (dp * steps))
         accuracy = float((model(x[test]).argmax(axis=1) == y[test]).mean())
         if rank == 0:
             print(f"epoch {epoch + 1:3d}  loss {curve[-1]:.4f}  test accuracy {accuracy:.3f}")
