@@ -16,9 +16,7 @@ every rank it starts itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 __all__ = ["RankPlace", "JobSpec", "RankEnvLauncher", "ExternalLauncher"]
@@ -34,19 +32,27 @@ class RankPlace:
     local_index: int  #: index of this rank among the ranks of its host
 
 
-@dataclass
-class JobSpec:
-    """One job as the launcher planned it."""
+class JobSpec(Protocol):
+    """One job as the launcher planned it (implemented by ``meshcomm.launch.job.Job``)."""
 
     nranks: int
     places: list[RankPlace]
     job_id: str
     secret: str
-    tmpdir: Path  #: a fresh local directory for files the backend wants to write
-    hosts: list[str | None] = field(default_factory=list)  #: distinct hosts in order
-    #: ``free_port(place)`` returns a TCP port that is free on ``place``'s host
-    free_port: Callable[[RankPlace], int] = lambda place: 0
-    verbose: bool = False
+    verbose: bool
+
+    def free_port(self, place: RankPlace) -> int:
+        """A TCP port that is free on ``place``'s host (probed locally, chosen for remote hosts)."""
+        ...
+
+    def listen_socket(self, place: RankPlace) -> tuple[int, int | None]:
+        """(port, fd): for a local rank, a listening socket the rank inherits as ``fd`` (no
+        race for the port); for a remote rank, a port chosen for it and ``None``."""
+        ...
+
+    def add_file(self, name: str, content: str) -> str:
+        """Write ``content`` as ``name`` on every host of the job; returns its path there."""
+        ...
 
 
 @runtime_checkable

@@ -36,17 +36,15 @@ class MPIBackend(Backend):
         comm: the communicator (the backend takes ownership and frees it in ``close``).
         ops: the (dtype, op) -> (MPI datatype, MPI op) table shared by a world and its splits.
         timeout: kept as the ``timeout`` attribute; MPI cannot enforce it.
-        owns_ops: free ``ops`` in ``close`` (the world does; its splits share the table).
     """
 
-    def __init__(self, comm: Any, ops: OpTable, *, timeout: float = 300.0, owns_ops: bool = False) -> None:
+    def __init__(self, comm: Any, ops: OpTable, *, timeout: float = 300.0) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = comm
         self.timeout = timeout
         self._ops = ops
         self._reduce = ops.table
         self._move = ops.move
-        self._owns_ops = owns_ops
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._closed = False
@@ -92,7 +90,7 @@ class MPIBackend(Backend):
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        dt, mop = self._reduce[sendbuf.dtype, op]
+        dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
         try:
             self.comm.Allreduce([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
@@ -106,7 +104,7 @@ class MPIBackend(Backend):
             raise self._fail("all_gather", exc) from None
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        dt, mop = self._reduce[sendbuf.dtype, op]
+        dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
         try:
             self.comm.Reduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
@@ -157,7 +155,7 @@ class MPIBackend(Backend):
         return MPIBackend(sub, self._ops, timeout=self.timeout)
 
     def close(self) -> None:
-        """Free the communicator (and the user-defined ops for the world) unless MPI is finalised."""
+        """Free the communicator unless MPI is already finalised (user-defined ops live on)."""
         if self._closed:
             return
         self._closed = True
@@ -167,5 +165,3 @@ class MPIBackend(Backend):
             self.comm.Free()
         except MPI.Exception:
             pass
-        if self._owns_ops:
-            self._ops.free()

@@ -58,4 +58,4 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
         comm.Allreduce([flags, MPI.C_BOOL], [agreed, MPI.C_BOOL], MPI.LOR)
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
     ops = OpTable(numpy_sums)
-    return MPIBackend(comm, ops, timeout=float(getattr(config, "timeout", 300.0)), owns_ops=True)
+    return MPIBackend(comm, ops, timeout=float(getattr(config, "timeout", 300.0)))

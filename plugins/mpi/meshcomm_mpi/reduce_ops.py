@@ -60,15 +60,24 @@ def _carrier(dt: np.dtype) -> Any:
     return {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}[dt.itemsize]
 
 
+#: user-defined ops made so far, shared by every table of the process: mpi4py allows only
+#: 32 live user-defined ops per process, so each (dtype, ufunc) gets one, made on first use
+_USER_OPS: dict[tuple[np.dtype, str], Any] = {}
+
+
 def _ufunc_op(dt: np.dtype, ufunc: np.ufunc) -> Any:
-    """A commutative user-defined MPI op computing ``inout = ufunc(in, inout)`` in ``dt``."""
+    """The commutative user-defined MPI op computing ``inout = ufunc(in, inout)`` in ``dt``."""
+    key = (dt, ufunc.__name__)
+    made = _USER_OPS.get(key)
+    if made is None:
 
-    def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        a = np.frombuffer(inbuf, dtype=dt)
-        b = np.frombuffer(inoutbuf, dtype=dt)
-        ufunc(a, b, out=b)
+        def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dtype=dt)
+            b = np.frombuffer(inoutbuf, dtype=dt)
+            ufunc(a, b, out=b)
 
-    return MPI.Op.Create(apply, commute=True)
+        made = _USER_OPS[key] = MPI.Op.Create(apply, commute=True)
+    return made
 
 
 def saturating_sum_dtypes(dtypes: Iterable[np.dtype] = INTS) -> list[np.dtype]:
@@ -93,44 +102,47 @@ def saturating_sum_dtypes(dtypes: Iterable[np.dtype] = INTS) -> list[np.dtype]:
 class OpTable:
     """``(MPI datatype, MPI op)`` for every (dtype, op) meshcomm may ask for.
 
+    Native entries are filled in at once; user-defined ops are made on first use
+    (:meth:`resolve`), so a program that never reduces float16 never creates that op.
+
     Args:
-        numpy_sums: dtypes whose sum must use the NumPy-ufunc op (the probe's finding).
+        numpy_sums: integer dtypes whose sum must use the NumPy-ufunc op (the probe's finding).
     """
 
     def __init__(self, numpy_sums: Iterable[np.dtype] = ()) -> None:
-        self._created: list[Any] = []
         self.numpy_sums = frozenset(np.dtype(d) for d in numpy_sums)
+        #: (dtype, op) -> (MPI datatype, MPI op); the backend reads it on every reduction
         self.table: dict[tuple[np.dtype, str], tuple[Any, Any]] = {}
         #: datatype used to move (not reduce) each dtype
-        self.move: dict[np.dtype, Any] = {}
+        self.move: dict[np.dtype, Any] = {dt: _carrier(dt) for dt in SUPPORTED}
         for dt in SUPPORTED:
-            self.move[dt] = _carrier(dt)
-            for op, ufunc in _UFUNCS.items():
-                self.table[(dt, op)] = (_carrier(dt), self._op_for(dt, op, ufunc))
+            for op in _UFUNCS:
+                native = self._native_op(dt, op)
+                if native is not None:
+                    self.table[(dt, op)] = (_carrier(dt), native)
 
-    def _op_for(self, dt: np.dtype, op: str, ufunc: np.ufunc) -> Any:
+    def _native_op(self, dt: np.dtype, op: str) -> Any:
+        """MPI's predefined op when it computes exactly NumPy's result, else None."""
         if dt == np.bool_:
             return MPI.LAND if op == "min" else MPI.LOR
-        native = dt in _NATIVE_TYPES and (dt.kind in "iu" or (op == "sum" and dt.kind in "fc"))
-        if native and not (op == "sum" and dt in self.numpy_sums):
+        if dt not in _NATIVE_TYPES:
+            return None  # float16, bfloat16
+        if dt.kind in "iu" and not (op == "sum" and dt in self.numpy_sums):
             return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        made = _ufunc_op(dt, ufunc)
-        self._created.append(made)
-        return made
+        if dt.kind in "fc" and op == "sum":
+            return MPI.SUM
+        return None
+
+    def resolve(self, dt: np.dtype, op: str) -> tuple[Any, Any]:
+        """The entry for (dt, op), making its user-defined op if needed."""
+        key = (np.dtype(dt), op)
+        entry = self.table.get(key)
+        if entry is None:
+            if op not in _UFUNCS:
+                raise ValueError(f"unknown reduction {op!r}; expected one of {tuple(_UFUNCS)}")
+            entry = self.table[key] = (_carrier(key[0]), _ufunc_op(key[0], _UFUNCS[op]))
+        return entry
 
     def is_native(self, dt: np.dtype, op: str) -> bool:
         """True when (dt, op) uses one of MPI's predefined ops."""
-        return self.table[(np.dtype(dt), op)][1] in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.LOR, MPI.LAND)
-
-    def free(self) -> None:
-        """Free the user-defined ops (before MPI_Finalize; safe to call twice)."""
-        if MPI.Is_finalized():
-            return
-        for op in self._created:
-            try:
-                op.Free()
-            except MPI.Exception:
-                pass
-        self._created.clear()
-
-
+        return self.resolve(dt, op)[1] in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.LOR, MPI.LAND)

@@ -367,7 +367,7 @@ class Fabric:
         group, seq, op, dtype, nbytes, total = wire.HEADER.unpack(link.hdr)
         call = exp.call
         if op == wire.ABORT:
-            raise self._abort_from(link, dtype, nbytes, exp)
+            raise self._abort_from(link, dtype, nbytes, exp, None if group == 0xFFFFFFFF else group)
         if (group, seq, op, dtype, nbytes, total) == (call.group, call.seq, call.op, call.dtype, len(exp.target), call.total):
             return
         if group != call.group:
@@ -382,7 +382,7 @@ class Fabric:
             "same calls in the same order with the same shapes and dtypes; send/recv pairs must match."
         )
 
-    def _abort_from(self, link: Link, kind: int, nbytes: int, exp: _Expect) -> DistributedError:
+    def _abort_from(self, link: Link, kind: int, nbytes: int, exp: _Expect, lost: int | None) -> DistributedError:
         nbytes = min(nbytes, _MAX_ABORT)
         already = bytes(exp.target[: min(link.got, nbytes)])
         rest = b""
@@ -399,7 +399,8 @@ class Fabric:
         msg = (already + rest).decode("utf-8", "replace")
         cls = _ABORT_CLASS.get(kind, DistributedError)
         text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
-        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=link.peer)  # type: ignore[call-arg]
+        peer = link.peer if lost is None else lost
+        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]
         link.closed = True
         return err
 
@@ -411,7 +412,9 @@ class Fabric:
         self.failure = exc
         kind = next((k for cls, k in _KIND_OF.items() if isinstance(exc, cls)), 4)
         msg = str(exc).encode("utf-8", "replace")[:_MAX_ABORT]
-        frame = wire.HEADER.pack(0xFFFFFFFF, self.rank, wire.ABORT, kind, len(msg), 0) + msg
+        lost = getattr(exc, "peer", None)
+        who = 0xFFFFFFFF if lost is None else lost
+        frame = wire.HEADER.pack(who, self.rank, wire.ABORT, kind, len(msg), 0) + msg
         for link in self.links.values():
             if link.closed:
                 continue

@@ -1,0 +1,129 @@
+"""Which hosts a job runs on and which ranks go where.
+
+The launcher hostfile (``--hostfile``) is JSON, like MLX's::
+
+    [{"ssh": "node1", "ips": ["10.0.0.1"], "slots": 2}, {"ssh": "node2"}]
+
+or ``{"backend": "sockets", "envs": ["K=V"], "hosts": [...]}``, or a plain list of host
+names. ``ssh`` is where to start ranks (``local`` or ``localhost`` = this machine),
+``ips`` the addresses other ranks use to reach it (default: the ssh name), ``slots``
+how many ranks it takes (default: ranks are spread evenly in blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import ConfigError
+from .spec import RankPlace
+
+__all__ = ["Host", "LaunchHostfile", "read_launch_hostfile", "parse_hosts_arg", "place_ranks", "is_local"]
+
+_LOCAL_NAMES = {"local", "localhost", "127.0.0.1", "::1"}
+
+
+class Host(BaseModel):
+    """One machine of the job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ssh: str = Field(min_length=1)
+    ips: list[str] = Field(default_factory=list)
+    slots: int | None = Field(default=None, ge=1)
+
+    @field_validator("ssh")
+    @classmethod
+    def _no_spaces(cls, v: str) -> str:
+        v = v.strip()
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"ssh destination {v!r} must be one word (user@host or host)")
+        return v
+
+    @property
+    def ip(self) -> str:
+        if self.ips:
+            return self.ips[0]
+        return "127.0.0.1" if is_local(self.ssh) else self.ssh.rpartition("@")[2]
+
+
+class LaunchHostfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hosts: list[Host] = Field(min_length=1)
+    backend: str | None = None
+    envs: list[str] = Field(default_factory=list)
+
+
+def is_local(host: str | None) -> bool:
+    """True for this machine (no ssh needed)."""
+    if host is None:
+        return True
+    name = host.rpartition("@")[2]
+    return name in _LOCAL_NAMES or name == socket.gethostname()
+
+
+def _validate(data: Any, source: str) -> LaunchHostfile:
+    if isinstance(data, list):
+        data = {"hosts": [{"ssh": h} if isinstance(h, str) else h for h in data]}
+    try:
+        return LaunchHostfile.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"]
+        where = "the file"
+        if len(loc) >= 2 and loc[0] == "hosts" and isinstance(loc[1], int):
+            entry = data["hosts"][loc[1]] if isinstance(data, dict) else None
+            field = f", field {loc[2]!r}" if len(loc) > 2 else ""
+            where = f"host entry {loc[1]}{field} ({json.dumps(entry)})"
+        elif loc:
+            where = f"field {loc[0]!r}"
+        raise ConfigError(f"{source}: {where}: {err['msg']}") from None
+
+
+def read_launch_hostfile(path: str | Path) -> LaunchHostfile:
+    """Read and validate a launcher hostfile; ConfigError names the bad entry."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--hostfile {str(p)!r} cannot be read: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--hostfile {str(p)!r} is not valid JSON: {exc}") from None
+    return _validate(data, f"--hostfile {str(p)!r}")
+
+
+def parse_hosts_arg(text: str) -> LaunchHostfile:
+    """``--hosts a,b,c`` -> one host entry each (the name is both ssh destination and IP)."""
+    names = [h.strip() for h in text.split(",") if h.strip()]
+    if not names:
+        raise ConfigError("--hosts is empty; give a comma-separated list like --hosts node1,node2")
+    return _validate([{"ssh": h} for h in names], "--hosts")
+
+
+def place_ranks(n: int, hosts: list[Host]) -> list[RankPlace]:
+    """Assign ranks 0..n-1 to hosts in blocks (host 0 gets the first ranks)."""
+    if n < 1:
+        raise ConfigError(f"-n {n}: the number of ranks must be at least 1")
+    if all(h.slots for h in hosts):
+        counts = [int(h.slots or 0) for h in hosts]
+        if sum(counts) < n:
+            raise ConfigError(f"-n {n} ranks but the hosts have only {sum(counts)} slots in total")
+    else:
+        per = math.ceil(n / len(hosts))
+        counts = [h.slots or per for h in hosts]
+    places: list[RankPlace] = []
+    for h, count in zip(hosts, counts):
+        for i in range(count):
+            if len(places) == n:
+                break
+            host = None if is_local(h.ssh) else h.ssh
+            places.append(RankPlace(len(places), host, h.ip, i))
+    if len(places) < n:
+        raise ConfigError(f"-n {n} ranks do not fit on {len(hosts)} hosts with slots {counts}")
+    return places

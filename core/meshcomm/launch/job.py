@@ -1,0 +1,95 @@
+"""``Job``: the plan of one launch (ranks, places, secret, files, ports), given to backends."""
+
+from __future__ import annotations
+
+import random
+import secrets
+import shutil
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+
+from .spec import RankPlace
+
+__all__ = ["Job"]
+
+
+class Job:
+    """Implements :class:`meshcomm.launch.spec.JobSpec` for one run of ``meshcomm launch``."""
+
+    def __init__(self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None) -> None:
+        self.nranks = len(places)
+        self.places = places
+        self.job_id = uuid.uuid4().hex[:12]
+        self.secret = secrets.token_hex(16)
+        self.verbose = verbose
+        self.dir = Path(tempfile.gettempdir()) / f"meshcomm-{self.job_id}"
+        self.dir.mkdir(mode=0o700)
+        self.files: dict[str, str] = {}
+        self._fds: dict[int, list[int]] = {}
+        self._keep: list[socket.socket] = []
+        self._port_base = port_base or random.randrange(20000, 50000, 100)
+        self._remote_ports: dict[tuple[str | None, int], int] = {}
+
+    @property
+    def hosts(self) -> list[str | None]:
+        """Distinct hosts in rank order (None = this machine)."""
+        seen: list[str | None] = []
+        for p in self.places:
+            if p.host not in seen:
+                seen.append(p.host)
+        return seen
+
+    def add_file(self, name: str, content: str) -> str:
+        """Write ``name`` here (and, through the start script, on every remote host)."""
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"file name {name!r} must be a plain name")
+        self.files[name] = content
+        path = self.dir / name
+        path.write_text(content)
+        return str(path)
+
+    def free_port(self, place: RankPlace) -> int:
+        """A free port on ``place``'s host: probed here for local ranks, chosen for remote ones."""
+        if place.host is None:
+            with socket.socket(_family(place.ip), socket.SOCK_STREAM) as s:
+                s.bind((place.ip, 0))
+                return int(s.getsockname()[1])
+        key = (place.host, place.local_index)
+        if key not in self._remote_ports:
+            self._remote_ports[key] = self._port_base + len(self._remote_ports)
+        return self._remote_ports[key]
+
+    def listen_socket(self, place: RankPlace) -> tuple[int, int | None]:
+        """For a local rank: a listening socket it will inherit (port, fd); else (port, None)."""
+        if place.host is not None:
+            return self.free_port(place), None
+        s = socket.socket(_family(place.ip), socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((place.ip, 0))
+        s.listen(max(8, self.nranks))
+        s.set_inheritable(True)
+        self._keep.append(s)
+        self._fds.setdefault(place.rank, []).append(s.fileno())
+        return int(s.getsockname()[1]), s.fileno()
+
+    def fds_for(self, rank: int) -> list[int]:
+        """File descriptors rank ``rank`` must inherit."""
+        return self._fds.get(rank, [])
+
+    def release_fds(self) -> None:
+        """Close the launcher's copies of inherited sockets (once the ranks have started)."""
+        for s in self._keep:
+            s.close()
+        self._keep.clear()
+
+    def cleanup(self) -> None:
+        self.release_fds()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in ip else socket.AF_INET
+
+

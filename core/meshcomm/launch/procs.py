@@ -1,0 +1,125 @@
+"""Starting, watching and stopping the processes of a job, with rank-prefixed output."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import IO
+
+__all__ = ["OutputMux", "RankProcess", "remote_script"]
+
+
+class OutputMux:
+    """Writes whole lines from many processes to our stdout/stderr, never mixing them."""
+
+    def __init__(self, prefix: bool) -> None:
+        self.prefix = prefix
+        self.lock = threading.Lock()
+
+    def pump(self, stream: IO[bytes], out: IO[bytes], tag: str, first_line_hook=None) -> threading.Thread:
+        def run() -> None:
+            first = True
+            for line in iter(stream.readline, b""):
+                if first and first_line_hook is not None:
+                    first = False
+                    if first_line_hook(line):
+                        continue
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with self.lock:
+                    out.write((tag.encode() if self.prefix else b"") + line)
+                    out.flush()
+            stream.close()
+
+        t = threading.Thread(target=run, name=f"pump {tag.strip()}", daemon=True)
+        t.start()
+        return t
+
+
+def remote_script(argv: Sequence[str], env: dict[str, str], cwd: str, files: dict[str, str], filedir: str) -> str:
+    """The bash script a remote host runs: write the job's files, cd, export, report pid, exec."""
+    lines = ["set -e", f"mkdir -p -m 700 {shlex.quote(filedir)}"]
+    for name, content in files.items():
+        marker = "MESHCOMM_EOF_" + os.urandom(6).hex()
+        lines.append(f"cat > {shlex.quote(filedir + '/' + name)} <<'{marker}'\n{content}\n{marker}")
+    lines.append(f"cd {shlex.quote(cwd)}")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    lines.append('echo "MESHCOMM_PID $$"')
+    lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
+    return "\n".join(lines)
+
+
+class RankProcess:
+    """One rank: a local child in its own session, or a remote one started over ssh."""
+
+    def __init__(self, rank: int, host: str | None, argv: list[str], env: dict[str, str], *,
+                 cwd: str, ssh: list[str], mux: OutputMux, pass_fds: Sequence[int] = (),
+                 files: dict[str, str] | None = None, filedir: str = "", verbose: bool = False) -> None:
+        self.rank = rank
+        self.host = host
+        self.ssh = ssh
+        self.remote_pid: int | None = None
+        tag = f"[rank {rank}] "
+        if host is None:
+            cmd = argv
+            full_env = {**os.environ, **env}
+            self.proc = subprocess.Popen(
+                cmd, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), start_new_session=True,
+            )
+        else:
+            script = remote_script(argv, env, cwd, files or {}, filedir)
+            cmd = [*ssh, host, "bash -c " + shlex.quote(script)]
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        if verbose:
+            shown = " ".join(shlex.quote(c) for c in (argv if host is None else [*ssh, host, "bash -c <script>"]))
+            sys.stderr.write(f"meshcomm launch: rank {rank}{' on ' + host if host else ''}: {shown}\n")
+            if host is not None:
+                sys.stderr.write(script + "\n")
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.threads = [
+            mux.pump(self.proc.stdout, sys.stdout.buffer, tag, self._pid_line if host else None),
+            mux.pump(self.proc.stderr, sys.stderr.buffer, tag),
+        ]
+
+    def _pid_line(self, line: bytes) -> bool:
+        if line.startswith(b"MESHCOMM_PID "):
+            try:
+                self.remote_pid = int(line.split()[1])
+            except (IndexError, ValueError):
+                return False
+            return True
+        return False
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the rank (its whole process group locally, its pid over ssh)."""
+        if self.proc.poll() is not None:
+            return
+        if self.host is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            return
+        if self.remote_pid is not None:
+            name = signal.Signals(sig).name.replace("SIG", "")
+            subprocess.run([*self.ssh, self.host, f"kill -{name} {self.remote_pid}"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=10, check=False)
+        if sig == signal.SIGKILL:
+            self.proc.kill()
+
+    def join_output(self, timeout: float = 2.0) -> None:
+        for t in self.threads:
+            t.join(timeout)
