@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the launcher tests need (tests/test_launch_multihost.py):
+#   openssh-server (sshd, started by the tests on a loopback address),
+#   openssh-client (ssh), iproute2 (ip netns, veth, bridge), iputils-ping (ping).
+# Idempotent and quiet: does nothing when every tool is already there; needs root
+# (or sudo) only when something is missing. Exits non-zero if an install fails.
+set -euo pipefail
+
+missing=()
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
+have sshd || missing+=(openssh-server)
+have ssh || missing+=(openssh-client)
+have ip || missing+=(iproute2)
+have ping || missing+=(iputils-ping)
+have ssh-keygen || missing+=(openssh-client)
+
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+# de-duplicate
+mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+
+SUDO=()
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo -n)
+  else
+    echo "ci-system-deps: need root to install: ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+if ! "${SUDO[@]}" apt-get update -qq >"$log" 2>&1 \
+   || ! "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >>"$log" 2>&1; then
+  echo "ci-system-deps: installing ${missing[*]} failed:" >&2
+  tail -n 30 "$log" >&2
+  exit 1
+fi
+echo "ci-system-deps: installed ${missing[*]}"
