@@ -25,10 +25,11 @@ GRACE = 3.0
 
 
 def program_argv(argv: Sequence[str], python: str) -> list[str]:
-    """A ``.py`` program runs with the chosen interpreter; anything else runs as given."""
+    """A ``.py`` program (or ``-m module`` / ``-c code``) runs with the chosen interpreter;
+    anything else runs as given."""
     if not argv:
         raise ConfigError("no program given: meshcomm launch -n N [options] -- program [args]")
-    if argv[0].endswith(".py"):
+    if argv[0].endswith(".py") or argv[0] in ("-m", "-c"):
         return [python, *argv]
     return list(argv)
 

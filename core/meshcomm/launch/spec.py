@@ -17,6 +17,7 @@ every rank it starts itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 __all__ = ["RankPlace", "JobSpec", "RankEnvLauncher", "ExternalLauncher"]
@@ -40,6 +41,7 @@ class JobSpec(Protocol):
     job_id: str
     secret: str
     verbose: bool
+    dir: Path  #: a fresh private directory of this job (same path on every host), removed at the end
 
     def free_port(self, place: RankPlace) -> int:
         """A TCP port that is free on ``place``'s host (probed locally, chosen for remote hosts)."""

@@ -1,0 +1,85 @@
+"""The public API on the size-1 group: the contract, argument errors, init semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import meshcomm as mc
+from meshcomm.testing.contract import run_checks
+
+
+@pytest.fixture
+def solo(fresh_registry, monkeypatch):
+    for var in ("MLX_BACKEND", "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE", "PMI_RANK", "MESHCOMM_GLOO_ADDR", "MESHCOMM_GLOO_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    return mc.init()
+
+
+def test_contract_holds_on_size_one(solo):
+    assert solo.size() == 1 and solo.rank() == 0 and solo.backend == "single"
+    assert run_checks(solo) == []
+
+
+def test_results_are_new_arrays(solo):
+    x = np.arange(6.0).reshape(2, 3)
+    for fn in (mc.all_sum, mc.all_max, mc.all_min, mc.all_gather, mc.sum_scatter, mc.broadcast):
+        y = fn(x)
+        assert y is not x and not np.shares_memory(x, y), fn.__name__
+        y[...] = -1
+        assert x[0, 1] == 1.0
+
+
+def test_zero_d_inputs(solo):
+    assert mc.all_sum(np.float32(2)).shape == ()
+    assert mc.all_sum(np.float32(2)).dtype == np.float32
+    assert mc.all_gather(np.int16(5)).shape == (1,)
+    assert mc.broadcast(3.5).shape == ()
+
+
+def test_unsupported_dtypes_are_rejected_before_communication(solo):
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        mc.all_sum(np.array(["a", "b"]))
+    with pytest.raises(ValueError, match="object array"):
+        mc.all_sum(np.array([1, "x", None], dtype=object))
+    with pytest.raises(ValueError, match="byte-swapped"):
+        mc.all_sum(np.arange(3, dtype=">f4"))
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        mc.recv((2,), np.dtype("U3"), 0)
+
+
+def test_point_to_point_needs_a_peer(solo):
+    with pytest.raises(ValueError, match="size 1"):
+        mc.send(np.zeros(2), 0)
+    with pytest.raises(ValueError, match="size 1"):
+        mc.recv((2,), np.float32, 0)
+    with pytest.raises(TypeError, match="dst must be an integer"):
+        mc.send(np.zeros(2), 0.5)  # type: ignore[arg-type]
+
+
+def test_sum_scatter_shape_rule(solo):
+    assert mc.sum_scatter(np.arange(3)).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="axis 0 must be divisible"):
+        mc.sum_scatter(np.float64(1.0))
+
+
+def test_init_twice_returns_a_world_and_ops_default_to_it(solo):
+    again = mc.init()
+    assert again.size() == 1
+    assert mc.all_sum([1, 2]).tolist() == [1, 2]
+
+
+def test_unknown_backend_lists_installed(fresh_registry):
+    with pytest.raises(ValueError, match=r"unknown backend 'nosuch'.*installed backends: .*single"):
+        mc.init(backend="nosuch")
+    with pytest.raises(ValueError, match="unknown backend"):
+        mc.init(strict=True, backend="nosuch")
+    assert mc.is_available("nosuch") is False
+
+
+def test_bfloat16_when_installed(solo):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
+    y = mc.all_sum(x)
+    assert y.dtype == x.dtype and y.tolist() == x.tolist()
