@@ -22,6 +22,8 @@ __all__ = ["launch", "program_argv", "GRACE"]
 
 #: seconds ranks get to exit after SIGTERM before they are killed
 GRACE = 3.0
+#: seconds the other ranks get to exit on their own after one failed, before they are stopped
+SETTLE = 1.0
 
 
 def program_argv(argv: Sequence[str], python: str) -> list[str]:
@@ -140,19 +142,24 @@ def _run_ranks(job: Job, prog: list[str], base: dict[str, str], envs: list[dict[
             _stop(procs)
             raise ConfigError(f"cannot start rank {len(procs)}: {exc}") from None
         job.release_fds()
-        failed: tuple[int, int] | None = None
+        failures: list[tuple[int, int]] = []  # (rank, status) in the order they were seen
         while True:
             codes = [p.poll() for p in procs]
-            if failed is None:
-                for p, rc in zip(procs, codes):
-                    if rc is not None and rc != 0:
-                        failed = (p.rank, rc)
-                        break
-            if failed is not None or intr.signum is not None:
+            _note_failures(procs, codes, failures)
+            if failures or intr.signum is not None:
                 break
             if all(rc is not None for rc in codes):
                 break
             time.sleep(0.05)
+        if failures and intr.signum is None:
+            # The other ranks usually die of this failure on their own (PeerLostError, status 1),
+            # often before the failed rank's interpreter has finished exiting: wait a moment so
+            # the summary names the rank that failed first rather than the lowest-numbered one.
+            deadline = time.monotonic() + SETTLE
+            while time.monotonic() < deadline and intr.signum is None and any(p.poll() is None for p in procs):
+                time.sleep(0.02)
+            _note_failures(procs, [p.poll() for p in procs], failures)
+        failed = _culprit(failures)
         if failed is not None or intr.signum is not None:
             running = [p.rank for p in procs if p.poll() is None]
             _stop(procs)
@@ -169,6 +176,22 @@ def _run_ranks(job: Job, prog: list[str], base: dict[str, str], envs: list[dict[
         sys.stderr.write(f"meshcomm launch: rank {rank}{where} {_describe(rc)}{others}\n")
         return _exit_code(rc)
     return 0
+
+
+def _note_failures(procs: list[RankProcess], codes: list[int | None], failures: list[tuple[int, int]]) -> None:
+    seen = {rank for rank, _ in failures}
+    for p, rc in zip(procs, codes, strict=True):
+        if rc is not None and rc != 0 and p.rank not in seen:
+            failures.append((p.rank, rc))
+
+
+def _culprit(failures: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The failure to report: the first one seen that is not a plain status 1 (the status of
+    an uncaught exception, which is how ranks that lost a peer end), else the first one."""
+    for rank, rc in failures:
+        if rc != 1:
+            return rank, rc
+    return failures[0] if failures else None
 
 
 def _stop(procs: list[RankProcess]) -> None:
