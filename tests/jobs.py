@@ -17,3 +17,52 @@ def launch(n: int, *args: str, backend: str = "sockets", timeout: float = 240, e
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, *launch_args, "--", *args]
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (for tests that need fixed ports)."""
+    import socket
+
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        s.bind((host, 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def write_hostfile(path: Path, ports: list[int], host: str = "127.0.0.1") -> Path:
+    import json
+
+    path.write_text(json.dumps([{"ip": host, "port": p} for p in ports]))
+    return path
+
+
+def start_ranks(n: int, args: list[str], hostfile: Path, *, ranks: list[int] | None = None,
+                env: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None
+                ) -> dict[int, subprocess.Popen[str]]:
+    """Start ranks of a sockets job directly (no launcher, so a dying rank does not stop the others)."""
+    procs = {}
+    for r in (range(n) if ranks is None else ranks):
+        e = {**os.environ, "MLX_BACKEND": "sockets", "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
+             "PYTHONUNBUFFERED": "1", **(env or {}), **((rank_env or {}).get(r, {}))}
+        procs[r] = subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return procs
+
+
+def finish(procs: dict[int, subprocess.Popen[str]], timeout: float = 120) -> dict[int, tuple[int, str, str]]:
+    """Wait for every rank; (returncode, stdout, stderr) per rank. Kills what outlives ``timeout``."""
+    out = {}
+    for r, p in procs.items():
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+            e += "\n[test] killed after timeout"
+        out[r] = (p.returncode, o, e)
+    return out
