@@ -426,12 +426,22 @@ def test_sharding_errors_name_the_sizes():
         return errors
 
     errors = run_threaded(4, rank)[0]
+    wrong = run_threaded(2, lambda g: _error(lambda: nn.ShardedToAllLinear(8, 3, group=g)(np.ones((2, 8)))))
+    assert wrong[0] == "ShardedToAllLinear on rank 0 expects this rank's 4 of the 8 input features (the last axis), got shape (2, 8)"
     assert errors[0] == "Cannot shard the output of size 6 across 4 devices."
     assert errors[1] == "The input of size 6 cannot be sharded across 4 devices."
     assert "each shard of 32 must be divisible by 64" in errors[2]
     assert errors[3] == errors[0]
     assert "sharding must be one of" in errors[4] and "'diagonal'" in errors[4]
     assert "got ReLU" in errors[5] and "shard_linear" in errors[6]
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def test_shard_inplace_with_segments_and_callable():

@@ -23,7 +23,7 @@ import numpy as np
 from ..group import Group
 from ..ops import all_sum
 from ..world import init
-from .linear import Linear, QuantizedLinear, Seed, affine, affine_backward, init_linear, make_rng
+from .linear import Cached, Linear, QuantizedLinear, Seed, affine, affine_backward, init_linear
 from .module import Module
 from .quantize import check_mode, dequantize, quantize
 
@@ -66,27 +66,27 @@ def _check_input(input_dims: int, n: int, segments: int = 1, group_size: int | N
         )
 
 
-class _TPLayer(Module):
+class _TPLayer(Cached):
     """What the four layers share: the group, the cached input, the rank in the repr."""
-
-    _x: np.ndarray | None = None
 
     def __init__(self, group: Group | None) -> None:
         super().__init__()
         self.group = group if group is not None else init()
 
-    def _remember(self, x: Any) -> np.ndarray:
-        a = np.asarray(x)
-        self._x = a
-        return a
-
-    def _input(self) -> np.ndarray:
-        if self._x is None:
-            raise RuntimeError(f"{type(self).__name__}.backward called before a forward pass")
-        return self._x
-
     def _shards(self) -> str:
         return f"rank={self.group.rank()}/{self.group.size()}"
+
+    def _sharded_input(self, x: Any, local_dims: int) -> np.ndarray:
+        """Check the width of a sharded input before communicating: a rank that raised
+        after its peers entered the all_sum would leave them waiting until the timeout."""
+        a = self._remember(x)
+        if a.ndim == 0 or a.shape[-1] != local_dims:
+            n = self.group.size()
+            raise ValueError(
+                f"{type(self).__name__} on rank {self.group.rank()} expects this rank's "
+                f"{local_dims} of the {local_dims * n} input features (the last axis), got shape {a.shape}"
+            )
+        return a
 
 
 class AllToShardedLinear(_TPLayer):
@@ -185,7 +185,8 @@ class ShardedToAllLinear(_TPLayer):
                 f"bias={self.bias is not None}, {self._shards()}")
 
     def __call__(self, x: Any) -> np.ndarray:
-        y = all_sum(affine(self._remember(x), self.weight, None), group=self.group)
+        a = self._sharded_input(x, int(self.weight.shape[1]))
+        y = all_sum(affine(a, self.weight, None), group=self.group)
         return y + self.bias if self.bias is not None else y
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
@@ -269,7 +270,7 @@ class QuantizedAllToShardedLinear(_QuantizedTP):
         check_mode(mode)
         _check_output(output_dims, self.group.size())
         self.group_size, self.bits = group_size, bits
-        weight, _ = init_linear(input_dims, output_dims, False, make_rng(rng))
+        weight, _ = init_linear(input_dims, output_dims, False, rng)
         self._quantized(weight, 0)
         self.bias = np.zeros((output_dims // self.group.size(),), np.float32) if bias else None
 
@@ -331,7 +332,7 @@ class QuantizedShardedToAllLinear(_QuantizedTP):
         check_mode(mode)
         _check_input(input_dims, self.group.size(), 1, group_size)
         self.group_size, self.bits = group_size, bits
-        weight, _ = init_linear(input_dims, output_dims, False, make_rng(rng))
+        weight, _ = init_linear(input_dims, output_dims, False, rng)
         self._quantized(weight, 1)
         self.bias = np.zeros((output_dims,), np.float32) if bias else None
 
@@ -344,8 +345,8 @@ class QuantizedShardedToAllLinear(_QuantizedTP):
         return int(self.weight.shape[0])
 
     def __call__(self, x: Any) -> np.ndarray:
-        x = self._remember(x)
-        y = all_sum(affine(x, self.dequantized_weight(), None), group=self.group)
+        a = self._sharded_input(x, self._local_input_dims())
+        y = all_sum(affine(a, self.dequantized_weight(), None), group=self.group)
         return y + self.bias if self.bias is not None else y
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:

@@ -72,7 +72,7 @@ def affine_backward(
     return grad_input, grads
 
 
-class _Cached(Module):
+class Cached(Module):
     """Keeps the input of the last forward pass for ``backward``."""
 
     _x: np.ndarray | None = None
@@ -88,7 +88,7 @@ class _Cached(Module):
         return self._x
 
 
-class Linear(_Cached):
+class Linear(Cached):
     """Applies ``y = x @ weight.T + bias``.
 
     ``weight`` has shape ``(output_dims, input_dims)`` and ``bias`` ``(output_dims,)``;
@@ -134,7 +134,7 @@ class Linear(_Cached):
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
-class QuantizedLinear(_Cached):
+class QuantizedLinear(Cached):
     """``Linear`` with the weight stored quantized (see :func:`meshcomm.nn.quantize`).
 
     ``weight`` is ``uint32`` of shape ``(output_dims, input_dims * bits / 32)``;
