@@ -18,7 +18,17 @@ from .errors import (
     PeerLostError,
 )
 from .group import Group
-from .ops import all_gather, all_max, all_min, all_sum, broadcast, recv, recv_like, send, sum_scatter
+from .ops import (
+    all_gather,
+    all_max,
+    all_min,
+    all_sum,
+    broadcast,
+    recv,
+    recv_like,
+    send,
+    sum_scatter,
+)
 from .registry import BackendInfo
 from .world import backends, init, is_available
 

@@ -108,3 +108,4 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release connections and threads; called once, when the group is destroyed."""
+        return None

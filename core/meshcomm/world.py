@@ -32,7 +32,10 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
     global _default
     with _lock:
         if config is None:
-            config = Config.load(**({"backend": backend} if backend else {}), **settings)
+            overrides: dict[str, Any] = dict(settings)
+            if backend:
+                overrides["backend"] = backend
+            config = Config.load(None, **overrides)
         elif backend or settings:
             config = config.model_copy(update={**settings, **({"backend": backend.strip().lower()} if backend else {})})
         name = config.backend

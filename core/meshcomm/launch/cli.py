@@ -17,7 +17,7 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
         help="start N ranks of a program on one machine or many",

@@ -118,7 +118,7 @@ def place_ranks(n: int, hosts: list[Host]) -> list[RankPlace]:
         per = math.ceil(n / len(hosts))
         counts = [h.slots or per for h in hosts]
     places: list[RankPlace] = []
-    for h, count in zip(hosts, counts):
+    for h, count in zip(hosts, counts, strict=True):
         for i in range(count):
             if len(places) == n:
                 break

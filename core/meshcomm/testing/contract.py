@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import numpy.typing
 
 import meshcomm as mc
 from meshcomm.dtypes import SUPPORTED
@@ -31,7 +32,7 @@ SHAPES: list[tuple[int, ...]] = [(), (1,), (7,), (3, 5), (1031, 3)]
 LARGE = (1 << 18) + 13  # elements: past every chunk size, not a multiple of anything
 
 
-def rank_input(rank: int, shape: tuple[int, ...], dtype: np.dtype, salt: int = 0) -> np.ndarray:
+def rank_input(rank: int, shape: tuple[int, ...], dtype: np.typing.DTypeLike, salt: int = 0) -> np.ndarray:
     """Deterministic input of ``rank``: small integers, so float sums are exact."""
     n = int(np.prod(shape, dtype=np.int64))
     i = np.arange(n, dtype=np.int64)

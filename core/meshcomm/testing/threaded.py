@@ -30,7 +30,9 @@ class _Fabric:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.queues = {(s, d): queue.Queue() for s in range(n) for d in range(n) if s != d}
+        self.queues: dict[tuple[int, int], queue.Queue[bytes]] = {
+            (s, d): queue.Queue() for s in range(n) for d in range(n) if s != d
+        }
 
 
 class ThreadedBackend(Backend):

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-
 from meshcomm import algorithms
 from meshcomm.backend import Backend
 from meshcomm.dtypes import dtype_code, reducer

@@ -213,7 +213,7 @@ def establish(peers: list[Peer], rank: int, *, secret: bytes, version: str, time
         while pending:
             try:
                 got = _accept_one(listener, rank, world, pending, secret, version, deadline)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 missing = ", ".join(f"{q} ({peers[q]})" for q in sorted(pending))
                 raise CommTimeoutError(
                     f"rank {rank}: waited {timeout:g} s for ranks {missing} to connect; they never "

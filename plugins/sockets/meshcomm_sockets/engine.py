@@ -23,9 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
 from meshcomm.dtypes import dtype_from_code
-from meshcomm.errors import CollectiveMismatchError, CommTimeoutError, DistributedError, PeerLostError
+from meshcomm.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    DistributedError,
+    PeerLostError,
+)
 
 from . import wire
 
@@ -82,7 +86,7 @@ class Link:
         self.sock = sock
         self.fd = sock.fileno()
         try:
-            self.where = "%s:%s" % sock.getpeername()[:2]
+            self.where = "{}:{}".format(*sock.getpeername()[:2])
         except OSError:
             self.where = "?"
         self.out: deque[memoryview] = deque()

@@ -15,9 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
 from meshcomm.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["Peer", "read_hostfile", "parse_hostfile", "split_hostport"]
 

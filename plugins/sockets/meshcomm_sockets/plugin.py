@@ -7,13 +7,12 @@ import socket
 from importlib import metadata
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from meshcomm.backend import Backend
 from meshcomm.config import Config, setting
 from meshcomm.errors import ConfigError
 from meshcomm.hookspecs import hookimpl
 from meshcomm.registry import BackendRegistrar
+from pydantic import BaseModel, ConfigDict
 
 __all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher"]
 
