@@ -187,9 +187,9 @@ def rank_split_communicators(g: Any) -> None:
         raise AssertionError(f"rank {r}: world transport is {type(world).__name__}")
     colors = {0: -7, 1: 2**40}  # negative and beyond 32 bits
     color = colors[r % 2]
-    sub = g.split(color, key=-r)  # reverse order
+    sub = g.split(color, key=n - r)  # reverse order
     t = sub.transport
-    members = sorted((q for q in range(n) if q % 2 == r % 2), key=lambda q: -q)
+    members = sorted((q for q in range(n) if q % 2 == r % 2), key=lambda q: n - q)
     if not isinstance(t, MPIBackend):
         raise AssertionError(f"rank {r}: split transport is {type(t).__name__}, not an MPIBackend")
     if t.comm.Get_size() != len(members) or sub.rank() != members.index(r):
@@ -284,20 +284,18 @@ def _rank_main(names: list[str]) -> int:
     import meshcomm as mc
 
     g = mc.init(strict=True, backend="mpi")
-    failed = 0
     for name in names:
         t0 = time.perf_counter()
         try:
             RANK_CHECKS[name](g)
-        except AssertionError as exc:
-            failed += 1
-            print(f"RANKCHECK FAILED {name} rank {g.rank()}: {exc}", flush=True)
         except Exception:
             print(f"RANKCHECK FAILED {name} rank {g.rank()}:\n{traceback.format_exc()}", flush=True)
-            return 1
-        else:
-            print(f"RANKCHECK ok {name} rank {g.rank()} ({time.perf_counter() - t0:.2f} s)", flush=True)
-    return 1 if failed else 0
+            # peers may be waiting in a collective this rank left: end the whole job now
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+        print(f"RANKCHECK ok {name} rank {g.rank()} ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
@@ -420,9 +418,10 @@ def test_unloadable_library_is_reported() -> None:
 
 
 def test_plugin_imports_fast_without_mpi() -> None:
-    """plugin.py loads neither mpi4py nor numpy-heavy MPI code; importing it is cheap."""
+    """plugin.py loads neither mpi4py nor MPI; importing it adds little to the core's import."""
     code = (
         "import sys, time\n"
+        "import meshcomm.config, meshcomm.backend, meshcomm.hookspecs\n"  # the core's own cost
         "t = time.perf_counter()\n"
         "import meshcomm_mpi.plugin\n"
         "print('RESULT', time.perf_counter() - t, 'mpi4py' in sys.modules)\n"
@@ -430,7 +429,7 @@ def test_plugin_imports_fast_without_mpi() -> None:
     res = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
     _, took, mpi4py_loaded = next(x for x in res.stdout.splitlines() if x.startswith("RESULT")).split()
     assert mpi4py_loaded == "False"
-    assert float(took) < 1.0, f"import meshcomm_mpi.plugin took {took} s"
+    assert float(took) < 0.25, f"import meshcomm_mpi.plugin took {took} s on top of the core"
 
 
 def test_environment_detection() -> None:
@@ -464,14 +463,17 @@ def test_mpiexec_command_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_job_command_places_ranks_on_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
     """external_command: a JobSpec's places become --host a:k,b:m (local jobs get no --host)."""
+    from types import SimpleNamespace
+
     import meshcomm_mpi.launcher as L
-    from meshcomm.launch.spec import JobSpec, RankPlace
+    from meshcomm.launch.spec import RankPlace
+    from meshcomm_mpi.plugin import MPILauncher
 
     monkeypatch.setattr(L, "resolve_mpiexec", lambda settings=None: (Path("/x/mpiexec"), "openmpi"))
     places = [RankPlace(0, "a", "10.0.0.1", 0), RankPlace(1, "a", "10.0.0.1", 1), RankPlace(2, "b", "10.0.0.2", 0)]
-    job = JobSpec(nranks=3, places=places, job_id="j", secret="s", tmpdir=Path("/tmp"))
-    cmd = job_command(job, ["prog"], {"MLX_BACKEND": "mpi"})
+    job = SimpleNamespace(nranks=3, places=places, job_id="j", secret="s", verbose=False)
+    cmd = MPILauncher().external_command(job, ["prog"], {"MLX_BACKEND": "mpi"})  # type: ignore[arg-type]
     assert cmd[cmd.index("--host") + 1] == "a:2,b:1", cmd
-    local = JobSpec(nranks=2, places=[RankPlace(i, None, "127.0.0.1", i) for i in range(2)], job_id="j",
-                    secret="s", tmpdir=Path("/tmp"))
+    assert cmd[-1] == "prog" and "MLX_BACKEND=mpi" in cmd
+    local = SimpleNamespace(nranks=2, places=[RankPlace(i, None, "127.0.0.1", i) for i in range(2)])
     assert "--host" not in job_command(local, ["prog"], {})
