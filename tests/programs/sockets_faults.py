@@ -9,9 +9,8 @@ import signal
 import sys
 import time
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 
 mode = sys.argv[1]
 t0 = time.monotonic()
