@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-__all__ = ["OutputMux", "RankProcess", "remote_script"]
+__all__ = ["OutputMux", "RankProcess", "remote_script", "remote_kill_command"]
 
 
 class OutputMux:
@@ -52,6 +52,13 @@ def remote_script(argv: Sequence[str], env: dict[str, str], cwd: str, files: dic
     lines.append('echo "MESHCOMM_PID $$"')
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
     return "\n".join(lines)
+
+
+def remote_kill_command(sig_name: str, pid: int) -> str:
+    """POSIX shell command: send SIG to the process group of ``pid`` (the rank and anything it
+    started, like a local rank's killpg), or to ``pid`` alone when its group cannot be read."""
+    return (f's=$(cat /proc/{pid}/stat 2>/dev/null) && s=${{s##*") "}} && set -- $s && [ "$3" -gt 1 ] '
+            f"&& kill -{sig_name} -$3 2>/dev/null || kill -{sig_name} {pid}")
 
 
 class RankProcess:
@@ -103,7 +110,7 @@ class RankProcess:
         return self.proc.poll()
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the rank (its whole process group locally, its pid over ssh)."""
+        """Send ``sig`` to the rank's whole process group (locally, or over ssh)."""
         if self.proc.poll() is not None:
             return
         if self.host is None:
@@ -114,9 +121,12 @@ class RankProcess:
             return
         if self.remote_pid is not None:
             name = signal.Signals(sig).name.replace("SIG", "")
-            subprocess.run([*self.ssh, self.host, f"kill -{name} {self.remote_pid}"],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=10, check=False)
+            try:
+                subprocess.run([*self.ssh, self.host, remote_kill_command(name, self.remote_pid)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=10, check=False)
+            except subprocess.TimeoutExpired:
+                pass
         if sig == signal.SIGKILL:
             self.proc.kill()
 
