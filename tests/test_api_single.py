@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import meshcomm as mc
 import numpy as np
 import pytest
-
-import meshcomm as mc
 from meshcomm.testing.contract import run_checks
 
 

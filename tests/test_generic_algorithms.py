@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import meshcomm as mc
 import numpy as np
 import pytest
-
-import meshcomm as mc
 from meshcomm import algorithms
 from meshcomm.testing.contract import CHECKS, run_checks
 from meshcomm.testing.threaded import make_threaded_groups, run_threaded

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from meshcomm import BackendUnavailableError, Config
 from meshcomm.hookspecs import hookimpl
 from meshcomm.registry import Registry

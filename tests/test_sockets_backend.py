@@ -9,7 +9,6 @@ import time
 
 import pytest
 from jobs import finish, free_ports, launch, start_ranks, write_hostfile
-
 from meshcomm import DistributedError
 from meshcomm.errors import ConfigError
 

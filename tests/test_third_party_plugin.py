@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from jobs import ROOT, launch
 
 PLUGINS = ROOT / "tests" / "plugins"

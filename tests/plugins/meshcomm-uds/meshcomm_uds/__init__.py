@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel
-
 from meshcomm.backend import Backend
 from meshcomm.config import setting
 from meshcomm.errors import CommTimeoutError, PeerLostError
 from meshcomm.hookspecs import hookimpl
+from pydantic import BaseModel
 
 _LEN = struct.Struct("<Q")
 
@@ -73,7 +72,7 @@ class UdsBackend(Backend):
         while got < n:
             try:
                 k = s.recv_into(view[got:])
-            except socket.timeout:
+            except TimeoutError:
                 raise CommTimeoutError(f"[uds] rank {self._rank}: rank {peer} sent nothing for {self.timeout} s", peer=peer) from None
             if k == 0:
                 raise PeerLostError(f"[uds] rank {self._rank}: rank {peer} closed its connection", peer=peer)
