@@ -108,17 +108,21 @@ def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[s
     """``external_command`` of the launcher: the mpiexec command for a planned ``JobSpec``.
 
     Ranks are placed on the job's hosts in rank order (``--host a:2,b:2``); a job that
-    only uses this machine runs locally.
+    only uses this machine runs locally. Output lines are tagged with the rank
+    (``--tag-output`` / ``-prepend-rank``) like meshcomm launch does for other backends.
     """
     counts: dict[str, int] = {}
     for place in job.places:
         if place.host is not None:
             counts[place.host] = counts.get(place.host, 0) + 1
     hosts = None
-    if counts:
+    if counts and set(counts) != {"localhost"}:
         local = sum(1 for p in job.places if p.host is None)
         hosts = ([("localhost", local)] if local else []) + list(counts.items())
-    return mpiexec_command(int(job.nranks), argv, env, hosts=hosts)
+    # meshcomm launch prefixes every output line with the rank; ask mpiexec to do the same
+    flavor = resolve_mpiexec()[1]
+    tag = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
+    return mpiexec_command(int(job.nranks), argv, env, hosts=hosts, extra=tag)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
