@@ -44,9 +44,8 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         registry = get_registry()
         transport, started = registry.start(name, config, strict)
         group = Group(transport, started, debug=config.debug)
-        if started != "single":
-            _worlds[name] = group
-            _worlds.setdefault(started, group)
+        _worlds[name] = group
+        _worlds.setdefault(started, group)
         if _default is None or _default.backend == "single":
             _default = group
         return group

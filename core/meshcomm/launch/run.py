@@ -36,6 +36,20 @@ def program_argv(argv: Sequence[str], python: str) -> list[str]:
     return list(argv)
 
 
+def _thread_limits(places: list) -> dict[str, str]:
+    """Like torchrun: ranks sharing a host split its cores between their BLAS/OpenMP pools,
+    unless the user set the variables (oversubscribed thread pools slow NumPy down a lot)."""
+    per_host: dict[str | None, int] = {}
+    for p in places:
+        per_host[p.host] = per_host.get(p.host, 0) + 1
+    busiest = max(per_host.values())
+    if busiest == 1:
+        return {}
+    threads = str(max(1, (os.cpu_count() or 1) // busiest))
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    return {k: threads for k in names if k not in os.environ}
+
+
 def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -109,6 +123,7 @@ def launch(
         }
         if timeout is not None:
             base["MLX_TIMEOUT"] = f"{timeout:g}"
+        base.update(_thread_limits(places))
         for item in (hosts.envs if hosts else []):
             k, _, v = item.partition("=")
             base[k] = v
