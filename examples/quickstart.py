@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 
 
 def main() -> None:

