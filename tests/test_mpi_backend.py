@@ -337,7 +337,16 @@ def test_contract(n: int) -> None:
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"contract failed on {n} ranks:\n{out[-6000:]}"
     for r in range(n):
-        assert f"rank {r}/{n} on mpi: " in out and "0 failed" in out, out[-3000:]
+        assert f"rank {r}/{n} on mpi: " in out, out[-3000:]
+    assert out.count(" passed, 0 failed") == n, out[-3000:]
+
+
+def test_contract_with_debug_checks() -> None:
+    """MLX_DEBUG=1 adds the core's cross-rank checks, which themselves run over MPI."""
+    res = _mpirun(3, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi"], timeout=150,
+                  MLX_DEBUG="1")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and out.count(": 11 passed, 0 failed") == 3, out[-6000:]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

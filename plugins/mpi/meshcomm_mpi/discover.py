@@ -58,7 +58,10 @@ def _open_library() -> ctypes.CDLL:
         from mpi4py import _mpiabi  # mpi4py >= 4 with run-time MPI selection
 
         wanted = getattr(_mpiabi, "LIBMPI", None) or os.environ.get("MPI4PY_LIBMPI")
-        return _mpiabi._dlopen_libmpi(wanted)
+        loader = getattr(_mpiabi, "_dlopen_libmpi", None)  # private: absent in other versions
+        if loader is not None:
+            lib: ctypes.CDLL = loader(wanted)
+            return lib
     except ImportError:
         pass
     except Exception as exc:  # mpi4py's loader reports every path it tried
