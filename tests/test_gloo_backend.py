@@ -1,0 +1,440 @@
+"""The gloo backend (plugins/gloo) on real processes: contract, dtypes, split, isolation, failures.
+
+Each multi-process test starts its ranks directly with ``subprocess`` and the gloo
+environment variables (no launcher, so a dying rank does not stop the others). The
+rank programs are the ``_w_*`` functions below, run as ``python this_file.py NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+OURS = ("MLX_", "MESHCOMM_", "GLOO_", "MASTER_", "WORLD_SIZE", "RANK")
+
+
+# -- starting ranks --------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(rank: int, n: int, extra: dict[str, str] | None = None, *, port: int | None = None,
+         file: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OURS)}
+    env.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), MLX_TIMEOUT="60", PYTHONUNBUFFERED="1")
+    if file is not None:
+        env["MESHCOMM_GLOO_FILE"] = str(file)
+    else:
+        env.update(MESHCOMM_GLOO_ADDR="127.0.0.1", MESHCOMM_GLOO_PORT=str(port))
+    env.update(extra or {})
+    return env
+
+
+def start(n: int, args: list[str], extra: dict[str, str] | None = None, *, file: Path | None = None
+          ) -> list[subprocess.Popen[str]]:
+    """Start ``n`` ranks of ``python args`` with the gloo rendezvous variables set."""
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, *args], env=_env(r, n, extra, port=port, file=file),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            for r in range(n)]
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of every rank; a rank outliving ``timeout`` is killed."""
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+            e += "\n[test] killed: still running after the timeout (a hang)"
+        out.append((p.returncode, o, e))
+    return out
+
+
+def run(n: int, worker: str, extra: dict[str, str] | None = None, timeout: float = 120
+        ) -> list[tuple[int, str, str]]:
+    """Run worker ``worker`` on ``n`` ranks and require every rank to exit 0."""
+    res = finish(start(n, [str(HERE), worker], extra), timeout)
+    _all_ok(res)
+    return res
+
+
+def _all_ok(res: list[tuple[int, str, str]]) -> None:
+    bad = [(r, rc, e[-3000:]) for r, (rc, _, e) in enumerate(res) if rc != 0]
+    assert not bad, "\n".join(f"rank {r} exited {rc}:\n{e}" for r, rc, e in bad)
+
+
+# -- the contract ----------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_contract(n: int) -> None:
+    res = finish(start(n, ["-m", "meshcomm.testing.contract", "--backend", "gloo"]), timeout=150)
+    _all_ok(res)
+    for r, (_, out, _) in enumerate(res):
+        assert f"rank {r}/{n} on gloo: 11 passed, 0 failed" in out
+
+
+def test_contract_over_filestore(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-m", "meshcomm.testing.contract", "--backend", "gloo",
+                               "-k", "reductions"], env=_env(r, 2, file=store), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(2)]
+    _all_ok(finish(procs))
+
+
+# -- dtype plans (pure NumPy, no processes) -------------------------------------------
+def _cases() -> list[tuple[np.dtype, str]]:
+    from meshcomm.dtypes import SUPPORTED
+
+    return [(dt, op) for dt in SUPPORTED for op in ("sum", "max", "min")]
+
+
+@pytest.mark.parametrize(("dt", "op"), _cases(), ids=lambda v: str(v))
+def test_codec_matches_numpy(dt: np.dtype, op: str) -> None:
+    """Encoding, reducing on the wire dtype as gloo would, and decoding equals NumPy's reduction."""
+    from meshcomm_gloo.codecs import GLOO_WIRE, plan_for
+
+    plan = plan_for(dt, op)
+    if plan.generic:
+        assert dt.kind == "c" and op in ("max", "min")
+        return
+    assert plan.torch in GLOO_WIRE, f"{dt} {op} rides on {plan.torch}, which gloo cannot reduce"
+    inputs = _extreme_inputs(dt, 3)
+    f = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    want = inputs[0].copy()
+    with np.errstate(all="ignore"):
+        for x in inputs[1:]:
+            want = f(want, x).astype(dt)
+    before = [x.copy() for x in inputs]
+    wire = plan.wire
+    if plan.codec is None and plan.torch != plan.wire.name:  # bfloat16 rides as int16 bits
+        wire, wires = dt, [x.copy() for x in inputs]
+    elif plan.codec is None:
+        wires = [x.view(plan.wire) for x in inputs]
+    else:
+        wires = [plan.codec[0](x) for x in inputs]
+    wf = {"sum": np.add, "max": np.maximum, "min": np.minimum}[plan.op]
+    with np.errstate(all="ignore"):
+        acc = wires[0].copy()
+        for w in wires[1:]:
+            acc = wf(acc, w).astype(wire)
+    got = np.empty_like(inputs[0])
+    if plan.codec is None:
+        got.view(wire)[...] = acc.view(wire)
+    else:
+        plan.codec[1](acc, got)
+    assert all(np.array_equal(a, b, equal_nan=dt.kind in "fcV") for a, b in zip(inputs, before, strict=True))
+    if dt.kind == "f" or dt.name == "bfloat16":
+        assert np.array_equal(np.isnan(got.astype(np.float64)), np.isnan(want.astype(np.float64)))
+        ok = ~np.isnan(want.astype(np.float64))
+        assert np.array_equal(got[ok].astype(np.float64), want[ok].astype(np.float64)), (got, want)
+    else:
+        assert np.array_equal(got, want), (got, want)
+
+
+def _extreme_inputs(dt: np.dtype, n: int) -> list[np.ndarray]:
+    """Per-rank inputs with the dtype's edges: wrap-around, sign bits, inf and NaN."""
+    dt = np.dtype(dt)
+    rng = np.random.default_rng(7)
+    if dt == np.bool_:
+        return [rng.integers(0, 2, 40).astype(bool) for _ in range(n)]
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        edge = np.array([info.min, info.max, 0, 1, info.max // 2 + 1, info.min + 1], dtype=dt)
+        return [np.concatenate([np.roll(edge, q), rng.integers(info.min, info.max, 34, dtype=dt,
+                                                               endpoint=True)]) for q in range(n)]
+    if dt.kind == "c":
+        return [(np.round(rng.standard_normal(40) * 8) + 1j * np.round(rng.standard_normal(40) * 8)).astype(dt)
+                for _ in range(n)]
+    vals = np.array([np.nan, np.inf, -np.inf, 0.0, -1.5, 2.25, 65504.0, -3.0], dtype=np.float64)
+    out = []
+    for q in range(n):
+        v = np.concatenate([np.roll(vals, q), np.round(rng.standard_normal(32) * 8)])
+        out.append(v.astype(dt))
+    return out
+
+
+# -- gloo-specific behaviour on real ranks ---------------------------------------------
+def test_dtype_fallbacks_on_three_ranks() -> None:
+    run(3, "_w_dtypes")
+
+
+def test_split_makes_real_subgroups() -> None:
+    run(4, "_w_split")
+
+
+def test_no_global_torch_state() -> None:
+    run(2, "_w_isolation", {"TEST_TORCH_PORT": str(_free_port())})
+
+
+def test_plugin_import_is_light() -> None:
+    code = ("import sys, meshcomm_gloo.plugin as p; assert 'torch' not in sys.modules, 'torch imported';"
+            "assert p.available() is None; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_any_selects_gloo_when_its_environment_is_set() -> None:
+    res = run(2, "_w_any", {"MLX_BACKEND": "any"})
+    assert all("backend=gloo" in out for _, out, _ in res)
+
+
+def test_dead_peer_raises_on_survivors() -> None:
+    timeout = 20.0
+    procs = start(3, [str(HERE), "_w_dead", "kill"], {"MLX_TIMEOUT": str(timeout)})
+    t0 = time.monotonic()
+    res = finish(procs, timeout=90)
+    elapsed = time.monotonic() - t0
+    assert res[2][0] == -signal.SIGKILL, f"rank 2 should have killed itself: {res[2]}"
+    _all_ok(res[:2])
+    for r in (0, 1):
+        out = res[r][1]
+        assert "RAISED PeerLostError peer=2" in out, out + res[r][2][-2000:]
+        assert "rank 2" in out and "world rank 2" in out, out
+    assert elapsed < timeout, f"survivors took {elapsed:.1f} s; they must not wait for the timeout"
+
+
+def test_stopped_peer_times_out_on_survivors() -> None:
+    timeout = 3.0
+    procs = start(3, [str(HERE), "_w_dead", "stop"], {"MLX_TIMEOUT": str(timeout)})
+    try:
+        t0 = time.monotonic()
+        res = finish(procs[:2], timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        procs[2].kill()  # it stopped itself; SIGKILL ends a stopped process too
+        procs[2].communicate()
+    _all_ok(res)
+    for out in (res[0][1], res[1][1]):
+        assert "RAISED CommTimeoutError" in out, out
+        assert "is stopped" in out and "MLX_TIMEOUT" in out, out
+    assert elapsed < 30, f"survivors took {elapsed:.1f} s with MLX_TIMEOUT={timeout}"
+
+
+def test_missing_rank_times_out_at_start_up() -> None:
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, str(HERE), "_w_any"], env=_env(0, 2, {"MLX_TIMEOUT": "2"}, port=port),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    rc, out, err = finish([p], timeout=60)[0]
+    assert rc != 0 and "CommTimeoutError" in err and "MLX_WORLD_SIZE" in err, err[-2000:]
+
+
+# -- settings, environment, launcher (in process) ----------------------------------------
+def test_environment_says_what_is_missing() -> None:
+    from meshcomm.config import Config, load_settings
+    from meshcomm_gloo.plugin import environment
+    from meshcomm_gloo.settings import GlooSettings
+
+    s = load_settings(GlooSettings, environ={})
+    reason = environment(Config(), s)
+    assert reason is not None
+    for var in ("MLX_RANK", "MLX_WORLD_SIZE", "MESHCOMM_GLOO_PORT", "MESHCOMM_GLOO_FILE"):
+        assert var in reason
+    ok = load_settings(GlooSettings, environ={"MLX_WORLD_SIZE": "2", "MESHCOMM_GLOO_PORT": "1234"})
+    assert environment(Config(rank=1), ok) is None
+
+
+def test_bad_settings_name_the_variable() -> None:
+    from meshcomm.config import load_settings
+    from meshcomm.errors import ConfigError
+    from meshcomm_gloo.settings import GlooSettings
+
+    with pytest.raises(ConfigError, match="MESHCOMM_GLOO_PORT='70000'.*65535"):
+        load_settings(GlooSettings, environ={"MESHCOMM_GLOO_PORT": "70000"})
+    with pytest.raises(ConfigError, match="MLX_WORLD_SIZE='zero'"):
+        load_settings(GlooSettings, environ={"MLX_WORLD_SIZE": "zero"})
+
+
+def test_rank_beyond_world_size_is_a_config_error() -> None:
+    from meshcomm.config import Config
+    from meshcomm.errors import ConfigError
+    from meshcomm_gloo.plugin import factory
+    from meshcomm_gloo.settings import GlooSettings
+
+    with pytest.raises(ConfigError, match="MLX_RANK=2 is not below MLX_WORLD_SIZE=2"):
+        factory(Config(rank=2), GlooSettings(world_size=2, port=_free_port()))
+
+
+def test_unavailable_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from meshcomm_gloo import plugin
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    reason = plugin.available()
+    assert reason is not None and "torch is not installed" in reason and "torch==2.13.0" in reason
+
+
+def test_registered_with_settings_and_launcher() -> None:
+    from types import SimpleNamespace
+
+    from meshcomm.launch.spec import RankEnvLauncher, RankPlace
+    from meshcomm.registry import Registry
+
+    spec = Registry().load().spec("gloo")
+    assert spec.unavailable_reason() is None
+    assert isinstance(spec.launcher, RankEnvLauncher)
+    places = [RankPlace(r, None, "10.0.0.5", r) for r in range(3)]
+    asked = []
+    job = SimpleNamespace(nranks=3, places=places, job_id="job", secret="secret", tmpdir=Path("/tmp"),
+                          hosts=[None], free_port=lambda place: asked.append(place) or 4567, verbose=False)
+    envs = spec.launcher.rank_env(job)
+    assert asked == [places[0]], "the store port must be free on rank 0's host"
+    assert envs == [{"MESHCOMM_GLOO_ADDR": "10.0.0.5", "MESHCOMM_GLOO_PORT": "4567", "MLX_WORLD_SIZE": "3"}] * 3
+
+
+def test_error_translation_names_peer_and_fix() -> None:
+    from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
+    from meshcomm_gloo.errors import translate
+
+    lost = translate(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5"), where="rank 0 of w",
+                     op="all_sum", timeout=5, suspects=[(3, "rank 3 (world rank 3, pid 9) is gone")])
+    assert isinstance(lost, PeerLostError) and lost.peer == 3 and "rank 3" in str(lost)
+    slow = translate(RuntimeError("Timed out waiting 5000ms for recv operation to complete"), where="rank 0 of w",
+                     op="recv from rank 1", timeout=5, peer=1)
+    assert isinstance(slow, CommTimeoutError) and slow.peer == 1 and "MLX_TIMEOUT" in str(slow)
+    other = translate(RuntimeError("something odd"), where="rank 0 of w", op="barrier", timeout=5)
+    assert type(other) is DistributedError and "barrier" in str(other)
+
+
+# == rank programs (run in subprocesses) =================================================
+def _w_dtypes() -> None:
+    """Every fallback path on 3 real ranks, against NumPy, bit-identical on every rank."""
+    import meshcomm as mc
+    from meshcomm.dtypes import SUPPORTED
+    from meshcomm_gloo.codecs import plan_for
+
+    g = mc.init(strict=True, backend="gloo")
+    n, r = g.size(), g.rank()
+    fns = {"sum": (mc.all_sum, np.add), "max": (mc.all_max, np.maximum), "min": (mc.all_min, np.minimum)}
+    for dt in SUPPORTED:
+        inputs = _extreme_inputs(dt, n)
+        if dt.kind == "c":  # NaN and ties in the real part exercise NumPy's lexicographic order
+            for x in inputs:
+                x[:4] = [complex(1, r_) for r_ in range(4)]
+                x[4] = complex(np.nan, 0)
+        for op, (fn, f) in fns.items():
+            want = inputs[0].copy()
+            with np.errstate(all="ignore"):
+                for x in inputs[1:]:
+                    want = f(want, x).astype(dt)
+            got = fn(inputs[r], group=g)
+            where = f"rank {r}: all_{op}({dt}) via {plan_for(dt, op)}"
+            assert got.dtype == dt, where
+            assert np.array_equal(got, want, equal_nan=dt.kind in "fcV"), f"{where}: {got[:8]} != {want[:8]}"
+            raw = mc.all_gather(got.view(np.uint8), group=g).reshape(n, -1)
+            assert (raw == raw[0]).all(), f"{where}: not bit-identical on every rank"
+        # sum_scatter takes the same paths
+        blocks = np.stack([x[: 3 * n] for x in inputs])
+        with np.errstate(all="ignore"):
+            full = blocks[0].copy()
+            for b in blocks[1:]:
+                full = np.add(full, b).astype(dt)
+        got = mc.sum_scatter(blocks[r], group=g)
+        assert np.array_equal(got, full[3 * r : 3 * r + 3], equal_nan=True), f"rank {r}: sum_scatter({dt})"
+    print("dtypes ok")
+
+
+def _w_split() -> None:
+    """split builds a new ProcessGroupGloo per colour; nested splits and world stay usable."""
+    import meshcomm as mc
+
+    g = mc.init(strict=True, backend="gloo")
+    n, r = g.size(), g.rank()
+    world_pg = g.transport._pg
+    halves = g.split(r // 2, key=n - r)  # {0,1} and {2,3}, reversed
+    assert halves.transport._pg is not world_pg, "split must make its own ProcessGroupGloo"
+    assert type(halves.transport).__name__ == "GlooBackend"
+    assert halves.size() == 2 and halves.rank() == 1 - r % 2
+    mates = [q for q in range(n) if q // 2 == r // 2]
+    assert mc.all_gather(np.array([r]), group=halves).tolist() == sorted(mates, reverse=True)
+    assert mc.sum_scatter(np.arange(4, dtype=np.uint16) + r, group=halves).tolist() == \
+        (2 * np.arange(4, dtype=np.uint16) + sum(mates))[2 * halves.rank() : 2 * halves.rank() + 2].tolist()
+    odd = g.split(r % 2)
+    both = odd.split(0)  # nested
+    assert mc.all_sum(np.array([r]), group=both).tolist() == [sum(q for q in range(n) if q % 2 == r % 2)]
+    # concurrent use: each half and the world interleaved
+    for _ in range(3):
+        assert mc.all_max(np.array([r]), group=halves).tolist() == [max(mates)]
+        assert mc.all_sum(np.array([1]), group=g).tolist() == [n]
+    # a colour with one member
+    alone = g.split(r)
+    assert alone.size() == 1 and mc.all_sum(np.array([5]), group=alone).tolist() == [5]
+    print("split ok")
+
+
+def _w_isolation() -> None:
+    """meshcomm never touches torch.distributed's default group, and the user's own works beside it."""
+    import datetime
+
+    import meshcomm as mc
+    import torch
+    import torch.distributed as dist
+
+    g = mc.init(strict=True, backend="gloo")
+    r, n = g.rank(), g.size()
+    assert not dist.is_initialized(), "meshcomm initialised torch.distributed's default group"
+    assert mc.all_sum(np.ones(3), group=g).tolist() == [n] * 3
+    g.split(0).barrier()
+    assert not dist.is_initialized(), "split initialised torch.distributed's default group"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['TEST_TORCH_PORT']}", rank=r,
+                            world_size=n, timeout=datetime.timedelta(seconds=60))
+    for _ in range(3):  # interleaved: both groups in the same process
+        t = torch.full((4,), float(r + 1))
+        dist.all_reduce(t)
+        assert t.tolist() == [float(n * (n + 1) // 2)] * 4
+        assert mc.all_sum(np.full(4, r + 1.0), group=g).tolist() == [n * (n + 1) / 2] * 4
+    assert dist.get_world_size() == n and dist.get_rank() == r
+    dist.destroy_process_group()
+    assert mc.all_sum(np.array([2]), group=g).tolist() == [2 * n], "meshcomm broken by destroy_process_group"
+    print("isolation ok")
+
+
+def _w_any() -> None:
+    import meshcomm as mc
+
+    g = mc.init(strict=True)
+    assert mc.all_sum(np.array([1]), group=g).tolist() == [g.size()]
+    print(f"backend={g.backend}")
+
+
+def _w_dead() -> None:
+    """Rank 2 dies (SIGKILL) or freezes (SIGSTOP) mid-job; the others report what they raise."""
+    import meshcomm as mc
+
+    mode = sys.argv[2]
+    g = mc.init(strict=True, backend="gloo")
+    r = g.rank()
+    mc.all_sum(np.ones(8), group=g)
+    if r == 2:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        for _ in range(1_000_000):
+            mc.all_sum(np.ones(1024, np.float32), group=g)
+        print("NO ERROR")
+    except mc.DistributedError as exc:
+        peer = getattr(exc, "peer", None)
+        print(f"RAISED {type(exc).__name__} peer={peer} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
