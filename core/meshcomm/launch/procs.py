@@ -46,10 +46,14 @@ def remote_script(argv: Sequence[str], env: dict[str, str], cwd: str, files: dic
     lines = ["set -e", f"mkdir -p -m 700 {shlex.quote(filedir)}"]
     for name, content in files.items():
         marker = "MESHCOMM_EOF_" + os.urandom(6).hex()
-        lines.append(f"cat > {shlex.quote(filedir + '/' + name)} <<'{marker}'\n{content}\n{marker}")
+        final = shlex.quote(filedir + "/" + name)
+        tmp = shlex.quote(filedir + "/." + name) + ".$$"
+        # write aside and rename: ranks sharing the host never read a half-written file
+        lines.append(f"cat > {tmp} <<'{marker}'\n{content}\n{marker}\nmv -f {tmp} {final}")
     lines.append(f"cd {shlex.quote(cwd)}")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    lines.append('echo "MESHCOMM_PID $$"')
+    # pid and process group (field 5 of /proc/PID/stat), so the launcher can stop the group
+    lines.append('pg=$(cut -d" " -f5 /proc/$$/stat 2>/dev/null || echo 0); echo "MESHCOMM_PID $$ $pg"')
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
     return "\n".join(lines)
 
@@ -71,6 +75,7 @@ class RankProcess:
         self.host = host
         self.ssh = ssh
         self.remote_pid: int | None = None
+        self.remote_pgid: int | None = None
         tag = f"[rank {rank}] "
         if host is None:
             cmd = argv
@@ -99,10 +104,13 @@ class RankProcess:
 
     def _pid_line(self, line: bytes) -> bool:
         if line.startswith(b"MESHCOMM_PID "):
+            parts = line.split()
             try:
-                self.remote_pid = int(line.split()[1])
+                self.remote_pid = int(parts[1])
+                pgid = int(parts[2]) if len(parts) > 2 else 0
             except (IndexError, ValueError):
                 return False
+            self.remote_pgid = pgid if pgid > 1 else None
             return True
         return False
 
@@ -110,19 +118,24 @@ class RankProcess:
         return self.proc.poll()
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the rank's whole process group (locally, or over ssh)."""
-        if self.proc.poll() is not None:
-            return
+        """Send ``sig`` to the rank's whole process group (locally, or over ssh) — also after
+        the rank itself exited, so that what it started does not outlive the job."""
         if self.host is None:
             try:
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
             return
         if self.remote_pid is not None:
             name = signal.Signals(sig).name.replace("SIG", "")
+            if self.remote_pgid is not None:
+                command = f"kill -{name} -{self.remote_pgid} 2>/dev/null || true"
+            elif self.proc.poll() is None:
+                command = remote_kill_command(name, self.remote_pid)
+            else:
+                return
             try:
-                subprocess.run([*self.ssh, self.host, remote_kill_command(name, self.remote_pid)],
+                subprocess.run([*self.ssh, self.host, command],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, timeout=10, check=False)
             except subprocess.TimeoutExpired:

@@ -210,15 +210,15 @@ def _culprit(failures: list[tuple[int, int]]) -> tuple[int, int] | None:
 
 
 def _stop(procs: list[RankProcess]) -> None:
-    """SIGTERM every running rank, then SIGKILL what is left after the grace period."""
+    """SIGTERM every rank's process group, then SIGKILL them after the grace period (groups
+    of ranks that already exited too: what they started must not outlive the job)."""
     for p in procs:
         p.signal(signal.SIGTERM)
     deadline = time.monotonic() + GRACE
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
     for p in procs:
-        if p.poll() is None:
-            p.signal(signal.SIGKILL)
+        p.signal(signal.SIGKILL)
     for p in procs:
         try:
             p.proc.wait(5)
