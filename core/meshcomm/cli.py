@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         pass
     else:
         add_launch(sub)
+    from .bench.cli import add_parser as add_bench
+    add_bench(sub)
     return p
 
 

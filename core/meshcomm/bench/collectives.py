@@ -1,0 +1,176 @@
+"""What each benchmarked operation sends, what it must return, and its bus-bandwidth factor.
+
+Sizes follow nccl-tests: ``size`` is the whole buffer of the operation — the input of
+``all_sum``/``sum_scatter``/``broadcast``/``sendrecv`` and the *output* of
+``all_gather`` (each rank contributes ``size / n``). Element counts are rounded down so
+they split evenly over the ranks (at least one element per rank), so the bytes actually
+moved can differ slightly from the size asked for; results report the actual size.
+
+Inputs are small integers (``i % 7 + rank``) so every sum is exact in every dtype and the
+expected result can be compared bit for bit; a buffer whose elements are all equal would
+hide reordering bugs, so the pattern varies along the array.
+
+Bus bandwidth (nccl-tests' ``busbw``) rescales algorithm bandwidth ``size / time`` to
+what each link must carry, so results are comparable across rank counts:
+``all_sum`` 2(n-1)/n, ``all_gather`` and ``sum_scatter`` (n-1)/n, ``broadcast`` and
+``sendrecv`` 1. ``sendrecv`` sends ``size`` bytes to rank r+1 while receiving from rank
+r-1; meshcomm's ``send`` blocks until the transport has the data, so even ranks send
+first and odd ranks receive first (no deadlock, but on two ranks the two directions run
+one after the other).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..group import Group
+
+__all__ = ["Collective", "Case", "OPS", "bus_factor", "rank_input", "describe_mismatch"]
+
+
+def rank_input(count: int, dtype: np.dtype, rank: int) -> np.ndarray:
+    """The buffer rank ``rank`` sends: ``i % 7 + rank`` in ``dtype`` (exact sums, varying values)."""
+    return (np.arange(count, dtype=np.int64) % 7 + rank).astype(dtype)
+
+
+def describe_mismatch(got: Any, expected: np.ndarray) -> str | None:
+    """None when ``got`` equals ``expected`` bit for bit in shape, dtype and values; else why not."""
+    if not isinstance(got, np.ndarray):
+        return f"got a {type(got).__name__}, expected a NumPy array"
+    if got.dtype != expected.dtype:
+        return f"dtype {got.dtype}, expected {expected.dtype}"
+    if got.shape != expected.shape:
+        return f"shape {got.shape}, expected {expected.shape}"
+    g = np.ascontiguousarray(got).reshape(-1)
+    e = np.ascontiguousarray(expected).reshape(-1)
+    differs = (g.view(np.uint8).reshape(g.size, -1) != e.view(np.uint8).reshape(e.size, -1)).any(axis=1)
+    wrong = np.flatnonzero(differs)
+    if wrong.size == 0:
+        return None
+    i = int(wrong[0])
+    return (f"{wrong.size} of {e.size} elements differ; first at index {i}: "
+            f"got {g[i]!r}, expected {e[i]!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One operation at one size on one rank: the call to time and how to check its result."""
+
+    nbytes: int  #: the operation's whole buffer, as nccl-tests counts it (see module doc)
+    count: int  #: elements of that buffer
+    call: Callable[[], Any]
+    expected: np.ndarray | None  #: what this rank must get back (None: nothing to check)
+
+    def check(self, result: Any) -> str | None:
+        """None if ``result`` is right, else a description of what is wrong."""
+        if self.expected is None:
+            return None
+        return describe_mismatch(result, self.expected)
+
+
+def _meshcomm_op(name: str) -> Callable[..., Any]:
+    """``meshcomm.<name>`` looked up at call time (so tests can substitute a broken one)."""
+    import meshcomm
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(meshcomm, name)(*args, **kwargs)
+    return call
+
+
+def _all_sum(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    count = max(1, nbytes // dtype.itemsize)
+    x = rank_input(count, dtype, r)
+    expected = functools.reduce(np.add, (rank_input(count, dtype, k) for k in range(n)))
+    op = _meshcomm_op("all_sum")
+    return Case(count * dtype.itemsize, count, lambda: op(x, group=g), np.asarray(expected, dtype=dtype))
+
+
+def _all_gather(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    per = max(1, nbytes // dtype.itemsize // n)
+    x = rank_input(per, dtype, r)
+    expected = np.concatenate([rank_input(per, dtype, k) for k in range(n)])
+    op = _meshcomm_op("all_gather")
+    return Case(per * n * dtype.itemsize, per * n, lambda: op(x, group=g), expected)
+
+
+def _sum_scatter(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    per = max(1, nbytes // dtype.itemsize // n)
+    x = rank_input(per * n, dtype, r)
+    total = functools.reduce(np.add, (rank_input(per * n, dtype, k) for k in range(n)))
+    expected = np.asarray(total, dtype=dtype)[r * per:(r + 1) * per].copy()
+    op = _meshcomm_op("sum_scatter")
+    return Case(per * n * dtype.itemsize, per * n, lambda: op(x, group=g), expected)
+
+
+def _broadcast(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    count = max(1, nbytes // dtype.itemsize)
+    x = rank_input(count, dtype, g.rank())  # non-root contents differ, so a wrong copy shows
+    op = _meshcomm_op("broadcast")
+    return Case(count * dtype.itemsize, count, lambda: op(x, 0, group=g), rank_input(count, dtype, 0))
+
+
+def _sendrecv(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    count = max(1, nbytes // dtype.itemsize)
+    x = rank_input(count, dtype, r)
+    dst, src = (r + 1) % n, (r - 1) % n
+    send, recv_like = _meshcomm_op("send"), _meshcomm_op("recv_like")
+
+    def call() -> Any:
+        if r % 2 == 0:
+            send(x, dst, group=g)
+            return recv_like(x, src, group=g)
+        got = recv_like(x, src, group=g)
+        send(x, dst, group=g)
+        return got
+    return Case(count * dtype.itemsize, count, call, rank_input(count, dtype, src))
+
+
+def _barrier(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    return Case(0, 0, g.barrier, None)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A benchmarked operation: how to build a :class:`Case` and how to scale bus bandwidth."""
+
+    name: str
+    make: Callable[[Group, int, np.dtype], Case]
+    sized: bool = True  #: False for barrier (one row, no bandwidth)
+    min_ranks: int = 1
+
+    def bus_factor(self, n: int) -> float:
+        """busbw / algbw for ``n`` ranks (nccl-tests convention)."""
+        return bus_factor(self.name, n)
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw of ``op`` on ``n`` ranks: 2(n-1)/n all_sum, (n-1)/n gather/scatter, else 1."""
+    if n < 1:
+        raise ValueError(f"rank count must be >= 1, got {n}")
+    if op == "all_sum":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "sum_scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "sendrecv", "barrier"):
+        return 1.0
+    raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
+
+
+#: every operation ``meshcomm bench --op`` knows, in display order
+OPS: dict[str, Collective] = {c.name: c for c in (
+    Collective("all_sum", _all_sum),
+    Collective("all_gather", _all_gather),
+    Collective("sum_scatter", _sum_scatter),
+    Collective("broadcast", _broadcast),
+    Collective("sendrecv", _sendrecv, min_ranks=2),
+    Collective("barrier", _barrier, sized=False),
+)}
