@@ -1,7 +1,8 @@
 """Benchmark: meshcomm's ``all_sum`` on the gloo backend vs raw torch.distributed gloo.
 
-Both run in the same processes on the same float32 buffers, interleaved size by size,
-so machine noise hits both alike. The raw side is what a torch user writes:
+Both run in the same processes on the same float32 buffers. For each size, blocks of
+back-to-back calls of either side alternate (the order flips every round), and the
+median block time per call is reported, the slowest rank's. The raw side is what a torch user writes:
 ``init_process_group("gloo")`` then ``dist.all_reduce(tensor)`` in place on a tensor
 viewing the NumPy buffer. meshcomm must also leave the input untouched and return a
 new array, so it copies the buffer once per call; that copy is part of what is timed.
@@ -35,23 +36,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _reps(nbytes: int) -> int:
+def _plan(nbytes: int) -> tuple[int, int]:
+    """(rounds, calls per timed block) for a message size: about 5 ms or more per block."""
     if nbytes >= 16 << 20:
-        return 7
+        return 7, 1
     if nbytes >= 1 << 20:
-        return 25
-    return 200
+        return 11, 4
+    if nbytes >= 64 << 10:
+        return 15, 20
+    return 15, 100
 
 
 def worker(max_bytes: int) -> None:
     """One rank: time both sides for every size; rank 0 prints JSON results."""
     import datetime
 
+    import meshcomm as mc
     import numpy as np
     import torch
     import torch.distributed as dist
-
-    import meshcomm as mc
 
     g = mc.init(strict=True, backend="gloo")
     rank, size = g.rank(), g.size()
@@ -67,15 +70,16 @@ def worker(max_bytes: int) -> None:
             mc.all_sum(x, group=g)
             dist.all_reduce(t)
         times: dict[str, list[float]] = {"meshcomm": [], "torch": []}
-        for _ in range(_reps(nbytes)):
-            g.barrier()
-            t0 = time.perf_counter()
-            mc.all_sum(x, group=g)
-            times["meshcomm"].append(time.perf_counter() - t0)
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            times["torch"].append(time.perf_counter() - t0)
+        sides = {"meshcomm": lambda x=x: mc.all_sum(x, group=g), "torch": lambda t=t: dist.all_reduce(t)}
+        rounds, calls = _plan(nbytes)
+        for i in range(rounds):  # alternate which side goes first, so drift hits both alike
+            for name in (("meshcomm", "torch") if i % 2 == 0 else ("torch", "meshcomm")):
+                fn = sides[name]
+                g.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / calls)
         # each rank's median; the slowest rank's median is what the job sees
         med = np.array([statistics.median(times["meshcomm"]), statistics.median(times["torch"])])
         worst = mc.all_max(med, group=g)
