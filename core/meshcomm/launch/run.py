@@ -135,13 +135,14 @@ def launch(
         envs = support.rank_env(job)
         if len(envs) != n:
             raise ConfigError(f"backend {spec.name!r} launcher returned {len(envs)} environments for {n} ranks")
-        return _run_ranks(job, prog, base, envs, workdir, prefix, verbose, shlex.split(ssh))
+        cleanup = support.cleanup_command(job) if hasattr(support, "cleanup_command") else None
+        return _run_ranks(job, prog, base, envs, workdir, prefix, verbose, shlex.split(ssh), cleanup)
     finally:
         job.cleanup()
 
 
 def _run_ranks(job: Job, prog: list[str], base: dict[str, str], envs: list[dict[str, str]], cwd: str,
-               prefix: bool, verbose: bool, ssh: list[str]) -> int:
+               prefix: bool, verbose: bool, ssh: list[str], cleanup: str | None) -> int:
     mux = OutputMux(prefix)
     procs: list[RankProcess] = []
     with _Interrupt() as intr:
@@ -180,7 +181,7 @@ def _run_ranks(job: Job, prog: list[str], base: dict[str, str], envs: list[dict[
             _stop(procs)
         for p in procs:
             p.join_output()
-        _cleanup_remote(job, ssh)
+        _cleanup_hosts(job, ssh, cleanup)
     if intr.signum is not None:
         sys.stderr.write(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
@@ -226,11 +227,21 @@ def _stop(procs: list[RankProcess]) -> None:
             pass
 
 
-def _cleanup_remote(job: Job, ssh: list[str]) -> None:
+def _cleanup_hosts(job: Job, ssh: list[str], backend_cmd: str | None) -> None:
+    """Remove the job's files on remote hosts and run the backend's clean-up command (if
+    any) on every host, whatever way the job ended."""
     for host in job.hosts:
-        if host is not None:
-            subprocess.run([*ssh, host, f"rm -rf {shlex.quote(str(job.dir))}"], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=15, check=False)
+        parts = [] if host is None else [f"rm -rf {shlex.quote(str(job.dir))}"]
+        if backend_cmd:
+            parts.append(backend_cmd)
+        if not parts:
+            continue
+        cmd = ["bash", "-c", "; ".join(parts)] if host is None else [*ssh, host, "; ".join(parts)]
+        try:
+            subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=15, check=False)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _run_external(cmd: list[str], base: dict[str, str], cwd: str, verbose: bool) -> int:

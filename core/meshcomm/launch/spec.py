@@ -9,6 +9,9 @@ A backend plugin that wants ``meshcomm launch -n N --backend NAME`` to work pass
   one command that starts the whole job through another launcher (MPI's ``mpiexec``);
   meshcomm then runs that single command and forwards its output and exit status.
 
+A ``rank_env`` launcher may also have ``cleanup_command(job) -> str | None``: a shell
+command the launcher runs on every host when the job ends, however it ended.
+
 The launcher always sets ``MLX_BACKEND``, ``MLX_RANK``, ``MLX_WORLD_SIZE``,
 ``MESHCOMM_JOB_ID``, ``MESHCOMM_JOB_SECRET`` and ``MLX_TIMEOUT`` (when given) for
 every rank it starts itself.

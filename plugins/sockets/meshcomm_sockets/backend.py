@@ -20,6 +20,7 @@ from meshcomm.dtypes import dtype_code, reducer
 
 from . import wire
 from .engine import Call, Fabric, Link, as_bytes
+from .shm import ShmGroup
 
 __all__ = ["SocketsBackend", "SMALL_BYTES", "FRAME_BYTES"]
 
@@ -49,6 +50,10 @@ class SocketsBackend(Backend):
         self._received: defaultdict[int, int] = defaultdict(int)
         self._splits = 0
         self._call: Call | None = None
+        #: shared memory of this host's ranks (world group only), see topology.py
+        self.shm: ShmGroup | None = None
+        self.shm_mode = "tcp"
+        self.leader_backend: SocketsBackend | None = None
 
     def rank(self) -> int:
         return self._rank
@@ -97,7 +102,13 @@ class SocketsBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        with self._op(f"all_{op}", sendbuf):
+        with self._op(f"all_{op}", sendbuf) as call:
+            if self.shm_mode == "local" and self.shm is not None:
+                self.shm.all_reduce(call, sendbuf, recvbuf, op)
+                return
+            if self.shm_mode == "hier":
+                self._hierarchical_all_reduce(call, sendbuf, recvbuf, op)
+                return
             n = self.size()
             if sendbuf.nbytes <= SMALL_BYTES or sendbuf.size < n * 2:
                 recvbuf[...] = sendbuf
@@ -105,8 +116,23 @@ class SocketsBackend(Backend):
             else:
                 self._ring(sendbuf, recvbuf, op, offset=0, gather=True)
 
+    def _hierarchical_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """Reduce within the host (shared memory), across hosts (TCP between the hosts'
+        first ranks), then hand the result to the host's other ranks (shared memory)."""
+        if self.shm is not None:
+            self.shm.all_reduce(call, sendbuf, recvbuf, op)
+        else:
+            recvbuf[...] = sendbuf
+        if self.leader_backend is not None:
+            self.leader_backend.all_reduce(recvbuf.copy(), recvbuf, op)
+        if self.shm is not None:
+            self.shm.broadcast(call, recvbuf, 0)
+
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        with self._op("sum_scatter", sendbuf):
+        with self._op("sum_scatter", sendbuf) as call:
+            if self.shm_mode == "local" and self.shm is not None:
+                self.shm.reduce_scatter(call, sendbuf, recvbuf, op)
+                return
             n, r, m = self.size(), self.rank(), recvbuf.size
             if sendbuf.nbytes <= SMALL_BYTES:
                 full = np.empty_like(sendbuf)
@@ -119,17 +145,26 @@ class SocketsBackend(Backend):
             recvbuf[...] = work[r * m : (r + 1) * m]
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        with self._op("all_gather", sendbuf):
-            algorithms.all_gather(self, sendbuf, recvbuf)
+        with self._op("all_gather", sendbuf) as call:
+            if self.shm_mode == "local" and self.shm is not None:
+                self.shm.all_gather(call, sendbuf, recvbuf)
+            else:
+                algorithms.all_gather(self, sendbuf, recvbuf)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
-        with self._op("broadcast", buf):
-            algorithms.broadcast(self, buf, root)
+        with self._op("broadcast", buf) as call:
+            if self.shm_mode == "local" and self.shm is not None:
+                self.shm.broadcast(call, buf, root)
+            else:
+                algorithms.broadcast(self, buf, root)
 
     def barrier(self) -> None:
         token = np.zeros(0, np.uint8)
-        with self._op("barrier", token):
-            algorithms.barrier(self)
+        with self._op("barrier", token) as call:
+            if self.shm_mode == "local" and self.shm is not None:
+                self.shm.barrier(call)
+            else:
+                algorithms.barrier(self)
 
     def split(self, color: int, key: int) -> Backend:
         pair = np.zeros(2, np.int64)
@@ -143,6 +178,8 @@ class SocketsBackend(Backend):
 
     def close(self) -> None:
         if self._owner:
+            if self.shm is not None:
+                self.shm.close()
             self.fabric.close()
 
     # -- the pipelined ring ---------------------------------------------------------------

@@ -159,8 +159,7 @@ class Fabric:
         both directions and the reductions run at once (for large transfers; the helper's
         errors are raised here).
         """
-        if self.failure is not None:
-            raise _again(self.failure)
+        self.check()
         try:
             if threaded:
                 self._progress_threaded(links)
@@ -407,6 +406,35 @@ class Fabric:
         err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]
         link.closed = True
         return err
+
+    def check(self) -> None:
+        """Raise at once if an earlier operation failed: the streams are no longer in step."""
+        if self.failure is not None:
+            raise _again(self.failure)
+
+    def probe(self, link: Link) -> bool:
+        """Look at a link that became readable while this rank waited elsewhere (in shared
+        memory): raise if the peer closed it or sent an ABORT frame; return True if it holds
+        an ordinary frame of a later operation (leave it for that operation)."""
+        if link.cur is not None:  # a frame is being read: the stream is not at a boundary
+            return True
+        try:
+            head = link.sock.recv(wire.HEADER_SIZE, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise self._lost(link, f"connection reset ({exc.strerror})") from None
+        if not head:
+            raise self._lost(link, "connection closed")
+        if len(head) < wire.HEADER_SIZE:
+            return False
+        group, seq, op, dtype, nbytes, _total = wire.HEADER.unpack(head)
+        if op != wire.ABORT:
+            return True
+        link.sock.recv(wire.HEADER_SIZE)
+        link.got = 0
+        dummy = _Expect(Call(0, 0, 0, 0, 0, "?"), memoryview(bytearray(0)), None)
+        raise self._abort_from(link, dtype, nbytes, dummy, None if group == 0xFFFFFFFF else group)
 
     # -- failure ------------------------------------------------------------------------
     def fail(self, exc: DistributedError) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from importlib import metadata
 from typing import Any
@@ -34,6 +35,18 @@ class SocketsSettings(BaseModel):
     chunk_kib: int = setting(
         256, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
         description="chunk size of the pipelined ring, KiB (the same on every rank)", ge=4, le=65536,
+    )
+    shm: bool = setting(
+        True, env="MESHCOMM_SOCKETS_SHM", accepts="1/0, true/false",
+        description="ranks on the same host exchange data through shared memory (0: TCP only)",
+    )
+    shm_piece_kib: int = setting(
+        512, env="MESHCOMM_SOCKETS_SHM_PIECE_KIB", accepts="an integer from 4 to 65536",
+        description="size of one shared-memory slot, KiB (the same on every rank)", ge=4, le=65536,
+    )
+    host_id: str | None = setting(
+        None, env="MESHCOMM_HOST_ID", accepts="any string",
+        description="names this rank's host for shared memory (default: hostname + boot id + /dev/shm)",
     )
     listen_fd: int | None = setting(
         None, env="MESHCOMM_SOCKETS_LISTEN_FD", accepts="an inherited listening socket's file descriptor",
@@ -85,7 +98,13 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
     socks = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib),
                       timeout=config.timeout, bind=settings.bind, listener=listener)
     fabric = Fabric(config.rank, len(peers), socks, config.timeout)
-    return SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True)
+    world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True)
+    if len(peers) > 1:
+        from .topology import attach_shared_memory
+
+        attach_shared_memory(world, enabled=settings.shm, piece=settings.shm_piece_kib * 1024,
+                             host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"))
+    return world
 
 
 class SocketsLauncher:
@@ -104,11 +123,18 @@ class SocketsLauncher:
             env = {}
             if fd is not None:
                 env["MESHCOMM_SOCKETS_LISTEN_FD"] = str(fd)
+            else:  # ranks the launcher placed on different hosts never share memory
+                env["MESHCOMM_HOST_ID"] = f"launch-host:{place.host}"
             envs.append(env)
         path = job.add_file("hostfile.json", json.dumps(entries, indent=1))
         for env in envs:
             env["MLX_HOSTFILE"] = path
         return envs
+
+    def cleanup_command(self, job: Any) -> str:
+        """Run on every host when the job ends: shared memory of a rank that died during
+        start-up (normally the names are removed as soon as every local rank opened them)."""
+        return f"rm -f /dev/shm/meshcomm-{job.job_id}-*"
 
 
 @hookimpl

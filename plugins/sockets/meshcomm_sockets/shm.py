@@ -1,0 +1,317 @@
+"""Shared memory between the ranks of one host: the fast path of the sockets backend.
+
+Ranks that share a host (decided by an explicit host identity exchanged at start-up:
+``MESHCOMM_HOST_ID``, else hostname + boot id + the device of ``/dev/shm``) map one
+segment: a control line per rank and two data slots per rank. A collective moves the
+array in pieces; for each piece every rank copies its part into its slot, publishes a
+sequence number, waits until every local rank has published it, then reads what it
+needs from the others' slots (for a reduction: all slots, combined in rank order, so
+every rank computes the same bytes). Two slots per rank and one wait per piece are
+enough: a rank overwrites a slot only after every rank has published the next piece,
+which each does only after it finished reading the previous one.
+
+Waiting never spins for long: after a short check a rank announces that it sleeps and
+blocks in ``poll`` on its own FIFO (a peer that publishes writes one byte to the FIFO of
+every sleeping peer) and on the TCP connections of its local peers, which report a dead
+peer (closed connection) or a failure elsewhere (ABORT frame) at once.
+
+The segment and the FIFOs are unlinked as soon as every local rank has opened them, so
+nothing is left in ``/dev/shm`` when the job ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from meshcomm.dtypes import reducer
+from meshcomm.errors import CollectiveMismatchError, CommTimeoutError, DistributedError
+
+from .engine import Call, Fabric, _describe
+
+__all__ = ["host_key", "ShmGroup", "SHM_DIR"]
+
+SHM_DIR = Path("/dev/shm")
+_LINE = 16  # int64 words per rank's control line (two cache lines)
+_SEQ, _WAIT = 0, 1  # then, per slot parity p, the call descriptor at 2 + 4p: op, dtype, total, seq
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier (lock/unlock pairs are atomic read-modify-writes)."""
+    with _fence_lock:
+        pass
+    with _fence_lock:
+        pass
+
+
+def host_key(override: str | None = None) -> bytes:
+    """16 bytes naming this host for shared memory: equal only where /dev/shm is shared."""
+    if override:
+        text = "id:" + override
+    else:
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            boot = "?"
+        try:
+            dev = os.stat(SHM_DIR).st_dev
+        except OSError:
+            dev = -1
+        text = f"{socket.gethostname()}|{boot}|{dev}"
+    return hashlib.sha256(text.encode()).digest()[:16]
+
+
+class ShmGroup:
+    """The shared-memory channel of the local ranks ``local`` (world ranks, sorted)."""
+
+    def __init__(self, fabric: Fabric, local: list[int], name: str, piece: int, create: bool) -> None:
+        self.fabric = fabric
+        self.local = local
+        self.n = len(local)
+        self.me = local.index(fabric.rank)
+        self.piece = piece
+        self.timeout = fabric.timeout
+        self.seq = 0
+        self.spin = 200 if self.n <= (os.cpu_count() or 1) else 0
+        size = 8 * _LINE * self.n + 2 * self.n * piece
+        path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=_LINE * self.n).reshape(self.n, _LINE)
+        self.data = np.frombuffer(self.map, dtype=np.uint8, offset=8 * _LINE * self.n)
+        # my wake-up FIFO; peers' FIFOs are opened in connect_fifos()
+        self.fifo_path = SHM_DIR / f"{name}.fifo{self.me}"
+        os.mkfifo(self.fifo_path, 0o600)
+        self.fifo = os.open(self.fifo_path, os.O_RDWR | os.O_NONBLOCK)
+        self.peer_fifos: dict[int, int] = {}
+        self.links = [fabric.links[q] for q in local if q != fabric.rank]
+
+    def connect_fifos(self, name: str) -> None:
+        """Open every local peer's FIFO (after all created theirs)."""
+        for i in range(self.n):
+            if i != self.me:
+                self.peer_fifos[i] = os.open(SHM_DIR / f"{name}.fifo{i}", os.O_WRONLY | os.O_NONBLOCK)
+
+    def unlink(self, leader: bool) -> None:
+        """Remove the names (after everyone opened them); the mappings stay valid."""
+        for p in ([self.path] if leader else []) + [self.fifo_path]:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        for fd in [self.fifo, *self.peer_fifos.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.peer_fifos.clear()
+        try:
+            self.ctrl = self.data = np.zeros(0)  # drop views before closing the map
+            self.map.close()
+        except (BufferError, ValueError):
+            pass
+
+    # -- slots ----------------------------------------------------------------------------
+    def slot(self, i: int, k: int, dtype: np.dtype, count: int) -> np.ndarray:
+        off = (2 * i + (k & 1)) * self.piece
+        return self.data[off : off + count * dtype.itemsize].view(dtype)
+
+    # -- synchronisation ------------------------------------------------------------------
+    def _publish(self, call: Call) -> None:
+        line = self.ctrl[self.me]
+        d = 2 + 4 * (self.seq & 1)  # a peer reads it before we can reach the same parity again
+        line[d : d + 4] = (call.op, call.dtype, call.total, call.seq)
+        self.seq += 1
+        _fence()
+        line[_SEQ] = self.seq
+        _fence()
+        for i, fd in self.peer_fifos.items():
+            w = int(self.ctrl[i, _WAIT])
+            if 0 < w <= self.seq:
+                try:
+                    os.write(fd, b"\0")
+                except BlockingIOError:
+                    pass  # its FIFO is full of wake-ups already
+
+    def _ready(self) -> bool:
+        return bool((self.ctrl[:, _SEQ] >= self.seq).all())
+
+    def _wait(self, call: Call) -> None:
+        if not self._ready():
+            for _ in range(self.spin):
+                if self._ready():
+                    break
+            else:
+                self._sleep(call)
+        _fence()
+        self._check(call)
+
+    def _sleep(self, call: Call) -> None:
+        me = self.ctrl[self.me]
+        poller = select.poll()
+        poller.register(self.fifo, select.POLLIN)
+        watch = {lk.fd: lk for lk in self.links}
+        for fd in watch:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            me[_WAIT] = self.seq
+            _fence()
+            if self._ready():
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                lagging = [self.local[i] for i in range(self.n) if self.ctrl[i, _SEQ] < self.seq]
+                who = ("rank " if len(lagging) == 1 else "ranks ") + ", ".join(map(str, lagging))
+                raise CommTimeoutError(
+                    f"rank {self.fabric.rank}: {who} (same host, shared memory) did not join "
+                    f"{call.describe()} in group {call.label} for {self.timeout:g} s. "
+                    f"{'It is' if len(lagging) == 1 else 'They are'} stuck, slower than MLX_TIMEOUT, "
+                    "or calling a different operation.",
+                    peer=lagging[0] if lagging else None,
+                )
+            events = poller.poll(min(left, 0.01) * 1000)
+            if any(fd == self.fifo for fd, _ in events):
+                try:
+                    while os.read(self.fifo, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            if self._ready():  # a peer may publish and then exit: its data counts first
+                break
+            for fd, _ev in events:
+                if fd != self.fifo and self.fabric.probe(watch[fd]):
+                    poller.unregister(fd)  # data of a later operation: not our concern now
+        me[_WAIT] = 0
+
+    def _check(self, call: Call) -> None:
+        mine = (call.op, call.dtype, call.total, call.seq)
+        d = 2 + 4 * ((self.seq - 1) & 1)
+        for i in range(self.n):
+            theirs = tuple(int(v) for v in self.ctrl[i, d : d + 4])
+            if theirs != mine:
+                raise CollectiveMismatchError(
+                    f"rank {self.fabric.rank} called {call.describe()} in group {call.label}, but local "
+                    f"rank {self.local[i]} is in {_describe(theirs[0], theirs[3], theirs[1], theirs[2])} "
+                    "(shared memory). Every rank must make the same calls in the same order with the "
+                    "same shapes and dtypes."
+                )
+
+    def _step(self, call: Call, fill: Callable[[], None] | None, use: Callable[[], None] | None) -> None:
+        self.fabric.check()
+        try:
+            if fill is not None:
+                fill()
+            self._publish(call)
+            self._wait(call)
+            if use is not None:
+                use()
+        except DistributedError as exc:
+            self.fabric.fail(exc)
+            raise
+
+    def _pieces(self, count: int, itemsize: int) -> range:
+        return range(0, count, max(1, self.piece // itemsize))
+
+    # -- collectives ----------------------------------------------------------------------
+    def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        f = reducer(op)
+        dt = sendbuf.dtype
+        per = max(1, self.piece // dt.itemsize)
+        for lo in self._pieces(sendbuf.size, dt.itemsize):
+            hi = min(lo + per, sendbuf.size)
+            k = self.seq
+            mine = self.slot(self.me, k, dt, hi - lo)
+
+            def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
+                out = recvbuf[lo:hi]
+                f(self.slot(0, k, dt, hi - lo), self.slot(1, k, dt, hi - lo), out=out)
+                for i in range(2, self.n):
+                    f(out, self.slot(i, k, dt, hi - lo), out=out)
+
+            self._step(call, lambda m=mine, lo=lo, hi=hi: m.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
+
+    def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """This local rank's block (``len(recvbuf)`` elements at ``me * len``) of the reduction."""
+        f = reducer(op)
+        dt = sendbuf.dtype
+        m = recvbuf.size
+        first, last = self.me * m, (self.me + 1) * m
+        per = max(1, self.piece // dt.itemsize)
+        for lo in self._pieces(sendbuf.size, dt.itemsize):
+            hi = min(lo + per, sendbuf.size)
+            k = self.seq
+            mine = self.slot(self.me, k, dt, hi - lo)
+
+            def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
+                a, b = max(lo, first), min(hi, last)
+                if a >= b:
+                    return
+                out = recvbuf[a - first : b - first]
+                s = slice(a - lo, b - lo)
+                f(self.slot(0, k, dt, hi - lo)[s], self.slot(1, k, dt, hi - lo)[s], out=out)
+                for i in range(2, self.n):
+                    f(out, self.slot(i, k, dt, hi - lo)[s], out=out)
+
+            self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
+
+    def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        dt = sendbuf.dtype
+        m = sendbuf.size
+        per = max(1, self.piece // dt.itemsize)
+        for lo in self._pieces(m, dt.itemsize):
+            hi = min(lo + per, m)
+            k = self.seq
+            mine = self.slot(self.me, k, dt, hi - lo)
+
+            def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
+                for i in range(self.n):
+                    if i != self.me:
+                        recvbuf[i * m + lo : i * m + hi] = self.slot(i, k, dt, hi - lo)
+
+            self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
+        recvbuf[self.me * m : (self.me + 1) * m] = sendbuf
+
+    def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
+        """``root`` is a local index."""
+        dt = buf.dtype
+        per = max(1, self.piece // dt.itemsize)
+        for lo in self._pieces(buf.size, dt.itemsize):
+            hi = min(lo + per, buf.size)
+            k = self.seq
+            if self.me == root:
+                mine = self.slot(self.me, k, dt, hi - lo)
+                self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, buf[lo:hi]), None)
+            else:
+                self._step(call, None, lambda k=k, lo=lo, hi=hi: buf[lo:hi].__setitem__(
+                    Ellipsis, self.slot(root, k, dt, hi - lo)))
+
+    def barrier(self, call: Call) -> None:
+        self._step(call, None, None)
+
+
+def new_name(job_id: str | None) -> str:
+    """A segment name the launcher can find and remove if a job dies during start-up."""
+    return f"meshcomm-{job_id or 'nojob'}-{secrets.token_hex(6)}"
+
+

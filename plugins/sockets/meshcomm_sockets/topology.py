@@ -1,0 +1,97 @@
+"""Which ranks share a host, and the shared-memory setup of the world group.
+
+At start-up every rank all-gathers (over TCP) a 16-byte host key and whether it allows
+shared memory. Ranks with equal keys form a local group; if any rank disallows shared
+memory, or setting it up fails anywhere, every rank falls back to TCP, so all ranks always
+agree on the path each operation takes:
+
+* ``local``: the whole world is on one host: collectives go through shared memory;
+* ``hier``: several hosts, some with several ranks: all-reduce is reduced within each
+  host in shared memory, across hosts over TCP between one leader per host, then handed
+  back within each host; other operations use TCP;
+* ``tcp``: one rank per host, or shared memory off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+from .shm import SHM_DIR, ShmGroup, host_key, new_name
+
+__all__ = ["attach_shared_memory"]
+
+_NAME_BYTES = 64
+
+
+def attach_shared_memory(world, *, enabled: bool, piece: int, host_id: str | None, job_id: str | None) -> None:  # noqa: ANN001
+    """Decide the path of the world's collectives and map the host's segment."""
+    from .backend import SocketsBackend
+
+    n, r = world.size(), world.rank()
+    mine = np.zeros(17, np.uint8)
+    mine[:16] = np.frombuffer(host_key(host_id), np.uint8)
+    mine[16] = 1 if enabled and SHM_DIR.is_dir() else 0
+    table = np.empty(17 * n, np.uint8)
+    world.all_gather(mine, table)
+    table = table.reshape(n, 17)
+    if not table[:, 16].all():
+        return
+    keys = [bytes(row[:16]) for row in table]
+    hosts: dict[bytes, list[int]] = {}
+    for q, k in enumerate(keys):
+        hosts.setdefault(k, []).append(q)
+    if max(len(v) for v in hosts.values()) < 2:
+        return  # one rank per host: nothing to share
+    local = hosts[keys[r]]
+    shm: ShmGroup | None = None
+    ok = np.ones(1, np.uint8)
+    name = ""
+    if len(local) > 1:
+        raw = np.zeros(_NAME_BYTES, np.uint8)
+        if r == local[0]:
+            try:
+                name = new_name(job_id)
+                shm = ShmGroup(world.fabric, local, name, piece, create=True)
+                raw[: len(name)] = np.frombuffer(name.encode(), np.uint8)
+            except OSError:
+                ok[0] = 0  # peers get an empty name and give up too
+            for q in local[1:]:
+                world.send(raw, q)
+        else:
+            world.recv(raw, local[0])
+            name = bytes(raw).rstrip(b"\0").decode()
+            try:
+                if not name:
+                    raise OSError("the host's first rank could not create the segment")
+                shm = ShmGroup(world.fabric, local, name, piece, create=False)
+            except OSError:
+                ok[0] = 0
+    world.barrier()  # every FIFO exists
+    try:
+        if shm is not None and ok[0]:
+            shm.connect_fifos(name)
+    except OSError:
+        ok[0] = 0
+    flags = np.empty(n, np.uint8)
+    world.all_gather(ok, flags)
+    if shm is not None:
+        shm.unlink(leader=(r == local[0]))
+    world.barrier()
+    if not flags.all():
+        if shm is not None:
+            shm.close()
+        return
+    world.shm = shm
+    if len(hosts) == 1:
+        world.shm_mode = "local"
+        return
+    world.shm_mode = "hier"
+    leaders = [v[0] for v in sorted(hosts.values())]
+    world.leader_backend = (
+        SocketsBackend(world.fabric, leaders, group_id=0x4C454144, label="world/host-leaders",
+                       chunk_bytes=world.chunk_bytes)
+        if r in leaders else None
+    )
+
+

@@ -1,0 +1,40 @@
+"""A rank for the shared-memory tests: report the path, then run a mode.
+
+usage: shm_rank.py MODE  (mode | loop | kill)
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import meshcomm as mc
+
+g = mc.init(strict=True)
+t = g.transport
+r, n = g.rank(), g.size()
+shm = getattr(t, "shm", None)
+info = {"rank": r, "mode": getattr(t, "shm_mode", "?"), "local": None if shm is None else shm.local}
+print(json.dumps(info), flush=True)
+mode = sys.argv[1]
+x = np.ones(1 << 18, np.float32)
+if mode == "loop":  # run until stopped from outside
+    print("ready", flush=True)
+    while True:
+        mc.all_sum(x)
+elif mode == "kill":
+    t0 = time.monotonic()
+    try:
+        for i in range(100000):
+            if r == 1 and i == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            mc.all_sum(x)
+    except mc.DistributedError as exc:
+        print(json.dumps({"error": type(exc).__name__, "peer": getattr(exc, "peer", None),
+                          "elapsed": time.monotonic() - t0}), flush=True)
+else:
+    got = mc.all_sum(np.full(5, r + 1.0))
+    assert (got == n * (n + 1) / 2).all(), got
