@@ -9,9 +9,8 @@ import signal
 import sys
 import time
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 
 g = mc.init(strict=True)
 t = g.transport

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
 from meshcomm.dtypes import reducer
 from meshcomm.errors import CollectiveMismatchError, CommTimeoutError, DistributedError
 

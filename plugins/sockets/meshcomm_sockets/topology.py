@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 from .shm import SHM_DIR, ShmGroup, host_key, new_name
 
 __all__ = ["attach_shared_memory"]
