@@ -1,0 +1,302 @@
+"""meshcomm's all_sum on every installed backend against the raw peers, in one run.
+
+    python bench/compare.py                       # 2 and 4 ranks, 8 B .. 64 MiB (x4), all systems
+    python bench/compare.py --ranks 2 --sizes 8B:1MiB:4 --out-dir /tmp/cmp
+
+For each rank count it runs one job per system, one after the other, each timing float32
+``all_sum`` over the same sizes with the same buffers and the same timer
+(``meshcomm.bench.measure``: warm-up, a barrier before every iteration, the slowest rank
+per iteration, median over iterations, adaptive iteration count) and checking every
+result:
+
+* ``meshcomm-<backend>``: ``meshcomm launch -n N --backend B -- -m meshcomm bench``
+  for every installed backend (sockets, mpi, gloo);
+* ``mpi4py``: raw ``comm.Allreduce`` (the MPI mpi4py loads; here the Open MPI wheel),
+  started by ``meshcomm launch --backend mpi`` (which runs mpiexec);
+* ``torch-gloo``: ``torch.distributed`` gloo ``all_reduce`` in place;
+* ``mlx-ring``: ``mx.distributed.all_sum`` under ``mlx.launch --backend ring``.
+
+It also measures the machine's limits (``bench/limits.py``: one-core memcpy and add
+bandwidth, loopback TCP) and prints, per rank count, a Markdown table of median
+microseconds per size and system, the best peer, and each meshcomm backend's time
+divided by the best peer's (below 1: meshcomm is faster), and a TCP model (the ring
+all-reduce's latency and bytes on loopback TCP alone, see :func:`tcp_model`). JSON, Markdown and a log-log
+PNG (needs matplotlib: ``pip install "meshcomm[bench]"``) go to ``--out-dir``.
+
+Needs: ``pip install -e ".[all,bench]"`` (meshcomm, its three backends, mpi4py with the
+Open MPI wheel, matplotlib) plus ``torch==2.13.0`` (CPU) and ``mlx[cpu]`` for those
+peers; a system whose library is missing is skipped and named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import limits  # noqa: E402  (bench/limits.py, next to this script)
+from meshcomm.bench.sizes import format_size  # noqa: E402
+
+__all__ = ["main"]
+
+PEERS = ("mpi4py", "torch-gloo", "mlx-ring")
+
+
+@dataclass(frozen=True)
+class System:
+    """One competitor: its name and the command that runs its job writing JSON to a path."""
+
+    name: str
+    command: Callable[[int, str, Path], tuple[list[str], dict[str, str]]]
+
+
+def _free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free local ports (MLX's ring listens on port..port+n-1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no run of free local ports found")
+
+
+def _meshcomm(backend: str, min_time: float) -> System:
+    def command(n: int, sizes: str, out: Path) -> tuple[list[str], dict[str, str]]:
+        return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, "--",
+                 "-m", "meshcomm", "bench", "--op", "all_sum", "--sizes", sizes,
+                 "--min-time", str(min_time), "--json", str(out)], {})
+    return System(f"meshcomm-{backend}", command)
+
+
+def _peer(name: str, min_time: float) -> System:
+    peers = str(HERE / "peers.py")
+
+    def command(n: int, sizes: str, out: Path) -> tuple[list[str], dict[str, str]]:
+        args = ["--sizes", sizes, "--min-time", str(min_time), "--json", str(out)]
+        if name == "mpi4py":
+            return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "mpi", "--",
+                     peers, "mpi4py", *args], {})
+        if name == "torch-gloo":
+            port = _free_port_run(1)
+            return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--env",
+                     f"BENCH_TORCH_PORT={port}", "--", peers, "torch", *args], {})
+        launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
+        return ([launcher, "--backend", "ring", "-n", str(n), "--starting-port", str(_free_port_run(n)),
+                 sys.executable, peers, "mlx", *args], {})
+    return System(name, command)
+
+
+def _installed(min_time: float) -> tuple[list[System], list[str]]:
+    """The systems that can run here, and why the others are skipped."""
+    import meshcomm as mc
+
+    systems, skipped = [], []
+    for info in mc.backends():
+        if info.name == "single":
+            continue
+        if info.available:
+            systems.append(_meshcomm(info.name, min_time))
+        else:
+            skipped.append(f"meshcomm-{info.name}: {info.reason}")
+    needs = {"mpi4py": "mpi4py", "torch-gloo": "torch", "mlx-ring": "mlx"}
+    for name in PEERS:
+        if importlib.util.find_spec(needs[name]) is None:
+            skipped.append(f"{name}: {needs[name]} is not installed")
+        else:
+            systems.append(_peer(name, min_time))
+    return systems, skipped
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment minus any job settings it may have inherited (so jobs start clean)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_", "PMI", "PMIX_", "MASTER_"))}
+
+
+def _run_job(system: System, n: int, sizes: str, timeout: float) -> dict[str, Any]:
+    """Run one job; its rows keyed by bytes, or an ``error``."""
+    with tempfile.TemporaryDirectory(prefix="meshcomm-compare-") as tmp:
+        out = Path(tmp) / "out.json"
+        cmd, extra = system.command(n, sizes, out)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, env={**_clean_env(), **extra}, capture_output=True, text=True,
+                                  timeout=timeout, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        wall = time.monotonic() - t0
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+        doc = json.loads(out.read_text())
+    rows = {int(r["bytes"]): r["time"] for r in doc["results"] if r.get("ok") and r.get("time")}
+    return {"rows": rows, "wall": wall}
+
+
+def _best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge rounds of one system: per size, the round with the lowest median (noise only adds)."""
+    ok = [r for r in rounds if "rows" in r]
+    if not ok:
+        return rounds[-1]
+    merged: dict[int, dict[str, float]] = {}
+    for r in ok:
+        for nbytes, t in r["rows"].items():
+            if nbytes not in merged or t["median"] < merged[nbytes]["median"]:
+                merged[nbytes] = t
+    return {"rows": merged, "wall": sum(r["wall"] for r in ok)}
+
+
+def tcp_model(n: int, nbytes: int, lim: dict[str, float]) -> float:
+    """Seconds a ring all-reduce needs on loopback TCP alone: 2(n-1) one-way latencies plus
+    2(n-1)/n of the buffer at one stream's throughput (no adds, no copies, no contention)."""
+    return 2 * (n - 1) * lim["tcp_latency"] + 2 * (n - 1) / n * nbytes / lim["tcp"]
+
+
+def _table(n: int, results: dict[str, dict[str, Any]], lim: dict[str, float]) -> str:
+    """Markdown: median µs per size per system, best peer, meshcomm/best-peer ratios, TCP model."""
+    names = [s for s in results if "rows" in results[s]]
+    ours = [s for s in names if s.startswith("meshcomm-")]
+    peers = [s for s in names if not s.startswith("meshcomm-")]
+    sizes = sorted({b for s in names for b in results[s]["rows"]})
+    head = ["size", *names, "best peer", *[f"{s.removeprefix('meshcomm-')}/best" for s in ours], "TCP model"]
+    lines = [f"| {' | '.join(head)} |", "|" + "|".join("---:" for _ in head) + "|"]
+    for b in sizes:
+        med = {s: results[s]["rows"].get(b, {}).get("median") for s in names}
+        cells = [format_size(b)] + [f"{med[s] * 1e6:.1f}" if med[s] else "-" for s in names]
+        peer_t = {s: med[s] for s in peers if med[s]}
+        best = min(peer_t, key=lambda s: peer_t[s]) if peer_t else None
+        cells.append(f"{best} {peer_t[best] * 1e6:.1f}" if best else "-")
+        for s in ours:
+            cells.append(f"{med[s] / peer_t[best]:.2f}" if best and med[s] else "-")
+        cells.append(f"{tcp_model(n, b, lim) * 1e6:.1f}")
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _plot(doc: dict[str, Any], path: Path) -> None:
+    """Median time vs size, log-log, one panel per rank count."""
+    from meshcomm.bench.plot import pyplot
+
+    plt = pyplot()
+    runs = doc["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.8), squeeze=False)
+    for ax, (n, results) in zip(axes[0], runs.items(), strict=True):
+        for name, res in results.items():
+            if "rows" not in res:
+                continue
+            xs = sorted(int(b) for b in res["rows"])
+            ax.plot(xs, [res["rows"][str(b)]["median"] * 1e6 for b in xs], marker="o", ms=3, label=name,
+                    linestyle="-" if name.startswith("meshcomm-") else "--")
+        xs = sorted({int(b) for r in results.values() if "rows" in r for b in r["rows"]})
+        ax.plot(xs, [tcp_model(int(n), b, doc["limits"]) * 1e6 for b in xs], color="grey", linestyle=":",
+                label="TCP model")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("median time per all_sum (µs)")
+        ax.set_title(f"float32 all_sum, {n} ranks, {doc['cpu_count']} cores")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _limits_text(lim: dict[str, float]) -> str:
+    return (f"memcpy {lim['memcpy'] / 1e9:.2f} GB/s, add {lim['add'] / 1e9:.2f} GB/s, "
+            f"TCP {lim['tcp'] / 1e9:.2f} GB/s, TCP one-way latency {lim['tcp_latency'] * 1e6:.1f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts (default 2 4)")
+    p.add_argument("--sizes", default="8B:64MiB:4", help="size sweep (default 8B:64MiB:4)")
+    p.add_argument("--min-time", type=float, default=0.3, help="timed seconds per size and system")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every job this many times, keep each size's lowest median (default 1)")
+    p.add_argument("--systems", help="comma list of systems to run (default: all installed)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job before it is abandoned")
+    p.add_argument("--out-dir", default=str(HERE / "results"), help="where compare.{json,md,png} go")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = sys.stderr
+
+    systems, skipped = _installed(args.min_time)
+    if args.systems:
+        want = {s.strip() for s in args.systems.split(",")}
+        systems = [s for s in systems if s.name in want]
+    for s in skipped:
+        log.write(f"skipped {s}\n")
+    load_before = os.getloadavg()[0]
+    log.write("measuring machine limits ...\n")
+    lim = limits.measure_all()
+    log.write(f"  {_limits_text(lim)}\n")
+    runs: dict[str, dict[str, Any]] = {}
+    for n in args.ranks:
+        per: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+        for rnd in range(args.rounds):
+            order = systems if rnd % 2 == 0 else systems[::-1]  # alternate so drift hits all alike
+            for s in order:
+                log.write(f"{n} ranks: {s.name} (round {rnd + 1}/{args.rounds}) ... ")
+                log.flush()
+                res = _run_job(s, n, args.sizes, args.timeout)
+                per[s.name].append(res)
+                log.write(f"{res['error']}\n" if "error" in res else f"{res['wall']:.0f} s\n")
+        runs[str(n)] = {name: _best_of(r) for name, r in per.items()}
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0], "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
+        "sizes": args.sizes, "min_time": args.min_time, "rounds": args.rounds, "limits": lim,
+        "skipped": skipped, "runs": {n: {k: {**v, "rows": {str(b): t for b, t in v.get("rows", {}).items()}}
+                                         for k, v in r.items()} for n, r in runs.items()},
+    }
+    md = [f"float32 all_sum, median µs per call (slowest rank per iteration), {os.cpu_count()} cores, "
+          f"load {load_before:.1f} before / {doc['loadavg_after']:.1f} after; limits: {_limits_text(lim)}"]
+    for n, results in runs.items():
+        md += ["", f"### {n} ranks", "", _table(int(n), results, lim)]
+        md += [f"\n{name}: {res['error']}" for name, res in results.items() if "error" in res]
+    text = "\n".join(md) + "\n"
+    sys.stdout.write(text)
+    (out_dir / "compare.md").write_text(text)
+    (out_dir / "compare.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if not args.no_plot:
+        try:
+            _plot(doc, out_dir / "compare.png")
+        except RuntimeError as exc:  # matplotlib missing: say so, keep the tables
+            log.write(f"no plot: {exc}\n")
+    log.write(f"wrote {out_dir}/compare.json, compare.md" + ("" if args.no_plot else ", compare.png") + "\n")
+    return 0 if all("rows" in r for res in runs.values() for r in res.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

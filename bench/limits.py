@@ -1,0 +1,141 @@
+"""What this machine allows at best: single-core copy and add bandwidth, loopback TCP.
+
+These bound every all_sum in ``bench/compare.py``: a ring all-reduce on n ranks moves
+2(n-1)/n of the buffer through the network stack and adds (n-1)/n of it on each rank,
+and every library copies its result at least once. Run alone::
+
+    python bench/limits.py            # prints the three figures as JSON
+
+* ``memcpy``: ``np.copyto`` of 64 MiB float32, bytes copied per second (one core);
+* ``add``: ``np.add(a, b, out=a)`` on 64 MiB float32, bytes of ``a`` per second;
+* ``tcp_latency``: half the median round trip of 8 bytes over loopback TCP between two
+  processes (one-way latency, seconds);
+* ``tcp``: one TCP stream over 127.0.0.1 between two processes, payload bytes per second
+  (the receiver reads into a preallocated buffer, as the sockets backend does).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["memcpy_bw", "add_bw", "tcp_bw", "tcp_latency", "measure_all"]
+
+_BYTES = 64 << 20
+
+_SINK = r"""
+import socket, sys
+port, total = int(sys.argv[1]), int(sys.argv[2])
+s = socket.create_connection(("127.0.0.1", port))
+buf = bytearray(4 << 20)
+view = memoryview(buf)
+got = 0
+while got < total:
+    n = s.recv_into(view)
+    if not n:
+        raise SystemExit("sender closed early")
+    got += n
+s.sendall(b"k")
+s.close()
+"""
+
+
+def _best_rate(fn: Callable[[], None], nbytes: int, reps: int) -> float:
+    """Bytes per second of the fastest of ``reps`` calls (noise only ever slows a call down)."""
+    fn()  # page in the buffers
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def memcpy_bw(nbytes: int = _BYTES, reps: int = 10) -> float:
+    """Single-core copy bandwidth, bytes/s."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    return _best_rate(lambda: np.copyto(dst, src), nbytes, reps)
+
+
+def add_bw(nbytes: int = _BYTES, reps: int = 10) -> float:
+    """Single-core in-place add bandwidth (bytes of the accumulated array per second)."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    b = np.ones_like(a)
+
+    def add() -> None:
+        np.add(a, b, out=a)
+    return _best_rate(add, nbytes, reps)
+
+
+def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
+    """Loopback TCP throughput between two processes, payload bytes/s (best of ``reps``)."""
+    payload = memoryview(np.ones(_BYTES, dtype=np.uint8))
+    best = 0.0
+    for _ in range(reps):
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            port = srv.getsockname()[1]
+            child = subprocess.Popen([sys.executable, "-c", _SINK, str(port), str(nbytes)])
+            conn, _ = srv.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t0 = time.perf_counter()
+                sent = 0
+                while sent < nbytes:
+                    chunk = payload[: min(len(payload), nbytes - sent)]
+                    conn.sendall(chunk)
+                    sent += len(chunk)
+                if conn.recv(1) != b"k":
+                    raise RuntimeError("loopback TCP sink did not acknowledge")
+                best = max(best, nbytes / (time.perf_counter() - t0))
+            if child.wait(timeout=60) != 0:
+                raise RuntimeError(f"loopback TCP sink exited with {child.returncode}")
+    return best
+
+
+_ECHO = r"""
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    b = s.recv(8)
+    if not b:
+        break
+    s.sendall(b)
+"""
+
+
+def tcp_latency(rounds: int = 2000) -> float:
+    """One-way loopback TCP latency between two processes: half the median 8-byte round trip."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        child = subprocess.Popen([sys.executable, "-c", _ECHO, str(srv.getsockname()[1])])
+        conn, _ = srv.accept()
+        times = np.empty(rounds)
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(rounds):
+                t0 = time.perf_counter()
+                conn.sendall(b"12345678")
+                got = 0
+                while got < 8:
+                    got += len(conn.recv(8 - got))
+                times[i] = time.perf_counter() - t0
+        child.wait(timeout=60)
+    return float(np.median(times)) / 2
+
+
+def measure_all() -> dict[str, float]:
+    """memcpy, add and tcp in bytes per second; tcp_latency in seconds."""
+    return {"memcpy": memcpy_bw(), "add": add_bw(), "tcp": tcp_bw(), "tcp_latency": tcp_latency()}
+
+
+if __name__ == "__main__":
+    lim = measure_all()
+    print(json.dumps({k: f"{v * 1e6:.1f} us" if k == "tcp_latency" else f"{v / 1e9:.2f} GB/s"
+                      for k, v in lim.items()}))
