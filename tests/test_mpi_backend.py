@@ -360,6 +360,19 @@ def test_mpi_specific(n: int) -> None:
             assert f"RANKCHECK ok {name} rank {r} " in out, f"{name} did not pass on rank {r}:\n{out[-4000:]}"
 
 
+def test_meshcomm_launch_uses_mpiexec() -> None:
+    """`meshcomm launch --backend mpi` runs the job through this MPI's mpiexec, output tagged by rank."""
+    code = "import meshcomm as mc; g = mc.init(strict=True); print('GROUP', g.backend, g.rank(), g.size())"
+    res = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", "mpi", "--",
+                          sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
+                         timeout=120, cwd=HERE.parent.parent)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    lines = [x for x in res.stdout.splitlines() if "GROUP" in x]
+    assert sorted(x.split("GROUP", 1)[1].strip() for x in lines) == ["mpi 0 2", "mpi 1 2"], out[-3000:]
+    assert all(x.split("GROUP")[0].strip() for x in lines), f"output lines are not tagged with the rank: {lines}"
+
+
 def test_dead_rank_ends_the_job() -> None:
     """Killing one rank ends the whole job within a bounded time (mpiexec kills the others)."""
     t0 = time.monotonic()
