@@ -57,7 +57,8 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
         numpy_sums = []
     else:
         # probe locally, then agree: all ranks must use the same op in a collective
-        flags = np.array([dt in saturating_sum_dtypes() for dt in INTS], dtype=np.bool_)
+        bad_here = saturating_sum_dtypes(INTS)
+        flags = np.array([dt in bad_here for dt in INTS], dtype=np.bool_)
         agreed = np.empty_like(flags)
         comm.Allreduce([flags, MPI.C_BOOL], [agreed, MPI.C_BOOL], MPI.LOR)
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
