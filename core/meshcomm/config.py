@@ -112,6 +112,13 @@ class Config(BaseModel):
         description="check op, shape and dtype across ranks before every operation",
     )
 
+    keep_memory: bool = setting(
+        True,
+        env="MESHCOMM_KEEP_MEMORY",
+        accepts="1/0, true/false, yes/no, on/off",
+        description="keep freed blocks up to 1 GiB in the process so result arrays do not page-fault",
+    )
+
     @field_validator("backend")
     @classmethod
     def _normalise_backend(cls, v: str) -> str:

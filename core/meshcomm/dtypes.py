@@ -32,6 +32,8 @@ _UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "max": np.maximum, "min": np.mini
 def check_dtype(dtype: np.dtype, *, what: str = "array") -> np.dtype:
     """Return ``dtype`` if meshcomm can move it, else raise a ValueError listing what it can."""
     dt = np.dtype(dtype)
+    if dt in _CODES:  # the common case first: one dict lookup
+        return dt
     if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
         raise ValueError(f"{what} has byte-swapped dtype {dt}; convert it with .astype({dt.newbyteorder('=')})")
     if dt not in _CODES:

@@ -36,6 +36,8 @@ def as_array(x: Any, what: str = "x") -> np.ndarray:
 
 def _flat(a: np.ndarray) -> np.ndarray:
     """A C-contiguous 1-D view of ``a`` (a copy only if ``a`` is not contiguous)."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
     return np.ascontiguousarray(a).reshape(-1)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from .config import Config
 from .group import Group
+from .memory import keep_freed_memory
 from .registry import BackendInfo, get_registry
 
 __all__ = ["init", "is_available", "backends", "default_group", "shutdown"]
@@ -43,6 +44,8 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             return _worlds[name]
         registry = get_registry()
         transport, started = registry.start(name, config, strict)
+        if started != "single" and config.keep_memory:
+            keep_freed_memory()
         group = Group(transport, started, debug=config.debug)
         _worlds[name] = group
         _worlds.setdefault(started, group)

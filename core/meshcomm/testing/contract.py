@@ -26,7 +26,7 @@ import numpy.typing
 import meshcomm as mc
 from meshcomm.dtypes import SUPPORTED
 
-__all__ = ["CHECKS", "run_checks", "main", "rank_input"]
+__all__ = ["CHECKS", "JSON_MARK", "run_checks", "main", "rank_input"]
 
 SHAPES: list[tuple[int, ...]] = [(), (1,), (7,), (3, 5), (1031, 3)]
 LARGE = (1 << 18) + 13  # elements: past every chunk size, not a multiple of anything
@@ -294,42 +294,79 @@ CHECKS: list[Callable[[mc.Group], None]] = [
 
 
 def run_checks(g: mc.Group, checks: list[Callable[[mc.Group], None]] | None = None,
-               verbose: bool = False) -> list[tuple[str, str]]:
+               verbose: bool = False,
+               on_result: Callable[[str, str | None, float], None] | None = None) -> list[tuple[str, str]]:
     """Run ``checks`` on ``g``; returns (name, error) for each failure on this rank.
 
     A failing check may leave peers mid-collective, so the remaining checks are skipped
-    after the first failure that is not an assertion about results.
+    after the first failure that is not an assertion about results. ``on_result(name,
+    error or None, seconds)`` is called after each check that ran.
     """
     failures: list[tuple[str, str]] = []
     for check in checks or CHECKS:
         t0 = time.perf_counter()
+        error: str | None = None
+        stop = False
         try:
             check(g)
         except AssertionError as exc:
-            failures.append((check.__name__, str(exc)))
+            error = str(exc)
         except Exception:
-            failures.append((check.__name__, traceback.format_exc()))
+            error = traceback.format_exc()
+            stop = True
+        if error is not None:
+            failures.append((check.__name__, error))
+        if on_result is not None:
+            on_result(check.__name__, error, time.perf_counter() - t0)
+        if stop:
             break
         if verbose:
             print(f"rank {g.rank()}: {check.__name__} ok ({time.perf_counter() - t0:.2f} s)", file=sys.stderr)
     return failures
 
 
+#: prefix of the line ``--json`` prints (found anywhere in a line: launchers add their own prefix)
+JSON_MARK = "MESHCOMM-CONTRACT-JSON "
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the contract on the world group of this job; exit status 1 on any failure."""
     import argparse
+    import json
 
     p = argparse.ArgumentParser(prog="python -m meshcomm.testing.contract")
     p.add_argument("--backend", default=None, help="backend to init (default: MLX_BACKEND / any)")
     p.add_argument("-k", default="", help="run only checks whose name contains this")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help=f"also print one line '{JSON_MARK.strip()} {{...}}' per rank: every check's "
+                        "status (passed, failed, not run), error and seconds")
     args = p.parse_args(argv)
     g = mc.init(strict=True, backend=args.backend)
     checks = [c for c in CHECKS if args.k in c.__name__]
-    failures = run_checks(g, checks, verbose=args.verbose)
+    results: dict[str, dict[str, object]] = {
+        c.__name__: {"status": "not run", "error": None, "seconds": 0.0} for c in checks
+    }
+
+    def record(name: str, error: str | None, seconds: float) -> None:
+        results[name] = {"status": "passed" if error is None else "failed", "error": error,
+                         "seconds": round(seconds, 3)}
+
+    failures = run_checks(g, checks, verbose=args.verbose, on_result=record)
     for name, err in failures:
         print(f"FAILED rank {g.rank()} {name}: {err}", file=sys.stderr)
-    print(f"rank {g.rank()}/{g.size()} on {g.backend}: {len(checks) - len(failures)} passed, {len(failures)} failed")
+    if args.json:
+        report = {"rank": g.rank(), "size": g.size(), "backend": g.backend,
+                  "checks": [{"name": name, **r} for name, r in results.items()]}
+        print(JSON_MARK + json.dumps(report), flush=True)
+    print(f"rank {g.rank()}/{g.size()} on {g.backend}: {len(checks) - len(failures)} passed, {len(failures)} failed",
+          flush=True)
+    if all(r["status"] != "not run" for r in results.values()):
+        # every rank reports before any exits (a launcher stops the others when one fails)
+        try:
+            g.barrier()
+        except Exception:
+            pass
     return 1 if failures else 0
 
 

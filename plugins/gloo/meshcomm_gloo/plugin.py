@@ -65,10 +65,6 @@ def factory(config: Config, settings: Any) -> Backend:
     from .liveness import exchange
     from .rendezvous import WORLD_PREFIX, make_group, make_store
 
-    if settings.keep_memory:
-        from .memory import keep_freed_memory
-
-        keep_freed_memory()
     store, rank, size, where = make_store(config, settings)
     try:
         peers = exchange(store, rank, size)

@@ -55,16 +55,6 @@ class GlooSettings(BaseModel):
         description="network interface gloo's data connections use (default: the host name's address)",
     )
 
-    keep_memory: bool = setting(
-        True,
-        env="MESHCOMM_GLOO_KEEP_MEMORY",
-        accepts="1/0, true/false, yes/no, on/off",
-        description=(
-            "keep freed blocks up to 1 GiB in the process (glibc mallopt) so result arrays reuse "
-            "mapped pages instead of page-faulting; 0 returns freed memory to the kernel"
-        ),
-    )
-
     def missing(self, rank: int | None) -> list[str]:
         """Names of the variables still needed to start (empty when the environment is complete)."""
         out = []

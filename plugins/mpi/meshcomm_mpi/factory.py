@@ -45,10 +45,6 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
             "MPI. Start the job with `meshcomm launch --backend mpi` or the mpiexec printed by "
             "`python -m meshcomm_mpi.launcher --which`."
         )
-    if settings.keep_memory:
-        from .memory import keep_freed_memory
-
-        keep_freed_memory()
     comm = world.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     if settings.int_sum == "numpy":

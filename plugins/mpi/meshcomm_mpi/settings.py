@@ -45,13 +45,3 @@ class MPISettings(BaseModel):
             "numpy = always a user-defined MPI op running NumPy's add"
         ),
     )
-    keep_memory: bool = setting(
-        True,
-        env="MESHCOMM_MPI_KEEP_MEMORY",
-        accepts="1/0, true/false, yes/no, on/off",
-        description=(
-            "keep freed blocks up to 1 GiB in the process (glibc mallopt) so result arrays "
-            "reuse already-mapped pages instead of page-faulting inside MPI; 0 returns freed "
-            "memory to the kernel at the cost of up to 2x slower large collectives"
-        ),
-    )

@@ -4,11 +4,13 @@ meshcomm returns a new array from every collective. With glibc's default policy 
 large freed block goes back to the kernel (``munmap`` or heap trimming), so the next
 result array is fresh memory and MPI's writes into it take one page fault per 4 KiB
 page: measured on Open MPI 5.0.11, 160 faults per call at 512 KiB and 2500 at 16 MiB,
-which made ``all_sum`` up to twice as slow as ``Allreduce`` into a reused buffer.
+which made ``all_sum`` up to twice as slow as ``Allreduce`` into a reused buffer (gloo
+and the sockets backend showed the same).
 Setting ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` high makes glibc keep and reuse
 those pages (Open MPI itself used to do this for registered memory). The cost: the
 process does not give freed memory back to the kernel, so its resident size stays
-at its peak. Turned off with ``MESHCOMM_MPI_KEEP_MEMORY=0``.
+at its peak. Applied by ``init()`` when a multi-process backend starts; turned off with
+``MESHCOMM_KEEP_MEMORY=0``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,204 @@
+"""The conformance kit as a pytest plugin: run the API contract on a backend, one item per check.
+
+For a third-party backend author::
+
+    pytest -p meshcomm.testing.pytest_plugin --pyargs meshcomm.testing \\
+        --meshcomm-backend mybackend [--meshcomm-ranks 1,2,4]
+
+For each rank count, one real job runs through ``meshcomm launch -n N --backend NAME --
+-m meshcomm.testing.contract --json``; every check of the contract becomes its own item
+(``test_contract[4-check_reductions]``) that fails with each rank's error, plus one item
+per job (``test_job[4]``) for the launcher's exit status. Settings can also come from the
+environment (``MESHCOMM_CONFORMANCE_BACKEND``, ``MESHCOMM_CONFORMANCE_RANKS``), which is
+how ``meshcomm.testing.test_conformance`` still runs when this plugin was not given with
+``-p`` (the command-line options only exist when it is loaded from the start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from .contract import CHECKS, JSON_MARK
+
+__all__ = ["ContractJob", "ContractRunner", "check_names"]
+
+_DEFAULT_RANKS = "1,2,4"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("meshcomm", "meshcomm conformance kit (meshcomm.testing)")
+    group.addoption("--meshcomm-backend", default=None, metavar="NAME",
+                    help="backend to check (env MESHCOMM_CONFORMANCE_BACKEND)")
+    group.addoption("--meshcomm-ranks", default=None, metavar="N,N,...",
+                    help=f"rank counts, one job each (env MESHCOMM_CONFORMANCE_RANKS; default {_DEFAULT_RANKS})")
+    group.addoption("--meshcomm-launch-args", default=None, metavar="ARGS",
+                    help="extra arguments for meshcomm launch, e.g. '--hosts a,b' (env MESHCOMM_CONFORMANCE_LAUNCH_ARGS)")
+    group.addoption("--meshcomm-timeout", default=None, type=float, metavar="S",
+                    help="MLX_TIMEOUT of the jobs, seconds (default 120)")
+    group.addoption("--meshcomm-job-timeout", default=None, type=float, metavar="S",
+                    help="give up on a job after this long, seconds (default 900)")
+
+
+def _setting(config: pytest.Config, opt: str, env: str, default: Any = None) -> Any:
+    value = config.getoption(opt, default=None)  # None as well when the plugin came late
+    if value is None:
+        value = os.environ.get(env) or None
+    return default if value is None else value
+
+
+def check_names() -> list[str]:
+    return [c.__name__ for c in CHECKS]
+
+
+def _ranks(config: pytest.Config) -> list[int]:
+    text = str(_setting(config, "meshcomm_ranks", "MESHCOMM_CONFORMANCE_RANKS", _DEFAULT_RANKS))
+    try:
+        ranks = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise pytest.UsageError(f"--meshcomm-ranks={text!r}: expected a comma list of rank counts, e.g. 1,2,4") from None
+    if not ranks or min(ranks) < 1:
+        raise pytest.UsageError(f"--meshcomm-ranks={text!r}: rank counts must be >= 1")
+    return ranks
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    names = metafunc.fixturenames
+    if "meshcomm_ranks" not in names:
+        return
+    ranks = _ranks(metafunc.config)
+    if "meshcomm_check" in names:
+        metafunc.parametrize(("meshcomm_ranks", "meshcomm_check"),
+                             [(n, c) for n in ranks for c in check_names()],
+                             ids=[f"{n}-{c}" for n in ranks for c in check_names()])
+    else:
+        metafunc.parametrize("meshcomm_ranks", ranks, ids=[str(n) for n in ranks])
+
+
+@dataclass
+class ContractJob:
+    """One finished contract job: the launcher's result and each rank's report."""
+
+    backend: str
+    ranks: int
+    command: list[str]
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def output_tail(self, chars: int = 4000) -> str:
+        out = self.stdout[-chars:].rstrip()
+        err = self.stderr[-chars:].rstrip()
+        return f"--- stdout (tail) ---\n{out}\n--- stderr (tail) ---\n{err}"
+
+    def describe(self) -> str:
+        code = "timed out" if self.returncode is None else f"exit code {self.returncode}"
+        return f"`{shlex.join(self.command)}` ({code}, {self.seconds:.1f} s)"
+
+    def check_problems(self, name: str) -> list[str]:
+        """Why check ``name`` did not pass on every rank (empty: it passed)."""
+        problems = []
+        for r in range(self.ranks):
+            report = self.reports.get(r)
+            if report is None:
+                problems.append(f"rank {r}: no report (the rank failed to start, crashed or was stopped)")
+                continue
+            entry = next((c for c in report["checks"] if c["name"] == name), None)
+            if entry is None:
+                problems.append(f"rank {r}: the check is missing from its report")
+            elif entry["status"] == "not run":
+                problems.append(f"rank {r}: not run (an earlier check raised and stopped the contract)")
+            elif entry["status"] != "passed":
+                problems.append(f"rank {r}: {entry['error']}".rstrip())
+        return problems
+
+
+class ContractRunner:
+    """Runs (once per rank count, cached for the session) the contract job of a backend."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.backend: str | None = _setting(config, "meshcomm_backend", "MESHCOMM_CONFORMANCE_BACKEND")
+        self.launch_args = shlex.split(str(_setting(config, "meshcomm_launch_args",
+                                                    "MESHCOMM_CONFORMANCE_LAUNCH_ARGS", "")))
+        self.timeout = float(_setting(config, "meshcomm_timeout", "MESHCOMM_CONFORMANCE_TIMEOUT", 120))
+        self.job_timeout = float(_setting(config, "meshcomm_job_timeout", "MESHCOMM_CONFORMANCE_JOB_TIMEOUT", 900))
+        self.jobs: dict[int, ContractJob] = {}
+
+    def job(self, n: int) -> ContractJob:
+        if self.backend is None:
+            pytest.skip("no backend to check: pass --meshcomm-backend NAME (with -p meshcomm.testing.pytest_plugin) "
+                        "or set MESHCOMM_CONFORMANCE_BACKEND")
+        if n not in self.jobs:
+            self.jobs[n] = self._run(self.backend, n)
+        return self.jobs[n]
+
+    def _run(self, backend: str, n: int) -> ContractJob:
+        cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend,
+               "--timeout", f"{self.timeout:g}", *self.launch_args, "--", "-m", "meshcomm.testing.contract", "--json"]
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="meshcomm-conformance-") as shared:
+            env = {**os.environ, "MESHCOMM_TEST_DIR": shared}  # ranks on this machine share it
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.job_timeout, env=env,
+                                   stdin=subprocess.DEVNULL)
+                code, out, err = p.returncode, p.stdout, p.stderr
+            except subprocess.TimeoutExpired as exc:
+                code = None
+                out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+                err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+                err += f"\n[meshcomm conformance] the job ran longer than {self.job_timeout:g} s and was stopped"
+        job = ContractJob(backend, n, cmd, code, out, err, time.monotonic() - t0)
+        for line in out.splitlines():
+            i = line.find(JSON_MARK)
+            if i < 0:
+                continue
+            try:
+                report = json.loads(line[i + len(JSON_MARK):])
+                job.reports[int(report["rank"])] = report
+            except (ValueError, KeyError, TypeError):
+                continue
+        return job
+
+
+@pytest.fixture(scope="session")
+def meshcomm_contract(request: pytest.FixtureRequest) -> ContractRunner:
+    """The session's contract runner: ``meshcomm_contract.job(n)`` is the job on ``n`` ranks."""
+    key = "_meshcomm_contract_runner"
+    runner = getattr(request.config, key, None)
+    if runner is None:
+        runner = ContractRunner(request.config)
+        setattr(request.config, key, runner)
+    return runner
+
+
+def assert_check_passed(job: ContractJob, name: str) -> None:
+    """Fail (without a Python traceback) unless ``name`` passed on every rank of ``job``."""
+    if not job.reports:
+        pytest.fail(f"{job.describe()} reported no results on any rank.\n{job.output_tail()}", pytrace=False)
+    problems = job.check_problems(name)
+    if problems:
+        pytest.fail(f"{name} on {job.ranks} ranks of {job.backend}:\n" + "\n".join(problems), pytrace=False)
+
+
+def assert_job_passed(job: ContractJob) -> None:
+    """The job as a whole: every rank reported, and the launcher exited with 0."""
+    missing = [r for r in range(job.ranks) if r not in job.reports]
+    wrong_size = [r for r, rep in job.reports.items() if rep.get("size") != job.ranks]
+    if job.returncode != 0 or missing or wrong_size:
+        why = []
+        if missing:
+            why.append(f"no report from ranks {missing}")
+        if wrong_size:
+            why.append(f"ranks {wrong_size} saw a world of another size")
+        pytest.fail(f"{job.describe()}: {', '.join(why) or 'failed'}\n{job.output_tail()}", pytrace=False)

@@ -1,0 +1,25 @@
+"""The conformance kit's tests, collected by ``pytest --pyargs meshcomm.testing``.
+
+Run them against a backend with::
+
+    pytest -p meshcomm.testing.pytest_plugin --pyargs meshcomm.testing --meshcomm-backend NAME
+
+Each contract check on each rank count is one item; see :mod:`meshcomm.testing.pytest_plugin`.
+"""
+
+from __future__ import annotations
+
+from meshcomm.testing.pytest_plugin import ContractRunner, assert_check_passed, assert_job_passed
+
+# also when the plugin was not given with -p (settings then come from the environment)
+pytest_plugins = ["meshcomm.testing.pytest_plugin"]
+
+
+def test_job(meshcomm_contract: ContractRunner, meshcomm_ranks: int) -> None:
+    """The launcher ran the job on ``meshcomm_ranks`` ranks, each reported, exit status 0."""
+    assert_job_passed(meshcomm_contract.job(meshcomm_ranks))
+
+
+def test_contract(meshcomm_contract: ContractRunner, meshcomm_ranks: int, meshcomm_check: str) -> None:
+    """One check of :mod:`meshcomm.testing.contract` passed on every rank."""
+    assert_check_passed(meshcomm_contract.job(meshcomm_ranks), meshcomm_check)
