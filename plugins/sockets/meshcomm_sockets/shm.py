@@ -232,6 +232,13 @@ class ShmGroup:
     def _pieces(self, count: int, itemsize: int) -> range:
         return range(0, count, max(1, self.piece // itemsize))
 
+    def _combine(self, f: np.ufunc, k: int, dt: np.dtype, count: int, part: slice, out: np.ndarray) -> None:
+        """``out`` = every local rank's slot of piece ``k`` (elements ``part``) combined with
+        ``f`` in rank order, the same expression on every rank (bit-identical results)."""
+        f(self.slot(0, k, dt, count)[part], self.slot(1, k, dt, count)[part], out=out)
+        for i in range(2, self.n):
+            f(out, self.slot(i, k, dt, count)[part], out=out)
+
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         f = reducer(op)
@@ -243,10 +250,7 @@ class ShmGroup:
             mine = self.slot(self.me, k, dt, hi - lo)
 
             def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
-                out = recvbuf[lo:hi]
-                f(self.slot(0, k, dt, hi - lo), self.slot(1, k, dt, hi - lo), out=out)
-                for i in range(2, self.n):
-                    f(out, self.slot(i, k, dt, hi - lo), out=out)
+                self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi])
 
             self._step(call, lambda m=mine, lo=lo, hi=hi: m.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
 
@@ -266,11 +270,7 @@ class ShmGroup:
                 a, b = max(lo, first), min(hi, last)
                 if a >= b:
                     return
-                out = recvbuf[a - first : b - first]
-                s = slice(a - lo, b - lo)
-                f(self.slot(0, k, dt, hi - lo)[s], self.slot(1, k, dt, hi - lo)[s], out=out)
-                for i in range(2, self.n):
-                    f(out, self.slot(i, k, dt, hi - lo)[s], out=out)
+                self._combine(f, k, dt, hi - lo, slice(a - lo, b - lo), recvbuf[a - first : b - first])
 
             self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
 

@@ -101,18 +101,25 @@ def hello(secret: bytes, nonce_a: bytes, h: Hello) -> bytes:
     return body + _mac(secret, nonce_a, body)
 
 
-def hello_size(prefix: bytes) -> int:
-    """Total HELLO size once its fixed part is known (HandshakeError on garbage)."""
-    if len(prefix) < HELLO_FIXED:
-        raise HandshakeError("short hello")
-    magic, proto, *_rest, vlen = _HELLO.unpack(prefix[:HELLO_FIXED])
+def _message_size(prefix: bytes, layout: struct.Struct, what: str) -> int:
+    """Total size of a HELLO or WELCOME once its fixed part is known: the fixed part
+    starts with magic and protocol and ends with the version length (HandshakeError on garbage)."""
+    if len(prefix) < layout.size:
+        raise HandshakeError(f"short {what}")
+    fields = layout.unpack(prefix[: layout.size])
+    magic, proto, vlen = fields[0], fields[1], fields[-1]
     if magic != MAGIC:
         raise HandshakeError("not a meshcomm peer (bad magic)")
     if proto != PROTOCOL:
         raise HandshakeError(f"peer speaks sockets protocol {proto}, this rank speaks {PROTOCOL}")
     if vlen > MAX_VERSION:
         raise HandshakeError(f"version string of {vlen} bytes (max {MAX_VERSION})")
-    return HELLO_FIXED + vlen + _MAC
+    return layout.size + vlen + _MAC
+
+
+def hello_size(prefix: bytes) -> int:
+    """Total HELLO size once its fixed part is known (HandshakeError on garbage)."""
+    return _message_size(prefix, _HELLO, "hello")
 
 
 def parse_hello(secret: bytes, nonce_a: bytes, data: bytes) -> Hello:
@@ -142,16 +149,8 @@ def welcome(secret: bytes, nonce_c: bytes, w: Welcome) -> bytes:
 
 
 def welcome_size(prefix: bytes) -> int:
-    if len(prefix) < WELCOME_FIXED:
-        raise HandshakeError("short welcome")
-    magic, proto, _status, _rank, vlen = _WELCOME.unpack(prefix[:WELCOME_FIXED])
-    if magic != MAGIC:
-        raise HandshakeError("not a meshcomm peer (bad magic)")
-    if proto != PROTOCOL:
-        raise HandshakeError(f"peer speaks sockets protocol {proto}, this rank speaks {PROTOCOL}")
-    if vlen > MAX_VERSION:
-        raise HandshakeError(f"version string of {vlen} bytes (max {MAX_VERSION})")
-    return WELCOME_FIXED + vlen + _MAC
+    """Total WELCOME size once its fixed part is known (HandshakeError on garbage)."""
+    return _message_size(prefix, _WELCOME, "welcome")
 
 
 def parse_welcome(secret: bytes, nonce_c: bytes, data: bytes) -> Welcome:
