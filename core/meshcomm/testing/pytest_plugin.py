@@ -143,6 +143,12 @@ class ContractRunner:
             self.jobs[n] = self._run(self.backend, n)
         return self.jobs[n]
 
+    def assert_job_passed(self, n: int) -> None:
+        assert_job_passed(self.job(n))
+
+    def assert_check_passed(self, n: int, name: str) -> None:
+        assert_check_passed(self.job(n), name)
+
     def _run(self, backend: str, n: int) -> ContractJob:
         cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend,
                "--timeout", f"{self.timeout:g}", *self.launch_args, "--", "-m", "meshcomm.testing.contract", "--json"]

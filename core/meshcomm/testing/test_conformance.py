@@ -9,17 +9,18 @@ Each contract check on each rank count is one item; see :mod:`meshcomm.testing.p
 
 from __future__ import annotations
 
-from meshcomm.testing.pytest_plugin import ContractRunner, assert_check_passed, assert_job_passed
+from typing import Any
 
-# also when the plugin was not given with -p (settings then come from the environment)
+# also when the plugin was not given with -p (settings then come from the environment);
+# not imported here, so that pytest imports (and registers) it first
 pytest_plugins = ["meshcomm.testing.pytest_plugin"]
 
 
-def test_job(meshcomm_contract: ContractRunner, meshcomm_ranks: int) -> None:
+def test_job(meshcomm_contract: Any, meshcomm_ranks: int) -> None:
     """The launcher ran the job on ``meshcomm_ranks`` ranks, each reported, exit status 0."""
-    assert_job_passed(meshcomm_contract.job(meshcomm_ranks))
+    meshcomm_contract.assert_job_passed(meshcomm_ranks)
 
 
-def test_contract(meshcomm_contract: ContractRunner, meshcomm_ranks: int, meshcomm_check: str) -> None:
+def test_contract(meshcomm_contract: Any, meshcomm_ranks: int, meshcomm_check: str) -> None:
     """One check of :mod:`meshcomm.testing.contract` passed on every rank."""
-    assert_check_passed(meshcomm_contract.job(meshcomm_ranks), meshcomm_check)
+    meshcomm_contract.assert_check_passed(meshcomm_ranks, meshcomm_check)
