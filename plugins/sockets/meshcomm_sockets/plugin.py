@@ -40,9 +40,10 @@ class SocketsSettings(BaseModel):
         True, env="MESHCOMM_SOCKETS_SHM", accepts="1/0, true/false",
         description="ranks on the same host exchange data through shared memory (0: TCP only)",
     )
-    shm_piece_kib: int = setting(
-        512, env="MESHCOMM_SOCKETS_SHM_PIECE_KIB", accepts="an integer from 4 to 65536",
-        description="size of one shared-memory slot, KiB (the same on every rank)", ge=4, le=65536,
+    shm_piece_kib: int | None = setting(
+        None, env="MESHCOMM_SOCKETS_SHM_PIECE_KIB", accepts="an integer from 4 to 65536",
+        description="size of one shared-memory slot, KiB (default: 512, or 2048 when a host has more "
+        "ranks than cores; the host's first rank decides for all)", ge=4, le=65536,
     )
     host_id: str | None = setting(
         None, env="MESHCOMM_HOST_ID", accepts="any string",
@@ -102,7 +103,8 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
     if len(peers) > 1:
         from .topology import attach_shared_memory
 
-        attach_shared_memory(world, enabled=settings.shm, piece=settings.shm_piece_kib * 1024,
+        piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
+        attach_shared_memory(world, enabled=settings.shm, piece=piece,
                              host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"))
     return world
 

@@ -82,6 +82,9 @@ class ShmGroup:
         self.piece = piece
         self.timeout = fabric.timeout
         self.seq = 0
+        # a short check loop before sleeping, only when every rank has a core of its own
+        # (when ranks outnumber cores, a spinning rank steals the core its peer needs;
+        # sched_yield() instead of sleeping was measured and did not help)
         self.spin = 200 if self.n <= (os.cpu_count() or 1) else 0
         size = 8 * _LINE * self.n + 2 * self.n * piece
         path = SHM_DIR / name

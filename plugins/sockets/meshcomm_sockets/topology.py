@@ -14,6 +14,8 @@ agree on the path each operation takes:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .shm import SHM_DIR, ShmGroup, host_key, new_name
@@ -23,7 +25,15 @@ __all__ = ["attach_shared_memory"]
 _NAME_BYTES = 64
 
 
-def attach_shared_memory(world, *, enabled: bool, piece: int, host_id: str | None, job_id: str | None) -> None:  # noqa: ANN001
+def default_piece(local_ranks: int) -> int:
+    """Slot size: small pieces keep data in cache; when ranks outnumber cores every piece
+    costs context switches, so fewer, larger pieces win (measured: 64 MiB all-reduce on 4
+    ranks / 2 cores took 160 ms with 512 KiB pieces, 75 ms with 2 MiB)."""
+    return (2048 if local_ranks > (os.cpu_count() or 1) else 512) * 1024
+
+
+def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: str | None,  # noqa: ANN001
+                         job_id: str | None) -> None:
     """Decide the path of the world's collectives and map the host's segment."""
     from .backend import SocketsBackend
 
@@ -51,19 +61,21 @@ def attach_shared_memory(world, *, enabled: bool, piece: int, host_id: str | Non
         if r == local[0]:
             try:
                 name = new_name(job_id)
-                shm = ShmGroup(world.fabric, local, name, piece, create=True)
-                raw[: len(name)] = np.frombuffer(name.encode(), np.uint8)
+                size = piece or default_piece(len(local))
+                shm = ShmGroup(world.fabric, local, name, size, create=True)
+                text = f"{name} {size}".encode()
+                raw[: len(text)] = np.frombuffer(text, np.uint8)
             except OSError:
                 ok[0] = 0  # peers get an empty name and give up too
             for q in local[1:]:
                 world.send(raw, q)
         else:
             world.recv(raw, local[0])
-            name = bytes(raw).rstrip(b"\0").decode()
+            name, _, size_text = bytes(raw).rstrip(b"\0").decode().partition(" ")
             try:
                 if not name:
                     raise OSError("the host's first rank could not create the segment")
-                shm = ShmGroup(world.fabric, local, name, piece, create=False)
+                shm = ShmGroup(world.fabric, local, name, int(size_text), create=False)
             except OSError:
                 ok[0] = 0
     world.barrier()  # every FIFO exists
