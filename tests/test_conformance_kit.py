@@ -1,5 +1,5 @@
 """The conformance kit (``meshcomm.testing`` as a pytest plugin) as a backend author runs it:
-``pytest -p meshcomm.testing.pytest_plugin --pyargs meshcomm.testing --meshcomm-backend NAME``.
+``pytest --pyargs meshcomm.testing --meshcomm-backend NAME``.
 
 It passes on every shipped backend and on the example third-party one (uds), and it fails —
 naming the checks and the ranks — on a backend whose all_sum is wrong (tests/plugins/
@@ -46,7 +46,7 @@ def _installed(plugin_path: Path) -> dict[str, dict]:
 
 
 def run_kit(plugin_path: Path, backend: str, ranks: str | None, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "pytest", "-p", "meshcomm.testing.pytest_plugin", "--pyargs", "meshcomm.testing",
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "meshcomm.testing",
            "--meshcomm-backend", backend, "--meshcomm-timeout", "60", "-p", "no:cacheprovider", "-q", "-rfE"]
     if ranks is not None:
         cmd += ["--meshcomm-ranks", ranks]

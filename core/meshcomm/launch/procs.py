@@ -85,17 +85,27 @@ class RankProcess:
                 stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), start_new_session=True,
             )
         else:
+            # the script (with the job secret) goes through ssh's stdin, never on a command
+            # line where any local user could read it with ps; bash reads it line by line,
+            # so the program it execs finds stdin at its end
             script = remote_script(argv, env, cwd, files or {}, filedir)
-            cmd = [*ssh, host, "bash -c " + shlex.quote(script)]
+            cmd = [*ssh, host, "bash -s"]
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,
             )
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(script.encode() + b"\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass  # ssh failed at once; its exit status and stderr tell why
         if verbose:
-            shown = " ".join(shlex.quote(c) for c in (argv if host is None else [*ssh, host, "bash -c <script>"]))
+            shown = " ".join(shlex.quote(c) for c in (argv if host is None else [*ssh, host, "bash -s <<script"]))
             sys.stderr.write(f"meshcomm launch: rank {rank}{' on ' + host if host else ''}: {shown}\n")
             if host is not None:
-                sys.stderr.write(script + "\n")
+                secret = env.get("MESHCOMM_JOB_SECRET")
+                sys.stderr.write((script.replace(secret, "<secret>") if secret else script) + "\n")
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self.threads = [
             mux.pump(self.proc.stdout, sys.stdout.buffer, tag, self._pid_line if host else None),

@@ -2,16 +2,16 @@
 
 For a third-party backend author::
 
-    pytest -p meshcomm.testing.pytest_plugin --pyargs meshcomm.testing \\
+    pytest --pyargs meshcomm.testing \\
         --meshcomm-backend mybackend [--meshcomm-ranks 1,2,4]
 
 For each rank count, one real job runs through ``meshcomm launch -n N --backend NAME --
 -m meshcomm.testing.contract --json``; every check of the contract becomes its own item
 (``test_contract[4-check_reductions]``) that fails with each rank's error, plus one item
-per job (``test_job[4]``) for the launcher's exit status. Settings can also come from the
-environment (``MESHCOMM_CONFORMANCE_BACKEND``, ``MESHCOMM_CONFORMANCE_RANKS``), which is
-how ``meshcomm.testing.test_conformance`` still runs when this plugin was not given with
-``-p`` (the command-line options only exist when it is loaded from the start).
+per job (``test_job[4]``) for the launcher's exit status. pytest loads this plugin through
+the ``pytest11`` entry point of the meshcomm distribution (``-p meshcomm`` when plugin
+autoloading is off). Settings can also come from the environment
+(``MESHCOMM_CONFORMANCE_BACKEND``, ``MESHCOMM_CONFORMANCE_RANKS``).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class ContractRunner:
 
     def job(self, n: int) -> ContractJob:
         if self.backend is None:
-            pytest.skip("no backend to check: pass --meshcomm-backend NAME (with -p meshcomm.testing.pytest_plugin) "
+            pytest.skip("no backend to check: pass --meshcomm-backend NAME (the plugin comes with meshcomm: pytest11 entry point) "
                         "or set MESHCOMM_CONFORMANCE_BACKEND")
         if n not in self.jobs:
             self.jobs[n] = self._run(self.backend, n)

@@ -2,7 +2,7 @@
 
 Run them against a backend with::
 
-    pytest -p meshcomm.testing.pytest_plugin --pyargs meshcomm.testing --meshcomm-backend NAME
+    pytest --pyargs meshcomm.testing --meshcomm-backend NAME
 
 Each contract check on each rank count is one item; see :mod:`meshcomm.testing.pytest_plugin`.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# also when the plugin was not given with -p (settings then come from the environment);
-# not imported here, so that pytest imports (and registers) it first
-pytest_plugins = ["meshcomm.testing.pytest_plugin"]
+# the fixtures come from meshcomm.testing.pytest_plugin, which pytest loads through the
+# pytest11 entry point of the meshcomm distribution (-p meshcomm when autoload is off)
 
 
 def test_job(meshcomm_contract: Any, meshcomm_ranks: int) -> None:

@@ -3,8 +3,9 @@
 Rank r connects to every lower rank (retrying with backoff while that rank is not yet
 listening) and then accepts every higher rank. A rank that never starts makes the
 others fail with its rank and address once ``timeout`` expires, never wait forever.
-Connections that fail the handshake (garbage, wrong secret, wrong protocol) are closed
-and logged and the rank goes on waiting for its real peers.
+Connections that fail the handshake (garbage, wrong secret, wrong protocol, silence) are
+closed and logged and the rank goes on waiting for its real peers: each accepted
+connection is challenged on its own thread, so strangers cannot hold up the real ones.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 
 from meshcomm.errors import CommTimeoutError, ConfigError, DistributedError
@@ -137,14 +140,10 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
         delay = min(delay * 2, 0.5)
 
 
-def _accept_one(listener: socket.socket, rank: int, world: int, pending: set[int], secret: bytes,
-                version: str, deadline: float) -> tuple[int, socket.socket] | None:
-    """Accept one connection; return (peer rank, socket) or None for a rejected stranger."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    listener.settimeout(left)
-    sock, addr = listener.accept()
+def _greet(sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline: float,
+           out: queue.Queue[tuple[wire.Hello, socket.socket, tuple]]) -> None:
+    """Challenge one accepted connection and queue its valid HELLO (runs on its own thread,
+    so a silent or slow stranger delays nobody); strangers are closed and logged."""
     limit = min(deadline, time.monotonic() + _HANDSHAKE_LIMIT)
     try:
         nonce_a = os.urandom(16)
@@ -152,11 +151,16 @@ def _accept_one(listener: socket.socket, rank: int, world: int, pending: set[int
         sock.sendall(wire.challenge(nonce_a))
         head = _recv_exact(sock, wire.HELLO_FIXED, limit)
         rest = _recv_exact(sock, wire.hello_size(head) - len(head), limit)
-        h = wire.parse_hello(secret, nonce_a, head + rest)
+        out.put((wire.parse_hello(secret, nonce_a, head + rest), sock, addr))
     except (OSError, wire.HandshakeError) as exc:
         log.warning("meshcomm sockets rank %d: rejected a connection from %s: %s", rank, addr[:2], exc)
         sock.close()
-        return None
+
+
+def _admit(h: wire.Hello, sock: socket.socket, addr: tuple, rank: int, world: int, pending: set[int],
+           secret: bytes, version: str) -> int | None:
+    """Answer a valid HELLO: the peer's rank when it is one we wait for, else None (or an
+    error for a version or world-size skew, which no waiting can fix)."""
     status = wire.STATUS_OK
     if h.version != version:
         status = wire.STATUS_VERSION
@@ -186,7 +190,45 @@ def _accept_one(listener: socket.socket, rank: int, world: int, pending: set[int
                 f"{world}; every rank must use the same hostfile."
             )
         return None
-    return h.rank, sock
+    return h.rank
+
+
+def _accept_all(listener: socket.socket, peers: list[Peer], rank: int, secret: bytes, version: str,
+                deadline: float, timeout: float) -> dict[int, socket.socket]:
+    """Accept every higher rank; each connection is challenged on its own thread."""
+    world = len(peers)
+    pending = set(range(rank + 1, world))
+    conns: dict[int, socket.socket] = {}
+    hellos: queue.Queue[tuple[wire.Hello, socket.socket, tuple]] = queue.Queue()
+    listener.settimeout(0.01)
+    try:
+        while pending:
+            while not hellos.empty():
+                h, sock, addr = hellos.get_nowait()
+                q = _admit(h, sock, addr, rank, world, pending, secret, version)
+                if q is not None:
+                    pending.discard(q)
+                    conns[q] = sock
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                missing = ", ".join(f"{q} ({peers[q]})" for q in sorted(pending))
+                raise CommTimeoutError(
+                    f"rank {rank}: waited {timeout:g} s for ranks {missing} to connect; they never "
+                    "did. Did they start, and do they use the same MLX_HOSTFILE?",
+                    peer=min(pending),
+                )
+            try:
+                sock, addr = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=_greet, args=(sock, addr, rank, secret, deadline, hellos),
+                             name="meshcomm-handshake", daemon=True).start()
+    except BaseException:
+        for s in conns.values():
+            s.close()
+        raise
+    return conns
 
 
 def establish(peers: list[Peer], rank: int, *, secret: bytes, version: str, timeout: float,
@@ -209,21 +251,7 @@ def establish(peers: list[Peer], rank: int, *, secret: bytes, version: str, time
     try:
         for q in range(rank):
             conns[q] = _connect(rank, world, q, peers[q], secret, version, deadline, timeout)
-        pending = set(range(rank + 1, world))
-        while pending:
-            try:
-                got = _accept_one(listener, rank, world, pending, secret, version, deadline)
-            except TimeoutError:
-                missing = ", ".join(f"{q} ({peers[q]})" for q in sorted(pending))
-                raise CommTimeoutError(
-                    f"rank {rank}: waited {timeout:g} s for ranks {missing} to connect; they never "
-                    "did. Did they start, and do they use the same MLX_HOSTFILE?",
-                    peer=min(pending),
-                ) from None
-            if got is not None:
-                q, sock = got
-                pending.discard(q)
-                conns[q] = sock
+        conns.update(_accept_all(listener, peers, rank, secret, version, deadline, timeout))
     except BaseException:
         for s in conns.values():
             s.close()

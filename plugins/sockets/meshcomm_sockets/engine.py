@@ -261,7 +261,7 @@ class Fabric:
             ready = poller.poll(wait_ms) if wait_ms else []
             if not ready:
                 if time.monotonic() - last >= self.timeout:
-                    self._timeout(links)
+                    self._timeout(links, send=send, recv=recv)
                 continue
             for fd, ev in ready:
                 for link in links:
@@ -271,9 +271,12 @@ class Fabric:
                         if ev & _POLLIN:
                             link.recv_blocked = False
 
-    def _timeout(self, links: list[Link]) -> None:
-        waiting = [lk for lk in links if (lk.cur is not None or lk.expect) and lk.recv_blocked]
-        link = waiting[0] if waiting else next(lk for lk in links if lk.out)
+    def _timeout(self, links: list[Link], *, send: bool, recv: bool) -> None:
+        # blame the link this loop was actually stuck on: a receive it waited for, or (in
+        # the sender thread, or when nothing was expected) a send the peer did not accept
+        waiting = [lk for lk in links if recv and (lk.cur is not None or lk.expect) and lk.recv_blocked]
+        stuck = [lk for lk in links if send and lk.out]
+        link = waiting[0] if waiting else stuck[0]
         exp = link.cur or (link.expect[0] if link.expect else None)
         what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""
         verb = "sent nothing" if waiting else "accepted no data"

@@ -34,7 +34,12 @@ from pathlib import Path
 
 import numpy as np
 from meshcomm.dtypes import reducer
-from meshcomm.errors import CollectiveMismatchError, CommTimeoutError, DistributedError
+from meshcomm.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    DistributedError,
+    PeerLostError,
+)
 
 from .engine import Call, Fabric, _describe
 
@@ -55,7 +60,9 @@ def _fence() -> None:
 
 
 def host_key(override: str | None = None) -> bytes:
-    """16 bytes naming this host for shared memory: equal only where /dev/shm is shared."""
+    """16 bytes naming this host for shared memory: equal only where /dev/shm is shared and
+    the network namespace is the same (ranks in different network namespaces are treated
+    as different hosts: they are how several hosts are simulated on one machine)."""
     if override:
         text = "id:" + override
     else:
@@ -67,7 +74,11 @@ def host_key(override: str | None = None) -> bytes:
             dev = os.stat(SHM_DIR).st_dev
         except OSError:
             dev = -1
-        text = f"{socket.gethostname()}|{boot}|{dev}"
+        try:
+            netns = os.stat("/proc/self/ns/net").st_ino
+        except OSError:
+            netns = -1
+        text = f"{socket.gethostname()}|{boot}|{dev}|{netns}"
     return hashlib.sha256(text.encode()).digest()[:16]
 
 
@@ -154,6 +165,12 @@ class ShmGroup:
                     os.write(fd, b"\0")
                 except BlockingIOError:
                     pass  # its FIFO is full of wake-ups already
+                except BrokenPipeError:  # nobody reads its FIFO: it died while waiting
+                    raise PeerLostError(
+                        f"rank {self.fabric.rank}: rank {self.local[i]} (same host) died while "
+                        f"waiting in {call.describe()} in group {call.label}; check its output.",
+                        peer=self.local[i],
+                    ) from None
 
     def _ready(self) -> bool:
         return bool((self.ctrl[:, _SEQ] >= self.seq).all())
