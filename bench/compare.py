@@ -10,7 +10,11 @@ per iteration, median over iterations, adaptive iteration count) and checking ev
 result:
 
 * ``meshcomm-<backend>``: ``meshcomm launch -n N --backend B -- -m meshcomm bench``
-  for every installed backend (sockets, mpi, gloo);
+  for every installed backend (sockets, mpi, gloo); ranks on one host use the sockets
+  backend's shared-memory path, so ``meshcomm-sockets-tcp`` runs it again with
+  ``MESHCOMM_SOCKETS_SHM=0`` (TCP only);
+* ``mpi4py-tcp``: raw mpi4py with Open MPI forced onto TCP (``OMPI_MCA_btl=self,tcp``),
+  the transport-fair peer of ``meshcomm-sockets-tcp``;
 * ``mpi4py``: raw ``comm.Allreduce`` (the MPI mpi4py loads; here the Open MPI wheel),
   started by ``meshcomm launch --backend mpi`` (which runs mpiexec);
 * ``torch-gloo``: ``torch.distributed`` gloo ``all_reduce`` in place;
@@ -90,12 +94,16 @@ def _free_port_run(n: int) -> int:
     raise RuntimeError("no run of free local ports found")
 
 
-def _meshcomm(backend: str, min_time: float) -> System:
+def _meshcomm(backend: str, min_time: float, *, tcp_only: bool = False) -> System:
+    """meshcomm's own bench on ``backend``; ``tcp_only`` turns off the sockets backend's
+    shared-memory path for ranks on one host, so it is compared on TCP like for like."""
+    env = ["--env", "MESHCOMM_SOCKETS_SHM=0"] if tcp_only else []
+
     def command(n: int, sizes: str, out: Path) -> tuple[list[str], dict[str, str]]:
-        return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, "--",
+        return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, *env, "--",
                  "-m", "meshcomm", "bench", "--op", "all_sum", "--sizes", sizes,
                  "--min-time", str(min_time), "--json", str(out)], {})
-    return System(f"meshcomm-{backend}", command)
+    return System(f"meshcomm-{backend}" + ("-tcp" if tcp_only else ""), command)
 
 
 def _peer(name: str, min_time: float) -> System:
@@ -138,6 +146,8 @@ def _installed(min_time: float) -> tuple[list[System], list[str]]:
             continue
         if info.available:
             systems.append(_meshcomm(info.name, min_time))
+            if info.name == "sockets":
+                systems.append(_meshcomm(info.name, min_time, tcp_only=True))
         else:
             skipped.append(f"meshcomm-{info.name}: {info.reason}")
     needs = {"mpi4py": "mpi4py", "mpi4py-tcp": "mpi4py", "torch-gloo": "torch", "mlx-ring": "mlx"}
@@ -204,10 +214,10 @@ def _table(n: int, results: dict[str, dict[str, Any]], lim: dict[str, float]) ->
     peers = [s for s in names if not s.startswith("meshcomm-")]
     sizes = sorted({b for s in names for b in results[s]["rows"]})
     tcp_peers = [s for s in peers if any(s == t or s.startswith(t + "-") for t in TCP_PEERS)]
-    sockets = next((s for s in ours if s.startswith("meshcomm-sockets")), None)
+    sockets = next((s for s in ours if s.startswith("meshcomm-sockets-tcp")), None)
     head = ["size", *names, "best peer", *[f"{s.removeprefix('meshcomm-')}/best" for s in ours]]
     if sockets and tcp_peers:
-        head.append("sockets/best TCP peer")
+        head.append("sockets-tcp/best TCP peer")
     head.append("TCP model")
     lines = [f"| {' | '.join(head)} |", "|" + "|".join("---:" for _ in head) + "|"]
     for b in sizes:
