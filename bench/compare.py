@@ -251,7 +251,7 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
             ax.plot(xs, [res["rows"][str(b)]["median"] * 1e6 for b in xs], marker="o", ms=3, label=name,
                     linestyle="-" if name.startswith("meshcomm-") else "--")
         xs = sorted({int(b) for r in results.values() if "rows" in r for b in r["rows"]})
-        ax.plot(xs, [tcp_model(int(n), b, doc["limits"]) * 1e6 for b in xs], color="grey", linestyle=":",
+        ax.plot(xs, [tcp_model(int(n), b, doc["limits"]) * 1e6 for b in xs], color="black", linestyle=":",
                 label="TCP model")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
