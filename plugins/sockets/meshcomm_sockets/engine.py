@@ -14,6 +14,7 @@ to every other rank with an ABORT frame, so all survivors raise instead of waiti
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -121,6 +122,10 @@ class Fabric:
         self.links: dict[int, Link] = {q: Link(q, s) for q, s in socks.items()}
         self.failure: DistributedError | None = None
         self._wake = threading.Event()  # set whenever frames are queued (wakes a sender thread)
+        #: seconds a waiting rank polls without sleeping (see topology.wait_policy)
+        self.spin = 0.0
+        #: give the core away on every spin (ranks outnumber this host's cores)
+        self.yielding = False
 
     # -- queueing -----------------------------------------------------------------------
     def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
@@ -200,7 +205,7 @@ class Fabric:
         (wait for them); ``stop()`` true: give up quietly (the other thread failed)."""
         poller: select.poll | None = None
         registered: dict[int, int] = {}
-        last = time.monotonic()
+        last = entered = time.monotonic()
         slice_ms = 100 if (more or stop) else None
         while True:
             if stop is not None and stop():
@@ -258,7 +263,11 @@ class Fabric:
             wait_ms = max(0, int(left * 1000) + 1) if left > 0 else 0
             if slice_ms is not None:
                 wait_ms = min(wait_ms, slice_ms)
-            ready = poller.poll(wait_ms) if wait_ms else []
+            if now - entered < self.spin:  # a short bounded spin first: waking up costs more
+                if self.yielding:
+                    os.sched_yield()
+                wait_ms = 0
+            ready = poller.poll(wait_ms) if wait_ms else poller.poll(0)
             if not ready:
                 if time.monotonic() - last >= self.timeout:
                     self._timeout(links, send=send, recv=recv)

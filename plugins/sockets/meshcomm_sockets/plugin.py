@@ -49,6 +49,11 @@ class SocketsSettings(BaseModel):
         None, env="MESHCOMM_HOST_ID", accepts="any string",
         description="names this rank's host for shared memory (default: hostname + boot id + /dev/shm)",
     )
+    spin_us: int = setting(
+        200, env="MESHCOMM_SOCKETS_SPIN_US", accepts="an integer from 0 to 100000",
+        description="microseconds a waiting rank polls before it sleeps in the kernel (0: sleep at once)",
+        ge=0, le=100000,
+    )
     listen_fd: int | None = setting(
         None, env="MESHCOMM_SOCKETS_LISTEN_FD", accepts="an inherited listening socket's file descriptor",
         description="set by meshcomm launch: a listening socket it opened for this rank (no port race)",
@@ -105,7 +110,8 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
 
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
         attach_shared_memory(world, enabled=settings.shm, piece=piece,
-                             host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"))
+                             host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
+                             spin_us=settings.spin_us)
     return world
 
 

@@ -10,7 +10,7 @@ every rank computes the same bytes). Two slots per rank and one wait per piece a
 enough: a rank overwrites a slot only after every rank has published the next piece,
 which each does only after it finished reading the previous one.
 
-Waiting never spins for long: after a short check a rank announces that it sleeps and
+Waiting never spins for long: after a bounded spin (``MESHCOMM_SOCKETS_SPIN_US``) a rank announces that it sleeps and
 blocks in ``poll`` on its own FIFO (a peer that publishes writes one byte to the FIFO of
 every sleeping peer) and on the TCP connections of its local peers, which report a dead
 peer (closed connection) or a failure elsewhere (ABORT frame) at once.
@@ -93,10 +93,6 @@ class ShmGroup:
         self.piece = piece
         self.timeout = fabric.timeout
         self.seq = 0
-        # a short check loop before sleeping, only when every rank has a core of its own
-        # (when ranks outnumber cores, a spinning rank steals the core its peer needs;
-        # sched_yield() instead of sleeping was measured and did not help)
-        self.spin = 200 if self.n <= (os.cpu_count() or 1) else 0
         size = 8 * _LINE * self.n + 2 * self.n * piece
         path = SHM_DIR / name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -177,7 +173,11 @@ class ShmGroup:
 
     def _wait(self, call: Call) -> None:
         if not self._ready():
-            for _ in range(self.spin):
+            fab = self.fabric
+            until = time.perf_counter() + fab.spin  # bounded spin first (see topology.wait_policy)
+            while time.perf_counter() < until:
+                if fab.yielding:
+                    os.sched_yield()
                 if self._ready():
                     break
             else:
