@@ -28,8 +28,6 @@ __all__ = ["SocketsBackend", "SMALL_BYTES", "FRAME_BYTES"]
 SMALL_BYTES = 256 * 1024
 #: largest frame of a plain transfer (the header's size field is 32 bits)
 FRAME_BYTES = 1 << 26
-#: transfers from this size on send on a helper thread while the caller receives
-THREAD_BYTES = 1 << 20
 
 
 class SocketsBackend(Backend):
@@ -97,8 +95,7 @@ class SocketsBackend(Backend):
         out, inc = self._link(dst), self._link(src)
         self.fabric.post_send(out, self._p2p(self._sent, dst, sendbuf), as_bytes(sendbuf), FRAME_BYTES)
         self.fabric.post_recv(inc, self._p2p(self._received, src, recvbuf), as_bytes(recvbuf), FRAME_BYTES)
-        threaded = sendbuf.nbytes + recvbuf.nbytes >= THREAD_BYTES
-        self.fabric.progress([out] if out is inc else [out, inc], threaded=threaded)
+        self.fabric.progress([out] if out is inc else [out, inc])
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -238,4 +235,4 @@ class SocketsBackend(Backend):
                     hi = min(lo + ce, bounds[d + 1])
                     cb = (lambda a=lo, b=hi: forward(a, b)) if step < n - 2 else None
                     fab.post_recv(left, call, out_raw[lo * item : hi * item], FRAME_BYTES, done=cb)
-        fab.progress([right] if right is left else [right, left], threaded=sendbuf.nbytes >= THREAD_BYTES)
+        fab.progress([right] if right is left else [right, left])

@@ -161,7 +161,9 @@ class ShmGroup:
                     os.write(fd, b"\0")
                 except BlockingIOError:
                     pass  # its FIFO is full of wake-ups already
-                except BrokenPipeError:  # nobody reads its FIFO: it died while waiting
+                except BrokenPipeError:  # nobody reads its FIFO: it is gone
+                    # it may have failed because of someone else and said so (ABORT): that wins
+                    self.fabric.probe(self.fabric.links[self.local[i]])
                     raise PeerLostError(
                         f"rank {self.fabric.rank}: rank {self.local[i]} (same host) died while "
                         f"waiting in {call.describe()} in group {call.label}; check its output.",
@@ -193,6 +195,13 @@ class ShmGroup:
         for fd in watch:
             poller.register(fd, select.POLLIN)
         deadline = time.monotonic() + self.timeout
+        try:
+            self._sleep_until_ready(call, poller, watch, deadline)
+        finally:
+            me[_WAIT] = 0  # also when raising: a waiting flag left behind would be signalled
+
+    def _sleep_until_ready(self, call: Call, poller: select.poll, watch: dict, deadline: float) -> None:
+        me = self.ctrl[self.me]
         while True:
             me[_WAIT] = self.seq
             _fence()
@@ -221,7 +230,6 @@ class ShmGroup:
             for fd, _ev in events:
                 if fd != self.fifo and self.fabric.probe(watch[fd]):
                     poller.unregister(fd)  # data of a later operation: not our concern now
-        me[_WAIT] = 0
 
     def _check(self, call: Call) -> None:
         mine = (call.op, call.dtype, call.total, call.seq)
