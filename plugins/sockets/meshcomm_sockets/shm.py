@@ -21,6 +21,7 @@ nothing is left in ``/dev/shm`` when the job ends, however it ends.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -244,11 +245,14 @@ class ShmGroup:
                     "same shapes and dtypes."
                 )
 
-    def _step(self, call: Call, fill: Callable[[], None] | None, use: Callable[[], None] | None) -> None:
+    def _step(self, call: Call, copy: tuple[np.ndarray, np.ndarray] | None,
+              use: Callable[[], None] | None) -> None:
+        """One piece: copy ``copy[1]`` into this rank's slot ``copy[0]``, publish, wait for
+        every local rank, ``use()`` the slots; on failure tell every peer (ABORT)."""
         self.fabric.check()
         try:
-            if fill is not None:
-                fill()
+            if copy is not None:
+                copy[0][...] = copy[1]
             self._publish(call)
             self._wait(call)
             if use is not None:
@@ -257,8 +261,17 @@ class ShmGroup:
             self.fabric.fail(exc)
             raise
 
-    def _pieces(self, count: int, itemsize: int) -> range:
-        return range(0, count, max(1, self.piece // itemsize))
+    def _run(self, call: Call, src: np.ndarray, count: int, fill: bool,
+             use: Callable[[int, int, int], None] | None) -> None:
+        """Move ``count`` elements piece by piece: copy ``src[lo:hi]`` into this rank's slot
+        (when ``fill``), publish, wait for every local rank, then ``use(k, lo, hi)``."""
+        dt = src.dtype
+        per = max(1, self.piece // dt.itemsize)
+        for lo in range(0, count, per):
+            hi = min(lo + per, count)
+            k = self.seq
+            copy = (self.slot(self.me, k, dt, hi - lo), src[lo:hi]) if fill else None
+            self._step(call, copy, functools.partial(use, k, lo, hi) if use is not None else None)
 
     def _combine(self, f: np.ufunc, k: int, dt: np.dtype, count: int, part: slice, out: np.ndarray) -> None:
         """``out`` = every local rank's slot of piece ``k`` (elements ``part``) combined with
@@ -269,69 +282,41 @@ class ShmGroup:
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        f = reducer(op)
-        dt = sendbuf.dtype
-        per = max(1, self.piece // dt.itemsize)
-        for lo in self._pieces(sendbuf.size, dt.itemsize):
-            hi = min(lo + per, sendbuf.size)
-            k = self.seq
-            mine = self.slot(self.me, k, dt, hi - lo)
-
-            def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
-                self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi])
-
-            self._step(call, lambda m=mine, lo=lo, hi=hi: m.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
+        f, dt = reducer(op), sendbuf.dtype
+        self._run(call, sendbuf, sendbuf.size, True,
+                  lambda k, lo, hi: self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi]))
 
     def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         """This local rank's block (``len(recvbuf)`` elements at ``me * len``) of the reduction."""
-        f = reducer(op)
-        dt = sendbuf.dtype
-        m = recvbuf.size
-        first, last = self.me * m, (self.me + 1) * m
-        per = max(1, self.piece // dt.itemsize)
-        for lo in self._pieces(sendbuf.size, dt.itemsize):
-            hi = min(lo + per, sendbuf.size)
-            k = self.seq
-            mine = self.slot(self.me, k, dt, hi - lo)
+        f, dt = reducer(op), sendbuf.dtype
+        first, last = self.me * recvbuf.size, (self.me + 1) * recvbuf.size
 
-            def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
-                a, b = max(lo, first), min(hi, last)
-                if a >= b:
-                    return
+        def use(k: int, lo: int, hi: int) -> None:
+            a, b = max(lo, first), min(hi, last)
+            if a < b:
                 self._combine(f, k, dt, hi - lo, slice(a - lo, b - lo), recvbuf[a - first : b - first])
 
-            self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
+        self._run(call, sendbuf, sendbuf.size, True, use)
 
     def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        dt = sendbuf.dtype
-        m = sendbuf.size
-        per = max(1, self.piece // dt.itemsize)
-        for lo in self._pieces(m, dt.itemsize):
-            hi = min(lo + per, m)
-            k = self.seq
-            mine = self.slot(self.me, k, dt, hi - lo)
+        dt, m = sendbuf.dtype, sendbuf.size
 
-            def use(k: int = k, lo: int = lo, hi: int = hi) -> None:
-                for i in range(self.n):
-                    if i != self.me:
-                        recvbuf[i * m + lo : i * m + hi] = self.slot(i, k, dt, hi - lo)
+        def use(k: int, lo: int, hi: int) -> None:
+            for i in range(self.n):
+                if i != self.me:
+                    recvbuf[i * m + lo : i * m + hi] = self.slot(i, k, dt, hi - lo)
 
-            self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, sendbuf[lo:hi]), use)
+        self._run(call, sendbuf, m, True, use)
         recvbuf[self.me * m : (self.me + 1) * m] = sendbuf
 
     def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
         """``root`` is a local index."""
         dt = buf.dtype
-        per = max(1, self.piece // dt.itemsize)
-        for lo in self._pieces(buf.size, dt.itemsize):
-            hi = min(lo + per, buf.size)
-            k = self.seq
-            if self.me == root:
-                mine = self.slot(self.me, k, dt, hi - lo)
-                self._step(call, lambda m_=mine, lo=lo, hi=hi: m_.__setitem__(Ellipsis, buf[lo:hi]), None)
-            else:
-                self._step(call, None, lambda k=k, lo=lo, hi=hi: buf[lo:hi].__setitem__(
-                    Ellipsis, self.slot(root, k, dt, hi - lo)))
+
+        def use(k: int, lo: int, hi: int) -> None:
+            buf[lo:hi] = self.slot(root, k, dt, hi - lo)
+
+        self._run(call, buf, buf.size, self.me == root, None if self.me == root else use)
 
     def barrier(self, call: Call) -> None:
         self._step(call, None, None)

@@ -122,16 +122,23 @@ def hello_size(prefix: bytes) -> int:
     return _message_size(prefix, _HELLO, "hello")
 
 
+def _authenticated(data: bytes, layout: struct.Struct, what: str, secret: bytes, nonce: bytes,
+                   refusal: str) -> tuple[tuple, str]:
+    """The fixed fields and the version of a HELLO/WELCOME whose size and MAC are right."""
+    size = _message_size(data, layout, what)
+    if len(data) != size:
+        raise HandshakeError(f"{what} of {len(data)} bytes, expected {size}")
+    body, mac = data[:-_MAC], data[-_MAC:]
+    if not hmac.compare_digest(mac, _mac(secret, nonce, body)):
+        raise HandshakeError(refusal)
+    return layout.unpack(data[: layout.size]), data[layout.size : -_MAC].decode("utf-8", "replace")
+
+
 def parse_hello(secret: bytes, nonce_a: bytes, data: bytes) -> Hello:
     """Decode and authenticate a HELLO; HandshakeError on anything wrong."""
-    size = hello_size(data)
-    if len(data) != size:
-        raise HandshakeError(f"hello of {len(data)} bytes, expected {size}")
-    _magic, _proto, world, rank, target, nonce, vlen = _HELLO.unpack(data[:HELLO_FIXED])
-    body, mac = data[:-_MAC], data[-_MAC:]
-    if not hmac.compare_digest(mac, _mac(secret, nonce_a, body)):
-        raise HandshakeError("wrong job secret (MESHCOMM_JOB_SECRET differs or is missing)")
-    version = data[HELLO_FIXED : HELLO_FIXED + vlen].decode("utf-8", "replace")
+    fields, version = _authenticated(data, _HELLO, "hello", secret, nonce_a,
+                                     "wrong job secret (MESHCOMM_JOB_SECRET differs or is missing)")
+    _magic, _proto, world, rank, target, nonce, _vlen = fields
     return Hello(world, rank, target, nonce, version)
 
 
@@ -154,12 +161,8 @@ def welcome_size(prefix: bytes) -> int:
 
 
 def parse_welcome(secret: bytes, nonce_c: bytes, data: bytes) -> Welcome:
-    size = welcome_size(data)
-    if len(data) != size:
-        raise HandshakeError(f"welcome of {len(data)} bytes, expected {size}")
-    _magic, _proto, status, rank, vlen = _WELCOME.unpack(data[:WELCOME_FIXED])
-    body, mac = data[:-_MAC], data[-_MAC:]
-    if not hmac.compare_digest(mac, _mac(secret, nonce_c, body)):
-        raise HandshakeError("peer failed the job secret check (MESHCOMM_JOB_SECRET differs)")
-    version = data[WELCOME_FIXED : WELCOME_FIXED + vlen].decode("utf-8", "replace")
+    """Decode and authenticate a WELCOME; HandshakeError on anything wrong."""
+    fields, version = _authenticated(data, _WELCOME, "welcome", secret, nonce_c,
+                                     "peer failed the job secret check (MESHCOMM_JOB_SECRET differs)")
+    _magic, _proto, status, rank, _vlen = fields
     return Welcome(status, rank, version)
