@@ -23,7 +23,7 @@ import numpy as np
 from ..group import Group
 from ..ops import all_sum
 from ..world import init
-from .linear import Cached, Linear, QuantizedLinear, Seed, affine, affine_backward, init_linear
+from .linear import Cached, Linear, QuantizedLinear, Seed, affine, init_linear
 from .module import Module
 from .quantize import check_mode, dequantize, quantize
 
@@ -131,10 +131,7 @@ class AllToShardedLinear(_TPLayer):
         return affine(self._remember(x), self.weight, self.bias)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        grad_input, self.grads = affine_backward(
-            self._input(), self.weight, grad_output, with_bias=self.bias is not None
-        )
-        return all_sum(grad_input, group=self.group)
+        return all_sum(self._affine_vjp(self.weight, grad_output), group=self.group)
 
     @classmethod
     def from_linear(cls, linear: Linear, *, segments: int = 1,
@@ -190,10 +187,7 @@ class ShardedToAllLinear(_TPLayer):
         return y + self.bias if self.bias is not None else y
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        grad_input, self.grads = affine_backward(
-            self._input(), self.weight, grad_output, with_bias=self.bias is not None
-        )
-        return grad_input
+        return self._affine_vjp(self.weight, grad_output)
 
     @classmethod
     def from_linear(cls, linear: Linear, *, segments: int = 1,
@@ -286,10 +280,7 @@ class QuantizedAllToShardedLinear(_QuantizedTP):
         return affine(self._remember(x), self.dequantized_weight(), self.bias)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        grad_input, self.grads = affine_backward(
-            self._input(), self.dequantized_weight(), grad_output, with_weight=False,
-            with_bias=self.bias is not None,
-        )
+        grad_input = self._affine_vjp(self.dequantized_weight(), grad_output, train_weight=False)
         return all_sum(grad_input, group=self.group)
 
     @classmethod
@@ -350,11 +341,7 @@ class QuantizedShardedToAllLinear(_QuantizedTP):
         return y + self.bias if self.bias is not None else y
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        grad_input, self.grads = affine_backward(
-            self._input(), self.dequantized_weight(), grad_output, with_weight=False,
-            with_bias=self.bias is not None,
-        )
-        return grad_input
+        return self._affine_vjp(self.dequantized_weight(), grad_output, train_weight=False)
 
     @classmethod
     def from_quantized_linear(cls, quantized_linear: QuantizedLinear, *, segments: int = 1,

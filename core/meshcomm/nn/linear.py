@@ -87,6 +87,17 @@ class Cached(Module):
             raise RuntimeError(f"{type(self).__name__}.backward called before a forward pass")
         return self._x
 
+    def _affine_vjp(self, weight: np.ndarray, grad_output: np.ndarray, *,
+                    train_weight: bool = True) -> np.ndarray:
+        """This layer's local backward of ``affine(x, weight, self.bias)``: stores the parameter
+        gradients in ``self.grads`` (the weight's only when ``train_weight``) and returns the
+        input gradient."""
+        grad_input, self.grads = affine_backward(
+            self._input(), weight, grad_output, with_weight=train_weight,
+            with_bias=getattr(self, "bias", None) is not None,
+        )
+        return grad_input
+
 
 class Linear(Cached):
     """Applies ``y = x @ weight.T + bias``.
@@ -124,10 +135,7 @@ class Linear(Cached):
         return affine(self._remember(x), self.weight, self.bias)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        grad_input, self.grads = affine_backward(
-            self._input(), self.weight, grad_output, with_bias=self.bias is not None
-        )
-        return grad_input
+        return self._affine_vjp(self.weight, grad_output)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedLinear:
         """A :class:`QuantizedLinear` with this layer's weight quantized and its bias copied."""
@@ -187,11 +195,7 @@ class QuantizedLinear(Cached):
         return affine(self._remember(x), self.dequantized_weight(), self.bias)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        grad_input, self.grads = affine_backward(
-            self._input(), self.dequantized_weight(), grad_output, with_weight=False,
-            with_bias=self.bias is not None,
-        )
-        return grad_input
+        return self._affine_vjp(self.dequantized_weight(), grad_output, train_weight=False)
 
     @classmethod
     def from_linear(cls, linear: Linear, group_size: int = 64, bits: int = 4,
