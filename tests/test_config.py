@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import meshcomm as mc
 import pytest
 from meshcomm import Config, ConfigError
 
@@ -59,4 +60,34 @@ def test_invalid_environment_fails_init(fresh_registry, monkeypatch):
 
     monkeypatch.setenv("MLX_TIMEOUT", "never")
     with pytest.raises(ConfigError, match="MLX_TIMEOUT='never'"):
+        mc.init()
+
+
+def test_constructing_config_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("MLX_TIMEOUT", "12.5")
+    monkeypatch.setenv("MLX_DEBUG", "yes")
+    c = mc.Config()
+    assert (c.timeout, c.debug) == (12.5, True)
+    assert mc.Config(timeout=3).timeout == 3           # an argument wins over the variable
+    monkeypatch.setenv("MLX_TIMEOUT", "soon")
+    with pytest.raises(mc.ConfigError, match=r"MLX_TIMEOUT='soon' is invalid.*accepted: a number of seconds"):
+        mc.Config()
+    assert mc.Config.load({}).timeout == 300.0          # an explicit mapping replaces os.environ
+
+
+@pytest.mark.parametrize("value", ["3e6", "1e10", "inf", "nan", "-inf"])
+def test_timeouts_beyond_what_a_wait_can_take_are_config_errors(monkeypatch, value):
+    monkeypatch.setenv("MLX_TIMEOUT", value)
+    with pytest.raises(mc.ConfigError, match=rf"MLX_TIMEOUT='{value}' is invalid.*<= 2147483"):
+        mc.Config()
+
+
+def test_the_largest_timeout_is_accepted(monkeypatch):
+    monkeypatch.setenv("MLX_TIMEOUT", "2147483")
+    assert mc.Config().timeout == 2147483
+
+
+def test_unknown_backend_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("MLX_BACKEND", "sockts")
+    with pytest.raises(mc.ConfigError, match=r"unknown backend 'sockts'.*MLX_BACKEND.*installed backends"):
         mc.init()

@@ -37,6 +37,11 @@ class Backend(abc.ABC):
     #: seconds a blocking call waits on a peer before raising CommTimeoutError
     timeout: float = 300.0
 
+    #: True when the transport itself compares every collective's op, dtype, length and
+    #: root across ranks (raising CollectiveMismatchError). When False the core does it
+    #: with one small all_reduce before each collective (``MESHCOMM_CHECK_CALLS``).
+    checks_calls: bool = False
+
     # -- required -------------------------------------------------------------------
     @abc.abstractmethod
     def rank(self) -> int:
@@ -105,6 +110,16 @@ class Backend(abc.ABC):
     def split(self, color: int, key: int) -> Backend:
         """The backend of the subgroup of ranks sharing ``color``, ordered by (key, rank)."""
         return algorithms.split(self, color, key)
+
+    def abort(self, code: int, reason: str) -> None:
+        """This rank's program failed (an uncaught exception, or exit code ``code``).
+
+        Tell the peers, so that each raises PeerLostError naming this rank, and end the job
+        with ``code`` if the transport needs that (MPI: MPI_Abort). Called once, on the way
+        out, by the core's exit handling. The default does nothing: the process exits and
+        the peers see its connections close.
+        """
+        return None
 
     def close(self) -> None:
         """Release connections and threads; called once, when the group is destroyed."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-__all__ = ["Config", "load_settings", "setting", "env_names"]
+__all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_TIMEOUT"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,16 +37,15 @@ def env_names(model: type[BaseModel]) -> dict[str, str]:
     return out
 
 
-def load_settings(
-    model: type[M], overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
-) -> M:
-    """Build ``model`` from ``overrides`` (keyword arguments), then ``environ``, then defaults.
+#: the longest MLX_TIMEOUT every wait can honour: poll(2) takes an int of milliseconds
+MAX_TIMEOUT = (2**31 - 1) // 1000
 
-    Raises ConfigError naming the argument or environment variable, its value, and what
-    it accepts. Empty environment variables count as unset.
-    """
-    environ = os.environ if environ is None else environ
-    overrides = dict(overrides or {})
+
+def _gather(
+    model: type[BaseModel], overrides: Mapping[str, Any], environ: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The raw values for ``model`` (arguments first, then non-empty environment variables)
+    and, for each, where it came from (for error messages)."""
     unknown = set(overrides) - set(model.model_fields)
     if unknown:
         raise ConfigError(
@@ -62,26 +61,66 @@ def load_settings(
         elif name in envs and environ.get(envs[name], "").strip() != "":
             values[name] = environ[envs[name]].strip()
             origin[name] = envs[name]
+    return values, origin
+
+
+def _config_error(
+    model: type[BaseModel], exc: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]
+) -> ConfigError:
+    """One ConfigError naming, for each invalid field, its variable, its value and what it accepts."""
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        where = origin.get(field, field)
+        extra = model.model_fields[field].json_schema_extra if field in model.model_fields else None
+        accepts = extra.get("accepts") if isinstance(extra, dict) else None
+        lines.append(
+            f"{where}={values.get(field)!r} is invalid: {err['msg']}"
+            + (f"; accepted: {accepts}" if accepts else "")
+        )
+    return ConfigError("; ".join(lines))
+
+
+def load_settings(
+    model: type[M], overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> M:
+    """Build ``model`` from ``overrides`` (keyword arguments), then ``environ``, then defaults.
+
+    Raises ConfigError naming the argument or environment variable, its value, and what
+    it accepts. Empty environment variables count as unset.
+    """
+    environ = os.environ if environ is None else environ
+    if issubclass(model, Settings):
+        return model(_environ=environ, **dict(overrides or {}))
+    values, origin = _gather(model, dict(overrides or {}), environ)
     try:
-        return model(**values)
+        return model.model_validate(values)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            field = str(err["loc"][0]) if err["loc"] else "?"
-            where = origin.get(field, field)
-            extra = model.model_fields[field].json_schema_extra if field in model.model_fields else None
-            accepts = extra.get("accepts") if isinstance(extra, dict) else None
-            lines.append(
-                f"{where}={values.get(field)!r} is invalid: {err['msg']}"
-                + (f"; accepted: {accepts}" if accepts else "")
-            )
-        raise ConfigError("; ".join(lines)) from None
+        raise _config_error(model, exc, values, origin) from None
 
 
-class Config(BaseModel):
-    """meshcomm's core settings (plugins add their own sections, see the README)."""
+class Settings(BaseModel):
+    """Base of settings models: constructing one reads the environment, as pydantic-settings does.
+
+    ``Settings(timeout=5)`` takes the argument, every other field from its environment
+    variable, else its default; an invalid value is a ConfigError naming the variable.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, _environ: Mapping[str, str] | None = None, **data: Any) -> None:
+        values, origin = _gather(type(self), data, os.environ if _environ is None else _environ)
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _config_error(type(self), exc, values, origin) from None
+
+
+class Config(Settings):
+    """meshcomm's core settings (plugins add their own sections, see the README).
+
+    ``Config()`` reads the environment; ``Config.load(environ)`` reads a given mapping instead.
+    """
 
     backend: str = setting(
         "any",
@@ -101,15 +140,25 @@ class Config(BaseModel):
     timeout: float = setting(
         300.0,
         env="MLX_TIMEOUT",
-        accepts="a number of seconds > 0",
+        accepts=f"a number of seconds > 0 and <= {MAX_TIMEOUT} (about 24.8 days)",
         description="seconds a rank waits on a peer (start-up and every operation) before it raises",
         gt=0,
+        le=MAX_TIMEOUT,
+        allow_inf_nan=False,
     )
     debug: bool = setting(
         False,
         env="MLX_DEBUG",
         accepts="1/0, true/false, yes/no, on/off",
         description="check op, shape and dtype across ranks before every operation",
+    )
+
+    check_calls: bool = setting(
+        True,
+        env="MESHCOMM_CHECK_CALLS",
+        accepts="1/0, true/false, yes/no, on/off",
+        description="on backends that cannot check calls in-band (mpi, gloo), compare each "
+        "collective's op, shape, dtype and root across ranks with one small all-reduce first",
     )
 
     keep_memory: bool = setting(

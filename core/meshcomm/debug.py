@@ -19,7 +19,7 @@ from .errors import CollectiveMismatchError
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["check_collective", "check_send", "check_recv", "OPS"]
+__all__ = ["check_collective", "quick_check", "check_send", "check_recv", "OPS"]
 
 _MAGIC = 0x6D657368  # "mesh"
 OPS = ("all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send",
@@ -53,7 +53,8 @@ def _describe(fp: np.ndarray) -> str:
 
 
 def check_collective(
-    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0
+    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0,
+    *, label: str = "MLX_DEBUG: ",
 ) -> None:
     """All-gather this call's fingerprint; raise the same error on every rank on a mismatch."""
     n = b.size()
@@ -67,8 +68,32 @@ def check_collective(
         calls.setdefault(_describe(table[q]), []).append(q)
     parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} called {d}" for d, rs in calls.items()]
     raise CollectiveMismatchError(
-        f"MLX_DEBUG: ranks of {group_name} (size {n}) disagree on the call: " + "; ".join(parts)
-        + ". Every rank must make the same collective calls in the same order with the same shapes and dtypes."
+        f"{label}ranks of {group_name} (size {n}) disagree on the call: " + "; ".join(parts)
+        + ". Every rank must make the same collective calls in the same order with the same shapes, "
+        "dtypes and roots."
+    )
+
+
+def quick_check(
+    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0
+) -> None:
+    """The default call check: one all-reduce (max) of a 32-bit hash of the call and its negation.
+
+    Every rank made the same call exactly when max(h) == min(h); then nothing more is sent.
+    Otherwise every rank sees the same result and runs :func:`check_collective`, which
+    names what each rank called.
+    """
+    h = zlib.crc32(repr((op, None if dtype is None else dtype.str, shape, arg)).encode())
+    mine = np.array([h, -h], dtype=np.int64)
+    both = np.empty(2, dtype=np.int64)
+    b.all_reduce(mine, both, "max")
+    if both[0] == -both[1]:
+        return
+    check_collective(b, group_name, op, shape, dtype, arg, label="")
+    raise CollectiveMismatchError(
+        f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: their call checks "
+        "differ. Every rank must make the same collective calls in the same order with the same "
+        "shapes, dtypes and roots."
     )
 
 

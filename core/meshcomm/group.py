@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from . import debug as _debug
 from .backend import Backend
 from .dtypes import check_dtype
 from .errors import DistributedError
+from .guard import WorldGuard
 
 __all__ = ["Group", "as_array"]
 
@@ -51,13 +52,20 @@ def _index(value: Any, what: str) -> int:
 class Group:
     """The ranks that take part in a collective. Get one from ``meshcomm.init()`` or ``split``."""
 
-    def __init__(self, backend: Backend, name: str, *, debug: bool = False, label: str = "world") -> None:
+    def __init__(self, backend: Backend, name: str, *, debug: bool = False, label: str = "world",
+                 check_calls: bool = True, guard: WorldGuard | None = None) -> None:
         self._b = backend
         self._name = name
         self._debug = debug
         self._label = label
         self._rank = int(backend.rank())
         self._size = int(backend.size())
+        # The core compares calls across ranks only where the transport does not (MLX_DEBUG
+        # does the full comparison everywhere).
+        self._check_calls = check_calls
+        self._quick = check_calls and not debug and not backend.checks_calls
+        self._guard = guard if guard is not None else WorldGuard()
+        self._who = f"[{name}] rank {self._rank}"
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -85,28 +93,26 @@ class Group:
     def split(self, color: int, key: int = -1) -> Group:
         """Ranks passing equal ``color`` form a new group, ordered by ``key`` then old rank."""
         color, key = _index(color, "color"), _index(key, "key")
-        if self._debug:
-            self._call("split", _debug.check_collective, self._b, self._where(), "split", (), None)
-        sub = self._call("split", self._b.split, color, key)
-        return Group(sub, self._name, debug=self._debug, label=f"split of {self._label} (color={color})")
+        sub = cast(Backend, self._collective("split", (), None, 0, self._b.split, color, key))
+        return Group(sub, self._name, debug=self._debug, label=f"split of {self._label} (color={color})",
+                     check_calls=self._check_calls, guard=self._guard)
 
     def barrier(self) -> None:
         """Return on each rank only after every rank of the group has entered the barrier."""
         if self._size == 1:
             return
-        if self._debug:
-            self._call("barrier", _debug.check_collective, self._b, self._where(), "barrier", (), None)
-        self._call("barrier", self._b.barrier)
+        # The call check is an all-reduce, which no rank leaves before every rank entered it:
+        # when it runs, it is the barrier.
+        self._collective("barrier", (), None, 0, None if self._quick else self._b.barrier)
 
     # -- used by meshcomm.ops -----------------------------------------------------------
     def _reduce(self, op: str, x: Any) -> np.ndarray:
         a = as_array(x)
         if self._size == 1:
             return np.array(a, copy=True)
-        self._check(f"all_{op}", a)
         out = np.empty(a.shape, a.dtype)
-        if a.size:
-            self._call(f"all_{op}", self._b.all_reduce, _flat(a), out.reshape(-1), op)
+        self._collective(f"all_{op}", a.shape, a.dtype, 0,
+                         self._b.all_reduce if a.size else None, _flat(a), out.reshape(-1), op)
         return out
 
     def _all_gather(self, x: Any) -> np.ndarray:
@@ -114,10 +120,9 @@ class Group:
         shape = (self._size,) if a.ndim == 0 else (self._size * a.shape[0], *a.shape[1:])
         if self._size == 1:
             return np.array(a, copy=True).reshape(shape)
-        self._check("all_gather", a)
         out = np.empty(shape, a.dtype)
-        if a.size:
-            self._call("all_gather", self._b.all_gather, _flat(a), out.reshape(-1))
+        self._collective("all_gather", a.shape, a.dtype, 0,
+                         self._b.all_gather if a.size else None, _flat(a), out.reshape(-1))
         return out
 
     def _sum_scatter(self, x: Any) -> np.ndarray:
@@ -129,10 +134,9 @@ class Group:
             )
         if self._size == 1:
             return np.array(a, copy=True)
-        self._check("sum_scatter", a)
         out = np.empty((a.shape[0] // self._size, *a.shape[1:]), a.dtype)
-        if a.size:
-            self._call("sum_scatter", self._b.reduce_scatter, _flat(a), out.reshape(-1), "sum")
+        self._collective("sum_scatter", a.shape, a.dtype, 0,
+                         self._b.reduce_scatter if a.size else None, _flat(a), out.reshape(-1), "sum")
         return out
 
     def _broadcast(self, x: Any, root: Any) -> np.ndarray:
@@ -141,17 +145,17 @@ class Group:
         out = np.array(a, copy=True, order="C")
         if self._size == 1:
             return out
-        self._check("broadcast", a, root)
-        if a.size:
-            self._call("broadcast", self._b.broadcast, out.reshape(-1), root)
+        self._collective("broadcast", a.shape, a.dtype, root,
+                         self._b.broadcast if a.size else None, out.reshape(-1), root)
         return out
 
     def _send(self, x: Any, dst: Any) -> None:
         a = as_array(x)
         dst = self._peer(dst, "dst")
         if self._debug:
-            self._call("send", _debug.check_send, self._b, self._where(), a.shape, a.dtype, dst)
-        self._call("send", self._b.send, _flat(a), dst)
+            self._run("send", self._checked_send, _flat(a), a.shape, dst)
+        else:
+            self._run("send", self._b.send, _flat(a), dst)
 
     def _recv(self, shape: Any, dtype: Any, src: Any) -> np.ndarray:
         shp = _shape(shape)
@@ -161,10 +165,11 @@ class Group:
             raise TypeError(f"recv: dtype {dtype!r} is not a NumPy dtype") from None
         check_dtype(dt, what="recv")
         src = self._peer(src, "src")
-        if self._debug:
-            self._call("recv", _debug.check_recv, self._b, self._where(), shp, dt, src)
         out = np.empty(shp, dt)
-        self._call("recv", self._b.recv, out.reshape(-1), src)
+        if self._debug:
+            self._run("recv", self._checked_recv, out, src)
+        else:
+            self._run("recv", self._b.recv, out.reshape(-1), src)
         return out
 
     # -- helpers ------------------------------------------------------------------------
@@ -184,19 +189,42 @@ class Group:
             raise ValueError(f"rank {self._rank} cannot {'send to' if what == 'dst' else 'receive from'} itself")
         return peer
 
-    def _check(self, op: str, a: np.ndarray, arg: int = 0) -> None:
-        if self._debug:
-            self._call(op, _debug.check_collective, self._b, self._where(), op, a.shape, a.dtype, arg)
+    def _collective(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
+                    fn: Callable[..., T] | None, *args: Any) -> T | None:
+        """Run collective ``op``: the cross-rank call check (when on), then ``fn(*args)``."""
+        return self._run(op, self._checked, op, shape, dtype, arg, fn, args)
 
-    def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+    def _checked(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
+                 fn: Callable[..., T] | None, args: tuple[Any, ...]) -> T | None:
+        if self._debug:
+            _debug.check_collective(self._b, self._where(), op, shape, dtype, arg)
+        elif self._quick:
+            _debug.quick_check(self._b, self._where(), op, shape, dtype, arg)
+        return None if fn is None else fn(*args)
+
+    def _checked_send(self, flat: np.ndarray, shape: tuple[int, ...], dst: int) -> None:
+        _debug.check_send(self._b, self._where(), shape, flat.dtype, dst)
+        self._b.send(flat, dst)
+
+    def _checked_recv(self, out: np.ndarray, src: int) -> None:
+        _debug.check_recv(self._b, self._where(), out.shape, out.dtype, src)
+        self._b.recv(out.reshape(-1), src)
+
+    def _run(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` as operation ``op``: alone in this world (see :mod:`meshcomm.guard`),
+        with unexpected exceptions turned into DistributedError naming the rank."""
+        self._guard.enter(op, self._who)
+        ok = False
         try:
-            return fn(*args)
+            result = fn(*args)
+            ok = True
+            return result
         except (DistributedError, ValueError, TypeError):
             raise
         except Exception as exc:
-            raise DistributedError(
-                f"[{self._name}] rank {self._rank}: {op} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._guard.leave(self._who, ok)
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

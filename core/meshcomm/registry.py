@@ -222,16 +222,17 @@ class Registry:
         return sorted(self.specs)
 
     def spec(self, name: str) -> BackendSpec:
-        """The spec of backend ``name``; ValueError listing the installed ones if unknown."""
+        """The spec of backend ``name``; ConfigError (a ValueError) listing the installed ones if unknown."""
         key = name.strip().lower()
         if key in self.specs:
             return self.specs[key]
         for b in self.broken:
             if b.plugin == key:
                 raise BackendUnavailableError(f"backend {key!r} is installed but broken: {b.error}")
-        raise ValueError(
-            f"unknown backend {name!r}; installed backends: {', '.join(self.names())} "
-            "(or 'any'). Install the plugin that provides it, e.g. pip install meshcomm-<name>."
+        raise ConfigError(
+            f"unknown backend {name!r} (from MLX_BACKEND, init(backend=...) or --backend); "
+            f"installed backends: {', '.join(self.names())} (or 'any'). Fix the name, or install "
+            "the plugin that provides it, e.g. pip install meshcomm-<name>."
         )
 
     # -- selection --------------------------------------------------------------------

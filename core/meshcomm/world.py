@@ -46,7 +46,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         transport, started = registry.start(name, config, strict)
         if started != "single" and config.keep_memory:
             keep_freed_memory()
-        group = Group(transport, started, debug=config.debug)
+        group = Group(transport, started, debug=config.debug, check_calls=config.check_calls)
         _worlds[name] = group
         _worlds.setdefault(started, group)
         if _default is None or _default.backend == "single":

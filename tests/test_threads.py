@@ -1,0 +1,84 @@
+"""A world runs one operation at a time: a second thread entering it fails at once, and the
+operation in flight fails too (its result may have been paired with the other thread's call)."""
+
+from __future__ import annotations
+
+import threading
+
+import meshcomm as mc
+import numpy as np
+import pytest
+from meshcomm.testing.threaded import make_threaded_groups
+
+
+def test_second_thread_is_refused_and_the_call_in_flight_discarded():
+    g0, g1 = make_threaded_groups(2, timeout=10)
+    inside = threading.Event()
+    outcome = {}
+
+    def blocked_recv():
+        inside.set()
+        try:
+            outcome["recv"] = mc.recv((3,), np.float64, 1, group=g0)
+        except mc.DistributedError as exc:
+            outcome["recv"] = exc
+
+    t = threading.Thread(target=blocked_recv, name="receiver")
+    t.start()
+    inside.wait(5)
+    # rank 0 is inside recv on thread "receiver": another thread's call on the world fails at once
+    with pytest.raises(mc.DistributedError, match=r"thread 'MainThread' while thread 'receiver' is inside recv"):
+        mc.all_sum(np.ones(2), group=g0)
+    sub = None
+    with pytest.raises(mc.DistributedError, match="one operation at a time"):
+        sub = g0.split(0)   # a split shares the world's guard
+    assert sub is None
+    mc.send(np.arange(3.0), 0, group=g1)
+    t.join(10)
+    err = outcome["recv"]
+    assert isinstance(err, mc.DistributedError), f"the in-flight recv returned {err!r}"
+    assert "is discarded" in str(err) and "thread 'MainThread' called all_sum" in str(err)
+
+
+def test_world_is_usable_again_after_a_refusal():
+    g0, g1 = make_threaded_groups(2, timeout=10)
+    out = {}
+
+    def rank1():
+        out[1] = mc.all_sum(np.ones(2), group=g1)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    out[0] = mc.all_sum(np.ones(2), group=g0)
+    t.join(10)
+    np.testing.assert_array_equal(out[0], [2, 2])
+    np.testing.assert_array_equal(out[1], [2, 2])
+
+
+def test_two_threads_per_rank_never_return_wrong_sums():
+    """Both ranks run two threads that each call all_sum with their own values many times:
+    every call either returns the exact sum of that thread's values or raises. (The call
+    check is off so that only the guard stands between the threads' messages.)"""
+    groups = make_threaded_groups(2, timeout=5, check_calls=False)
+    wrong, errors, right = [], [], []
+    lock = threading.Lock()
+
+    def worker(g, value):
+        for _ in range(200):
+            try:
+                got = mc.all_sum(np.full(4, value, np.float64), group=g)
+            except mc.DistributedError:
+                with lock:
+                    errors.append(1)
+                return      # after a refusal this job's pairing is broken: stop like a user would
+            with lock:
+                (right if np.all(got == 2 * value) else wrong).append(got)
+
+    threads = [threading.Thread(target=worker, args=(g, v)) for g in groups for v in (1.0, 100.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not wrong, f"wrong sums returned: {wrong[:3]}"
+    assert errors, "the threads never overlapped: the test did not test anything"
