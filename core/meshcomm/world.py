@@ -6,6 +6,7 @@ import atexit
 import threading
 from typing import Any
 
+from . import exits
 from .config import Config
 from .group import Group
 from .memory import keep_freed_memory
@@ -44,8 +45,11 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             return _worlds[name]
         registry = get_registry()
         transport, started = registry.start(name, config, strict)
-        if started != "single" and config.keep_memory:
-            keep_freed_memory()
+        if started != "single":
+            # An uncaught exception on this rank tells its peers and the launcher (exits.py).
+            exits.install()
+            if config.keep_memory:
+                keep_freed_memory()
         group = Group(transport, started, debug=config.debug, check_calls=config.check_calls)
         _worlds[name] = group
         _worlds.setdefault(started, group)
