@@ -2,8 +2,8 @@
 # The mpi backend's test set on MPICH, in .venv-mpich (made by scripts/setup-mpich.sh).
 # scripts/test.sh runs it after the main pytest, which runs the same tests on Open MPI.
 #
-# The set: every tests/test_mpi_*.py (the backend's own tests, its failure tests) and the
-# tests of tests/test_launch.py and tests/test_conformance_kit.py that select the mpi
+# The set: every tests/test_mpi_*.py (the backend's own tests, its failure tests), and the
+# items of the launcher, failure-matrix and conformance-kit tests that select the mpi
 # backend (their ids contain "mpi": `-k mpi`). Extra arguments go to pytest.
 # Exits non-zero on any failure, and when no test was selected.
 set -euo pipefail
@@ -13,7 +13,8 @@ if [ ! -x "$VPY" ]; then
   echo "test-mpich: $VPY is missing; run bash scripts/setup-mpich.sh first" >&2
   exit 1
 fi
-files=(tests/test_mpi_*.py tests/test_launch.py tests/test_conformance_kit.py)
+shopt -s nullglob
+files=(tests/test_mpi_*.py tests/test_launch.py tests/test_failure_*.py tests/test_conformance_kit.py)
 echo "== pytest (mpi backend on $("$VPY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'))"
 set +e
 "$VPY" -m pytest -p no:cacheprovider -q -k mpi "${files[@]}" "$@"
