@@ -308,7 +308,8 @@ def test_verbose_prints_each_rank_command() -> None:
     err = p.stderr.decode()
     python = script_python()
     for r in (0, 1):
-        assert f"meshcomm launch: rank {r}: {python} {RANK_PROG} whoami" in err, show(p)
+        # Python programs run through the rank runner (exit handling, stacks, parent death)
+        assert f"meshcomm launch: rank {r}: {python} -m meshcomm.launch.rank {RANK_PROG} whoami" in err, show(p)
 
 
 BAD_ARGS = {

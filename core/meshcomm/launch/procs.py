@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
@@ -11,7 +12,18 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-__all__ = ["OutputMux", "RankProcess", "remote_script", "remote_kill_command"]
+__all__ = ["OutputMux", "RankProcess", "FifoOutput", "remote_script", "remote_kill_command", "die_with_parent"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """``preexec_fn`` of every process the launcher starts: the kernel sends it ``sig`` when
+    the launcher dies (even by SIGKILL), so no rank or mpiexec outlives a killed launcher."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class OutputMux:
@@ -83,6 +95,7 @@ class RankProcess:
             self.proc = subprocess.Popen(
                 cmd, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         else:
             # the script (with the job secret) goes through ssh's stdin, never on a command
@@ -92,7 +105,7 @@ class RankProcess:
             cmd = [*ssh, host, "bash -s"]
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
             assert self.proc.stdin is not None
             try:
@@ -127,6 +140,21 @@ class RankProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def signal_rank(self, sig: int) -> None:
+        """Send ``sig`` to the rank's own process only (not what it started): SIGUSR1 asks
+        the rank runner for its threads' stacks."""
+        if self.proc.poll() is not None:
+            return
+        if self.host is None:
+            try:
+                os.kill(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        elif self.remote_pid is not None:
+            name = signal.Signals(sig).name.replace("SIG", "")
+            subprocess.Popen([*self.ssh, self.host, f"kill -{name} {self.remote_pid} 2>/dev/null"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the rank's whole process group (locally, or over ssh) — also after
         the rank itself exited, so that what it started does not outlive the job."""
@@ -154,5 +182,38 @@ class RankProcess:
             self.proc.kill()
 
     def join_output(self, timeout: float = 2.0) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+
+class FifoOutput:
+    """Per-rank FIFOs ``<folder>/<rank>.out`` / ``.err`` that ranks started by another
+    launcher (mpiexec) write to (see :mod:`meshcomm.launch.rank`): the launcher reads each
+    stream itself, so lines arrive whole and prefixed ``[rank R] `` whatever mpiexec does.
+
+    The launcher holds a write end of every FIFO too, so a stream does not end before its
+    rank opened it; :meth:`close` drops them once the job is over, and the readers end when
+    the ranks' ends are closed as well.
+    """
+
+    def __init__(self, folder: str, nranks: int, mux: OutputMux) -> None:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        self.folder = folder
+        self._hold: list[int] = []
+        self.threads: list[threading.Thread] = []
+        for rank in range(nranks):
+            for name, out in ((f"{rank}.out", sys.stdout.buffer), (f"{rank}.err", sys.stderr.buffer)):
+                path = os.path.join(folder, name)
+                os.mkfifo(path, 0o600)
+                rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                self._hold.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+                os.set_blocking(rfd, True)
+                self.threads.append(mux.pump(os.fdopen(rfd, "rb"), out, f"[rank {rank}] "))
+
+    def close(self, timeout: float = 2.0) -> None:
+        """The job is over: let every stream end and wait for its last lines."""
+        for fd in self._hold:
+            os.close(fd)
+        self._hold.clear()
         for t in self.threads:
             t.join(timeout)

@@ -108,8 +108,11 @@ def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[s
     """``external_command`` of the launcher: the mpiexec command for a planned ``JobSpec``.
 
     Ranks are placed on the job's hosts in rank order (``--host a:2,b:2``); a job that
-    only uses this machine runs locally. Output lines are tagged with the rank
-    (``--tag-output`` / ``-prepend-rank``) like meshcomm launch does for other backends.
+    only uses this machine runs locally. When the ranks send their output to meshcomm
+    launch themselves (``MESHCOMM_OUTPUT_DIR`` in ``env``: the rank runner writes to per-rank
+    FIFOs the launcher reads and prefixes), mpiexec is not asked to tag it; otherwise lines
+    are tagged by mpiexec (``--tag-output`` / ``-prepend-rank``; Hydra tags every write, so
+    lines may be split).
     """
     counts: dict[str, int] = {}
     for place in job.places:
@@ -119,9 +122,10 @@ def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[s
     if counts and set(counts) != {"localhost"}:
         local = sum(1 for p in job.places if p.host is None)
         hosts = ([("localhost", local)] if local else []) + list(counts.items())
-    # meshcomm launch prefixes every output line with the rank; ask mpiexec to do the same
-    flavor = resolve_mpiexec()[1]
-    tag = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
+    tag: list[str] = []
+    if "MESHCOMM_OUTPUT_DIR" not in env:
+        flavor = resolve_mpiexec()[1]
+        tag = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
     return mpiexec_command(int(job.nranks), argv, env, hosts=hosts, extra=tag)
 
 

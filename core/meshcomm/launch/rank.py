@@ -1,0 +1,235 @@
+"""The rank runner: ``python -m meshcomm.launch.rank PROGRAM.py ARGS`` (or ``-m MOD``, ``-c CODE``).
+
+``meshcomm launch`` starts every Python rank through this module. It runs the program the
+way ``python`` would (``sys.argv``, ``__main__``, ``sys.path[0]``) and adds what a rank of
+a job needs and a plain interpreter lacks:
+
+* a failed program (uncaught exception, or ``sys.exit`` with a non-zero code) prints as
+  usual, then :func:`meshcomm.exits.end_rank` writes the failure record the launcher uses
+  to blame the right rank and calls ``backend.abort(code, reason)`` on every started world
+  (so MPI's mpiexec ends the job with this rank's code);
+* ``SIGUSR1`` prints every thread's Python stack to stderr (``faulthandler``): the launcher
+  sends it when the job times out, so the output shows where each rank was waiting;
+* a parent-death signal (``PR_SET_PDEATHSIG`` = SIGKILL): a rank never outlives the process
+  that started it (the launcher, mpiexec's daemon, or ssh's session);
+* with ``MESHCOMM_OUTPUT_DIR`` (the MPI route), fds 1 and 2 go to the FIFOs
+  ``<dir>/<rank>.out`` and ``<dir>/<rank>.err`` the launcher reads, so lines arrive whole
+  and are prefixed by the launcher itself, whatever the MPI launcher does with output.
+
+Importing this module needs only the standard library: it also runs under a ``--python``
+interpreter (by path) whose program may never import meshcomm.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import faulthandler
+import importlib.machinery
+import io
+import os
+import runpy
+import signal
+import sys
+import types
+from types import TracebackType
+
+__all__ = ["main", "OUTPUT_DIR_ENV"]
+
+#: set by the launcher when ranks must send their output through per-rank FIFOs
+OUTPUT_DIR_ENV = "MESHCOMM_OUTPUT_DIR"
+_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_PR_SET_PDEATHSIG = 1
+_USAGE = "usage: python -m meshcomm.launch.rank (PROGRAM | -m MODULE | -c CODE) [ARGS...]"
+
+
+def _env_rank() -> int | None:
+    for var in _RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when our parent exits; if it already has (we were
+    reparented before the request took effect), end now."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: nothing to ask for
+    if parent == 1 or os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+
+
+def redirect_output(folder: str, rank: int) -> bool:
+    """Point fds 1 and 2 at the launcher's FIFOs of ``rank``; False (nothing changed) when
+    the launcher is not reading them."""
+    fds = []
+    try:
+        for name in (f"{rank}.out", f"{rank}.err"):
+            # non-blocking open fails at once (ENXIO) if nobody reads, instead of waiting forever
+            fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            os.set_blocking(fd, True)
+            fds.append(fd)
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return False
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for target, fd in zip((1, 2), fds, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    return True
+
+
+def _record_pid(rank: int | None) -> None:
+    job_dir = os.environ.get("MESHCOMM_JOB_DIR")
+    if not job_dir or rank is None:
+        return
+    folder = os.path.join(job_dir, "pids")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with open(os.path.join(folder, f"rank-{rank}.pid"), "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except OSError:
+        pass
+
+
+def _strip_runner(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without this module's and runpy's frames (as ``python prog.py`` shows it)."""
+    here = os.path.abspath(__file__)
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if os.path.abspath(name) == here or name == runpy.__file__ or name.startswith("<frozen runpy"):
+            tb = tb.tb_next
+            continue
+        break
+    return tb
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The status ``python`` exits with for ``SystemExit(exc.code)`` (printing a message code)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except Exception:  # noqa: BLE001 - python prints what it can
+        pass
+    return 1
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().replace("\n", " ")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _run(args: list[str]) -> None:
+    """Run the program as ``python ARGS`` would; exceptions propagate."""
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise SystemExit(f"meshcomm.launch.rank: -m needs a module name\n{_USAGE}")
+        sys.argv = [args[1], *args[2:]]  # run_module sets argv[0] to the module's file
+        if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+            sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    elif args[0] == "-c":
+        if len(args) < 2:
+            raise SystemExit(f"meshcomm.launch.rank: -c needs a program text\n{_USAGE}")
+        sys.argv = ["-c", *args[2:]]
+        if sys.path:
+            sys.path[0] = ""
+        main = _fresh_main()
+        exec(compile(args[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - python -c
+    else:
+        path = args[0]
+        sys.argv = list(args)
+        full = os.path.abspath(path)
+        directory = os.path.dirname(os.path.realpath(path))
+        if sys.path:
+            sys.path[0] = directory
+        else:
+            sys.path.insert(0, directory)
+        if os.path.isdir(path) or not path.endswith(".py"):
+            runpy.run_path(path, run_name="__main__")  # a directory or zip with __main__.py
+            return
+        main = _fresh_main()
+        main.__dict__.update(__file__=full, __cached__=None,
+                             __loader__=importlib.machinery.SourceFileLoader("__main__", full))
+        with io.open_code(full) as f:
+            code = compile(f.read(), full, "exec")
+        exec(code, main.__dict__)  # noqa: S102 - what python does with a script
+
+
+def _fresh_main() -> types.ModuleType:
+    """A new ``__main__`` module in ``sys.modules`` (it stays there, as python's does)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __spec__=None, __package__=None)
+    sys.modules["__main__"] = main
+    return main
+
+
+def _end_rank(code: int, reason: str, exc: BaseException | None) -> None:
+    """Record and abort through meshcomm.exits (imported only now: the program may not use
+    meshcomm, and then there is no world to abort but the record still blames this rank)."""
+    try:
+        from meshcomm import exits
+    except ImportError:
+        return
+    exits.end_rank(code, reason, exc)
+    if exits.worlds_without_abort():
+        # A backend with no abort cannot tell its peers; close the worlds ourselves and end
+        # now, so that no collective shutdown (MPI_Finalize waiting for the peers) can hang.
+        world = sys.modules.get("meshcomm.world")
+        if world is not None:
+            world.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def run(args: list[str]) -> int:
+    """Run the program; the exit status ``python`` would give (after ending the rank on failure)."""
+    try:
+        _run(args)
+    except SystemExit as exc:
+        status = _exit_status(exc)
+        if status != 0:
+            _end_rank(status, f"exit code {status}", None)
+        return status
+    except BaseException as exc:  # noqa: BLE001 - exactly what python's top level catches
+        tb = _strip_runner(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        status = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        _end_rank(status, _describe(exc), exc)
+        return status
+    return 0
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
+        sys.stderr.write(_USAGE + "\n")
+        raise SystemExit(2)
+    die_with_parent()
+    rank = _env_rank()
+    folder = os.environ.get(OUTPUT_DIR_ENV)
+    if folder and rank is not None:
+        redirect_output(folder, rank)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    _record_pid(rank)
+    status = run(args)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
