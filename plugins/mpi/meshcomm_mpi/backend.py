@@ -1,15 +1,18 @@
 """``MPIBackend``: meshcomm's Backend protocol on an MPI communicator.
 
-Every operation is one native MPI call on the caller's NumPy buffers (zero-copy, never
-pickled): Allreduce, Allgather, Reduce_scatter_block, Bcast, Send/Recv, Sendrecv,
-Barrier, and Comm.Split for ``split``. The backend works on its own duplicate of
-``MPI.COMM_WORLD`` so that meshcomm's messages never match a user's own mpi4py
-messages, with the ``ERRORS_RETURN`` error handler so that MPI errors become
-:class:`meshcomm.DistributedError` instead of aborting the job.
+Every operation is one native non-blocking MPI call on the caller's NumPy buffers
+(zero-copy, never pickled): Iallreduce, Iallgather, Ireduce_scatter_block, Ibcast,
+Isend/Irecv, Ibarrier, and Comm.Split for ``split``. The request is tested once; if it
+has not completed, :meth:`meshcomm_mpi.control.Control.wait` completes it under
+``timeout`` while listening for failure notices from peers, so that a peer that fails,
+exits, stops or calls something else makes this rank raise a DistributedError naming
+it instead of waiting for ever (docs/backends/mpi.md, "Failure behaviour").
 
-MPI has no per-operation timeout: ``timeout`` is kept for the protocol but MPI calls
-wait until they complete. A rank that dies makes the MPI launcher end the whole job
-(see docs/backends/mpi.md).
+The backend works on its own duplicate of ``MPI.COMM_WORLD`` (meshcomm's messages never
+match a user's own mpi4py messages) with the ``ERRORS_RETURN`` error handler, so MPI
+errors become :class:`meshcomm.DistributedError` instead of aborting the job.
+Point-to-point tags carry the message's dtype and count (:mod:`meshcomm_mpi.tags`), so a
+send met by a recv of another dtype or size is a CollectiveMismatchError.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ from typing import Any
 
 import numpy as np
 from meshcomm.backend import Backend
-from meshcomm.errors import DistributedError
+from meshcomm.errors import CollectiveMismatchError, DistributedError
 from mpi4py import MPI
 
+from .control import Control
 from .errors import mpi_error
+from .ops import Counts
 from .reduce_ops import OpTable
+from .tags import TagCodec
 
 __all__ = ["MPIBackend"]
 
-_TAG = 0  # one tag suffices: the communicator is private and MPI keeps pair order
+_REDUCE_NAMES = {"sum": "all_sum", "max": "all_max", "min": "all_min"}
+_ANY_TAG = MPI.ANY_TAG
 
 
 class MPIBackend(Backend):
@@ -35,10 +42,19 @@ class MPIBackend(Backend):
     Args:
         comm: the communicator (the backend takes ownership and frees it in ``close``).
         ops: the (dtype, op) -> (MPI datatype, MPI op) table shared by a world and its splits.
-        timeout: kept as the ``timeout`` attribute; MPI cannot enforce it.
+        control: the world's control channel (shared by its splits).
+        timeout: seconds an operation waits for its peers before it raises.
+        cid: this communicator's id, equal on all its members ("world", "world/1:0", ...).
+        members: world rank of each rank of ``comm``.
+        label: how messages name the communicator.
     """
 
-    def __init__(self, comm: Any, ops: OpTable, *, timeout: float = 300.0) -> None:
+    #: the core need not run its own cross-rank call check: a mismatched collective
+    #: is found here at the deadline (CollectiveMismatchError), point-to-point at once
+    checks_calls = False
+
+    def __init__(self, comm: Any, ops: OpTable, control: Control, *, timeout: float = 300.0,
+                 cid: str = "world", members: list[int] | None = None, label: str = "the world") -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = comm
         self.timeout = timeout
@@ -47,7 +63,19 @@ class MPIBackend(Backend):
         self._move = ops.move
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
+        self._ctl = control
+        self.cid = cid
+        self.label = label
+        self.members: list[int] = list(range(self._size)) if members is None else members
+        self.local_of: dict[int, int] = {w: q for q, w in enumerate(self.members)}
+        self.coll_count = 0
+        self.sent = [0] * self._size
+        self.recvd = [0] * self._size
+        self.broken: str | None = None
+        self._splits = 0
+        self._tags = TagCodec(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._closed = False
+        control.register(self)
 
     # -- identity -----------------------------------------------------------------------
     def rank(self) -> int:
@@ -56,80 +84,180 @@ class MPIBackend(Backend):
     def size(self) -> int:
         return self._size
 
+    @property
+    def control(self) -> Control:
+        return self._ctl
+
+    def counts_for(self, world_peer: int) -> Counts | None:
+        """This rank's counts on this communicator as ``world_peer`` sees them (for queries)."""
+        q = self.local_of.get(world_peer)
+        if q is None:
+            return None
+        return Counts(self.coll_count, self.sent[q], self.recvd[q])
+
     def _fail(self, op: str, exc: Any, peer: int | None = None) -> DistributedError:
         return mpi_error(exc, rank=self._rank, size=self._size, op=op, peer=peer)
 
+    def _usable(self, op: str) -> None:
+        if self.broken is not None:
+            raise DistributedError(
+                f"[mpi] rank {self._rank}: {op} on {self.label} refused: an earlier operation failed "
+                f"({self.broken}), and MPI cannot cancel a collective, so this communicator is unusable; "
+                "end the job (or start a new one)"
+            )
+
+    def _finish(self, reqs: list[Any], what: tuple[Any, ...], op: str, peer: int | None = None,
+                statuses: list[Any] | None = None) -> None:
+        """Complete ``reqs``: one test, then the control channel's deadline wait."""
+        try:
+            if len(reqs) == 1:
+                if reqs[0].Test(statuses[0] if statuses else None):
+                    return
+            elif MPI.Request.Testall(reqs, statuses):
+                return
+            self._ctl.wait(self, reqs, what, statuses)
+        except MPI.Exception as exc:
+            raise self._fail(op, exc, peer) from None
+
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
+        if self.broken is not None:
+            self._usable("send")
         try:
-            self.comm.Send([buf, self._move[buf.dtype]], dst, _TAG)
+            req = self.comm.Isend([buf, self._move[buf.dtype]], dst, self._tags.tag(buf.dtype, buf.size))
         except MPI.Exception as exc:
             raise self._fail("send", exc, dst) from None
+        self.sent[dst] += 1
+        self._finish([req], ("send", dst), "send", dst)
 
     def recv(self, buf: np.ndarray, src: int) -> None:
-        dt = self._move[buf.dtype]
+        if self.broken is not None:
+            self._usable("recv")
         status = MPI.Status()
         try:
-            self.comm.Recv([buf, dt], src, _TAG, status)
+            req = self.comm.Irecv([buf, self._move[buf.dtype]], src, _ANY_TAG)
         except MPI.Exception as exc:
             raise self._fail("recv", exc, src) from None
-        got = status.Get_count(dt)
-        if got != buf.size:
+        self.recvd[src] += 1
+        try:
+            self._finish([req], ("recv", src), "recv", src, [status])
+        except DistributedError as exc:
+            if "TRUNCATE" in str(exc).upper():
+                raise self._mismatch(buf, src, status.Get_tag(), str(exc)) from None
+            raise
+        self._check_message(buf, src, status)
+
+    def _check_message(self, buf: np.ndarray, src: int, status: Any) -> None:
+        tag = status.Get_tag()
+        got = status.Get_count(self._move[buf.dtype])
+        if tag != self._tags.tag(buf.dtype, buf.size):
+            raise self._mismatch(buf, src, tag, f"got {got} elements of {buf.dtype}'s size")
+        if got != buf.size:  # same tag, different count: only when counts differ by 2**count_bits
             raise DistributedError(
                 f"[mpi] rank {self._rank}: recv from rank {src} got {got} elements of {buf.dtype}, "
                 f"expected {buf.size}; the sender's send and this recv disagree in shape or dtype "
                 "(run with MLX_DEBUG=1 to find the mismatched call)"
             )
 
+    def _mismatch(self, buf: np.ndarray, src: int, tag: int, mpi_text: str | None) -> CollectiveMismatchError:
+        sent = self._tags.describe(tag)
+        extra = f" ({mpi_text})" if mpi_text else ""
+        err = CollectiveMismatchError(
+            f"[mpi] rank {self._rank} on {self.label}: recv #{self.recvd[src]} from rank {src} expects "
+            f"{buf.size} elements of {buf.dtype}, but rank {src}'s send carries {sent}{extra}; the "
+            f"received bytes are discarded. Make rank {src}'s send and rank {self._rank}'s recv use the "
+            "same shape and dtype (recv_like(x, src) avoids restating them)"
+        )
+        self._ctl.last_error = err
+        self._ctl.last = {"cid": self.cid, "label": self.label, "text": f"recv #{self.recvd[src]} from rank {src}",
+                          "kind": "recv", "name": "recv", "seq": self.coll_count, "phase": "raised mismatch"}
+        return err
+
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
+        if self.broken is not None:
+            self._usable("sendrecv")
+        status = MPI.Status()
         try:
-            self.comm.Sendrecv([sendbuf, self._move[sendbuf.dtype]], dst, _TAG,
-                               [recvbuf, self._move[recvbuf.dtype]], src, _TAG)
+            rreq = self.comm.Irecv([recvbuf, self._move[recvbuf.dtype]], src, _ANY_TAG)
+            sreq = self.comm.Isend([sendbuf, self._move[sendbuf.dtype]], dst,
+                                   self._tags.tag(sendbuf.dtype, sendbuf.size))
         except MPI.Exception as exc:
             raise self._fail(f"sendrecv (to {dst}, from {src})", exc) from None
+        self.sent[dst] += 1
+        self.recvd[src] += 1
+        statuses = [status, MPI.Status()]
+        try:
+            self._finish([rreq, sreq], ("sendrecv", dst, src), f"sendrecv (to {dst}, from {src})", None, statuses)
+        except DistributedError as exc:
+            if "TRUNCATE" in str(exc).upper():
+                raise self._mismatch(recvbuf, src, status.Get_tag(), str(exc)) from None
+            raise
+        self._check_message(recvbuf, src, status)
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        if self.broken is not None:
+            self._usable(_REDUCE_NAMES.get(op, op))
         dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
+        self.coll_count += 1
         try:
-            self.comm.Allreduce([sendbuf, dt], [recvbuf, dt], mop)
+            req = self.comm.Iallreduce([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
             raise self._fail(f"all_reduce({op}, {sendbuf.dtype})", exc) from None
+        self._finish([req], ("coll", _REDUCE_NAMES.get(op, op)), f"all_reduce({op}, {sendbuf.dtype})")
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        if self.broken is not None:
+            self._usable("all_gather")
         dt = self._move[sendbuf.dtype]
+        self.coll_count += 1
         try:
-            self.comm.Allgather([sendbuf, dt], [recvbuf, dt])
+            req = self.comm.Iallgather([sendbuf, dt], [recvbuf, dt])
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from None
+        self._finish([req], ("coll", "all_gather"), "all_gather")
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        if self.broken is not None:
+            self._usable("sum_scatter")
         dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
+        self.coll_count += 1
         try:
-            self.comm.Reduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
+            req = self.comm.Ireduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
             raise self._fail(f"reduce_scatter({op}, {sendbuf.dtype})", exc) from None
+        self._finish([req], ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})"),
+                     f"reduce_scatter({op}, {sendbuf.dtype})")
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self.broken is not None:
+            self._usable("broadcast")
+        self.coll_count += 1
         try:
-            self.comm.Bcast([buf, self._move[buf.dtype]], root)
+            req = self.comm.Ibcast([buf, self._move[buf.dtype]], root)
         except MPI.Exception as exc:
             raise self._fail(f"broadcast(root={root})", exc) from None
+        self._finish([req], ("coll", f"broadcast(root={root})"), f"broadcast(root={root})")
 
     def barrier(self) -> None:
+        if self.broken is not None:
+            self._usable("barrier")
+        self.coll_count += 1
         try:
-            self.comm.Barrier()
+            req = self.comm.Ibarrier()
         except MPI.Exception as exc:
             raise self._fail("barrier", exc) from None
+        self._finish([req], ("coll", "barrier"), "barrier")
 
     # -- groups -------------------------------------------------------------------------------
     def split(self, color: int, key: int) -> Backend:
         """A new MPIBackend on ``Comm.Split`` of this communicator.
 
         meshcomm accepts any integer colour and key, MPI only non-negative 32-bit colours,
-        so the ranks first exchange (colour, key) and each passes MPI its colour's index
-        and its position in (key, rank) order, ordering like the core's generic split
-        (a negative key sorts as the rank itself).
+        so the ranks first exchange (colour, key) under the deadline and each passes MPI
+        its colour's index and its position in (key, rank) order, ordering like the core's
+        generic split (a negative key sorts as the rank itself). ``Comm.Split`` itself
+        blocks (MPI has no non-blocking split), but every member has just shown it is here.
         """
         mine = np.zeros(3, dtype=np.int64)
         try:
@@ -148,20 +276,48 @@ class MPIBackend(Backend):
         palette = sorted(set(colors.tolist()))
         members = [q for q in range(self._size) if colors[q] == colors[self._rank]]
         members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
+        index = palette.index(int(colors[self._rank]))
+        self._splits += 1
         try:
-            sub = self.comm.Split(palette.index(int(colors[self._rank])), members.index(self._rank))
+            sub = self.comm.Split(index, members.index(self._rank))
         except MPI.Exception as exc:
             raise self._fail(f"split(color={color}, key={key})", exc) from None
-        return MPIBackend(sub, self._ops, timeout=self.timeout)
+        cid = f"{self.cid}/{self._splits}:{index}"
+        return MPIBackend(sub, self._ops, self._ctl, timeout=self.timeout, cid=cid,
+                          members=[self.members[q] for q in members],
+                          label=f"split #{self._splits} of {self.label} (color={color})")
+
+    # -- ending -------------------------------------------------------------------------------
+    def abort(self, code: int, reason: str) -> None:
+        """This rank's program failed: make every peer raise PeerLostError, then MPI_Abort(code).
+
+        Peers waiting in any operation get a FAIL notice with ``reason`` and acknowledge it;
+        after every peer acknowledged (or about 2 s) the job ends with ``code``. If this
+        rank is failing because of an error the backend raised (a peer failed first, a
+        timeout, a mismatch), it does not race the first failure: see Control.abort.
+        """
+        self._ctl.abort(int(code), str(reason))
 
     def close(self) -> None:
-        """Free the communicator unless MPI is already finalised (user-defined ops live on)."""
+        """Free the communicator; for the world, first tell the peers this rank has ended.
+
+        If a peer was lost (the job cannot end normally: MPI_Finalize would wait for it for
+        ever), the world's close ends the job through :meth:`abort` with code 1.
+        """
         if self._closed:
             return
         self._closed = True
         if MPI.Is_finalized():
             return
-        try:
-            self.comm.Free()
-        except MPI.Exception:
-            pass
+        if self.cid == "world" and self._ctl.comms.get("world") is self:
+            try:
+                self._ctl.exit_notice()
+                if self._ctl.lost and not self._ctl.aborting:
+                    self._ctl.abort(1, "closed after a peer was lost")
+            except MPI.Exception:
+                pass
+        if self.broken is None:
+            try:
+                self.comm.Free()
+            except MPI.Exception:
+                pass

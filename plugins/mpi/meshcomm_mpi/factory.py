@@ -5,6 +5,7 @@ Imported only when the backend starts, because importing ``mpi4py.MPI`` initiali
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,9 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
             f"mpi backend: mpi4py could not load or initialise MPI: {type(exc).__name__}: {exc}"
         ) from exc
     from .backend import MPIBackend
+    from .control import Control
+    from .parent import die_with_parent
+    from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
 
     world = MPI.COMM_WORLD
@@ -47,6 +51,19 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
         )
     comm = world.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
+    ctl = world.Dup()
+    ctl.Set_errhandler(MPI.ERRORS_RETURN)
+    if launched is not None:
+        die_with_parent()  # a rank must not outlive its mpiexec
+    control = Control(ctl, None, spin=settings.spin_us * 1e-6)
+    timeout = float(getattr(config, "timeout", 300.0))
+    # start-up exchanges run under the deadline like every operation
+    start = MPIBackend(comm, OpTable([]), control, timeout=timeout)
+    ident = np.array([os.getpid(), host_key()], dtype=np.int64)
+    table = np.empty(2 * size, dtype=np.int64)
+    start.all_gather(ident, table)
+    control.peers = PeerTable(table.reshape(size, 2), comm.Get_rank())
+    control.oversubscribed = control.peers.local_count > len(os.sched_getaffinity(0))
     if settings.int_sum == "numpy":
         numpy_sums = list(INTS)
     elif settings.int_sum == "native":
@@ -56,7 +73,8 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
         bad_here = saturating_sum_dtypes(INTS)
         flags = np.array([dt in bad_here for dt in INTS], dtype=np.bool_)
         agreed = np.empty_like(flags)
-        comm.Allreduce([flags, MPI.C_BOOL], [agreed, MPI.C_BOOL], MPI.LOR)
+        start.all_reduce(flags, agreed, "max")
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
-    ops = OpTable(numpy_sums)
-    return MPIBackend(comm, ops, timeout=float(getattr(config, "timeout", 300.0)))
+    backend = MPIBackend(comm, OpTable(numpy_sums), control, timeout=timeout)
+    backend.coll_count = start.coll_count  # the same communicator: its sequence goes on
+    return backend

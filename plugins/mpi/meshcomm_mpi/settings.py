@@ -45,3 +45,14 @@ class MPISettings(BaseModel):
             "numpy = always a user-defined MPI op running NumPy's add"
         ),
     )
+    spin_us: float = setting(
+        200.0,
+        env="MESHCOMM_MPI_SPIN_US",
+        accepts="a number of microseconds >= 0",
+        description=(
+            "how long a waiting operation polls MPI without sleeping before it starts to "
+            "sleep between polls (longer: lower latency, more CPU burnt by waiting ranks)"
+        ),
+        ge=0,
+        le=10_000_000,
+    )

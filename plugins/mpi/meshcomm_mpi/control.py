@@ -1,0 +1,445 @@
+"""The control channel: every wait runs under a deadline and hears about failed peers.
+
+MPI has no timeout and no failure notification in its standard, so the backend builds
+both from non-blocking calls and a private control communicator (a duplicate of the
+world, shared by the world and all its splits):
+
+* every operation starts a non-blocking MPI call and completes it in :meth:`Control.wait`:
+  a short spin, then sleeps that grow with the time already waited (so waiting ranks do
+  not burn a core), checking the control communicator for notices as it goes;
+* a rank whose program fails calls ``abort``: it sends FAIL (its rank, the reason) to every
+  peer, and each peer waiting in any operation raises :class:`PeerLostError` naming it;
+* a rank whose program ends sends EXIT with its operation counts per communicator; a peer
+  waiting in an operation that rank never reached raises :class:`PeerLostError`;
+* at the deadline, the waiting rank asks the peers of its operation what they are doing
+  (QUERY); ranks waiting in meshcomm answer from their poll loop (ANSWER) with their
+  operation and counts. Silent peers are named in :class:`CommTimeoutError` (with what
+  ``/proc`` shows for a peer on this host: stopped, dead); a peer inside a different
+  operation of the same communicator is a :class:`CollectiveMismatchError`;
+* a rank that gives up because of such an error sends DOWN to its peers before ending the
+  job, so that peers still waiting raise the same error instead of being killed silently.
+
+Notices carry the sender's counts on every communicator, pickled (small, rare messages).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from meshcomm.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    DistributedError,
+    PeerLostError,
+)
+from mpi4py import MPI
+
+from .ops import Counts, Desc
+from .peers import PeerTable
+
+__all__ = ["Control", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "DOWN"]
+
+QUERY, ANSWER, FAIL, ACK, EXIT, DOWN = 1, 2, 3, 4, 5, 6
+
+_ERRORS: dict[str, type[DistributedError]] = {
+    "PeerLostError": PeerLostError, "CommTimeoutError": CommTimeoutError,
+    "CollectiveMismatchError": CollectiveMismatchError,
+}
+
+
+def _make(cls: type[DistributedError], msg: str, peer: int | None) -> DistributedError:
+    if cls in (PeerLostError, CommTimeoutError):
+        return cls(msg, peer=peer)  # type: ignore[call-arg]
+    return cls(msg)
+
+
+class Control:
+    """The control side of one world (and its splits).
+
+    Args:
+        ctl: the private control communicator (a duplicate of the world).
+        peers: pid and host of every world rank, or None (then ``/proc`` is not consulted).
+        spin: seconds a wait spins before it starts to sleep.
+        answer_wait: seconds a timed-out rank waits for peers' answers to its query.
+    """
+
+    def __init__(self, ctl: Any, peers: PeerTable | None, *, spin: float = 1e-4, answer_wait: float = 1.0) -> None:
+        self.ctl = ctl
+        self.rank = ctl.Get_rank()
+        self.size = ctl.Get_size()
+        self.peers = peers
+        self.spin = spin
+        self.answer_wait = answer_wait
+        self.oversubscribed = peers is not None and peers.local_count > len(_cores())
+        self.comms: dict[str, Any] = {}  #: cid -> MPIBackend, for counts in answers and notices
+        self.failed: dict[int, dict[str, Any]] = {}
+        self.down: dict[int, dict[str, Any]] = {}
+        self.exited: dict[int, dict[str, Any]] = {}
+        self.acks: set[int] = set()
+        self.current: Desc | None = None
+        self.last: dict[str, Any] | None = None  #: the operation that last raised, for answers
+        self.last_error: DistributedError | None = None
+        self.lost = False  #: a peer is known lost or a communicator broken: MPI_Finalize could hang
+        self.aborting = False
+        self._status = MPI.Status()
+        self._sends: list[Any] = []
+        self._qid = 0
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._diagnosing = False
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def register(self, backend: Any) -> None:
+        self.comms[backend.cid] = backend
+
+    def _all_counts(self) -> dict[str, tuple[int, dict[int, int], dict[int, int]]]:
+        out = {}
+        for cid, b in self.comms.items():
+            m = b.members
+            out[cid] = (b.coll_count, {m[q]: n for q, n in enumerate(b.sent) if n},
+                        {m[q]: n for q, n in enumerate(b.recvd) if n})
+        return out
+
+    def _counts_in(self, notice: dict[str, Any], desc: Desc) -> Counts | None:
+        c = notice.get("counts", {}).get(desc.cid)
+        if c is None:
+            return None
+        return Counts(c[0], c[1].get(desc.me_world, 0), c[2].get(desc.me_world, 0))
+
+    def _post(self, dest: int, tag: int, obj: Any) -> None:
+        try:
+            self._sends.append(self.ctl.isend(obj, dest=dest, tag=tag))
+        except MPI.Exception:
+            return
+        if len(self._sends) > 64:
+            self._sends = [r for r in self._sends if not _done(r)]
+
+    def _flush_sends(self, limit: float) -> None:
+        end = time.monotonic() + limit
+        while self._sends and time.monotonic() < end:
+            self._sends = [r for r in self._sends if not _done(r)]
+            if self._sends:
+                time.sleep(1e-3)
+
+    def _state(self) -> dict[str, Any] | None:
+        if self.current is not None:
+            return {**self.current.public(), "phase": "waiting"}
+        return self.last
+
+    def _notice(self, **fields: Any) -> dict[str, Any]:
+        return {"rank": self.rank, "counts": self._all_counts(), "state": self._state(), **fields}
+
+    # -- the wait loop ----------------------------------------------------------------------
+    def wait(self, backend: Any, reqs: list[Any], what: tuple[Any, ...], statuses: list[Any] | None) -> None:
+        """Complete ``reqs`` (already tested once) under ``backend.timeout``, or raise.
+
+        Raises PeerLostError, CommTimeoutError or CollectiveMismatchError naming the peer;
+        the communicator is then marked broken (its collective cannot be cancelled).
+        """
+        desc = Desc(backend, what)
+        self.current = desc
+        try:
+            self._check_known(desc)
+            self._loop(backend, desc, reqs, statuses)
+            self.last_error = None
+        except DistributedError as exc:
+            self._failed_op(backend, desc, reqs, exc)
+            raise
+        finally:
+            self.current = None
+
+    def _loop(self, backend: Any, desc: Desc, reqs: list[Any], statuses: list[Any] | None) -> None:
+        test = _tester(reqs, statuses)
+        start = time.monotonic()
+        deadline = start + backend.timeout
+        spin_end = start + self.spin
+        next_look = start + 0.25
+        relevant = desc.asked()
+        i = 0
+        yield_ = os.sched_yield if self.oversubscribed else None
+        while True:
+            if test():
+                return
+            i += 1
+            if i & 15 and time.monotonic() < spin_end:
+                if yield_ is not None:
+                    yield_()
+                continue
+            if self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
+                self._drain(desc)
+            now = time.monotonic()
+            if now >= deadline:
+                if self._diagnose(backend, desc, test):
+                    return
+                continue  # not reached: _diagnose raises unless the operation completed
+            if now >= spin_end:
+                time.sleep(min(1e-3, max(2e-5, (now - start) / 8)))
+            if now >= next_look and self.peers is not None:
+                next_look = now + 0.25
+                for w in relevant:
+                    if self.peers.local[w] and self.peers.state(w) == "dead":
+                        raise PeerLostError(
+                            f"[mpi] rank {desc.me} waits in {desc.where}, but {desc.who(desc.local[w])} "
+                            f"{self.peers.describe(w)}; the job cannot continue",
+                            peer=desc.local[w],
+                        )
+
+    def _failed_op(self, backend: Any, desc: Desc, reqs: list[Any], exc: DistributedError) -> None:
+        """After an operation raised: remember it for answers, and cancel or break the communicator."""
+        self.last = {**desc.public(), "phase": f"raised {type(exc).__name__}"}
+        self.last_error = exc
+        if desc.kind == "recv" and isinstance(exc, CommTimeoutError):
+            try:
+                reqs[0].Cancel()
+                reqs[0].Wait()
+                return  # the receive is withdrawn: the communicator stays usable
+            except MPI.Exception:
+                pass
+        if desc.kind != "recv" or not isinstance(exc, CollectiveMismatchError):
+            backend.broken = f"{desc.where} raised {type(exc).__name__}: {exc}"
+            self.lost = True
+
+    # -- notices ------------------------------------------------------------------------------
+    def poll(self, desc: Desc | None = None) -> None:
+        """Handle control messages that have arrived (answers queries while not waiting too)."""
+        if self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
+            self._drain(desc)
+
+    def _drain(self, desc: Desc | None) -> None:
+        st = self._status
+        while self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
+            src, tag = st.Get_source(), st.Get_tag()
+            msg = self.ctl.recv(source=src, tag=tag)
+            if tag == QUERY:
+                b = self.comms.get(msg["cid"])
+                counts = b.counts_for(src) if b is not None else None
+                self._post(src, ANSWER, {"qid": msg["qid"], "state": self._state(), "counts": counts})
+            elif tag == ANSWER:
+                if msg["qid"] == self._qid:
+                    self._answers[src] = msg
+            elif tag == ACK:
+                self.acks.add(src)
+            elif tag == FAIL:
+                self.failed.setdefault(src, msg)
+                self.lost = True
+                self._post(src, ACK, None)
+                if desc is not None:
+                    raise self._fail_error(desc, src, msg)
+            elif tag == DOWN:
+                self.down.setdefault(src, msg)
+                self.lost = True
+                if desc is not None and not self._diagnosing:
+                    raise self._down_error(desc, src, msg)
+            elif tag == EXIT:
+                self.exited.setdefault(src, msg)
+                if desc is not None and not self._diagnosing:
+                    self._check_exit(desc, src, msg)
+
+    def _check_known(self, desc: Desc) -> None:
+        """Raise at once for a peer already known to have failed, given up, or exited."""
+        for w, msg in self.failed.items():
+            raise self._fail_error(desc, w, msg)
+        for w, msg in self.down.items():
+            raise self._down_error(desc, w, msg)
+        for w, msg in self.exited.items():
+            self._check_exit(desc, w, msg)
+
+    def _peer_name(self, desc: Desc, w: int) -> tuple[str, int]:
+        q = desc.local.get(w)
+        return (desc.who(q), q) if q is not None else (f"world rank {w}", w)
+
+    def _fail_error(self, desc: Desc, w: int, msg: dict[str, Any]) -> PeerLostError:
+        name, peer = self._peer_name(desc, w)
+        return PeerLostError(
+            f"[mpi] {name} failed while rank {desc.me} waits in {desc.where}: {msg.get('reason')} "
+            f"(exit code {msg.get('code')}); the job is ending. Fix the error on {name} (its own "
+            "output shows the traceback)",
+            peer=peer,
+        )
+
+    def _down_error(self, desc: Desc, w: int, msg: dict[str, Any]) -> DistributedError:
+        name, _ = self._peer_name(desc, w)
+        culprit = msg.get("peer")
+        peer = desc.local.get(culprit, culprit) if culprit is not None else None
+        cls = _ERRORS.get(msg.get("cls", ""), PeerLostError)
+        text = (f"[mpi] rank {desc.me} waits in {desc.where}, but {name} gave up and is ending the job "
+                f"because: {msg.get('msg')}")
+        return _make(cls, text, peer)
+
+    def _check_exit(self, desc: Desc, w: int, msg: dict[str, Any]) -> None:
+        if w not in desc.asked():
+            return
+        counts = self._counts_in(msg, desc)
+        if counts is not None and desc.joined(w, counts):
+            return
+        name, peer = self._peer_name(desc, w)
+        self.lost = True
+        raise PeerLostError(
+            f"[mpi] {name} exited (its program ended) while rank {desc.me} waits in {desc.where}, "
+            f"an operation {name} never reached; make every rank run the same sequence of "
+            "collectives (and matching sends and receives) before it ends",
+            peer=peer,
+        )
+
+    # -- the deadline ------------------------------------------------------------------------
+    def _diagnose(self, backend: Any, desc: Desc, test: Any) -> bool:
+        """Ask the operation's peers what they do; True if the operation completed meanwhile."""
+        self._qid += 1
+        self._answers = {}
+        asked = desc.asked()
+        query = {"qid": self._qid, "cid": desc.cid, "state": desc.public()}
+        for w in asked:
+            self._post(w, QUERY, query)
+        self._diagnosing = True
+        try:
+            end = time.monotonic() + self.answer_wait
+            while time.monotonic() < end:
+                if test():
+                    return True
+                self.poll(desc)
+                if all(w in self._answers or w in self.down or w in self.exited for w in asked):
+                    break
+                time.sleep(1e-3)
+        finally:
+            self._diagnosing = False
+        raise self._verdict(backend, desc, asked)
+
+    def _verdict(self, backend: Any, desc: Desc, asked: list[int]) -> DistributedError:
+        dead, missing, mismatch, blocked = [], [], [], []
+        for w in asked:
+            name, _ = self._peer_name(desc, w)
+            a = self._answers.get(w) or self.down.get(w) or self.exited.get(w)
+            if a is None:
+                state = self.peers.state(w) if self.peers is not None else None
+                why = self.peers.describe(w) if self.peers is not None else "did not answer"
+                (dead if state == "dead" else missing).append((w, f"{name} {why}"))
+                continue
+            if w in self.exited and a is self.exited[w]:
+                counts = self._counts_in(a, desc)
+                if counts is None or not desc.joined(w, counts):
+                    dead.append((w, f"{name} exited (its program ended) before it reached this operation"))
+                continue
+            if w in self._answers:
+                counts = Counts(*a["counts"]) if a.get("counts") is not None else None
+            else:  # a DOWN notice: the peer's counts on every communicator
+                counts = self._counts_in(a, desc)
+            if counts is not None and desc.joined(w, counts):
+                continue
+            st = a.get("state")
+            if st is None:
+                missing.append((w, f"{name} answered but is not inside a meshcomm operation"))
+            elif st["cid"] == desc.cid:
+                mismatch.append((w, f"{name} is in {st['text']} ({st.get('phase', 'waiting')})"))
+            else:
+                blocked.append((w, f"{name} waits in {st['text']} on {st['label']}"))
+        head = f"[mpi] rank {desc.me} waited {backend.timeout:g} s (MLX_TIMEOUT) in {desc.where}"
+        fix = ("; raise MLX_TIMEOUT if the peer is only slow, otherwise fix or restart it")
+        if dead:
+            return PeerLostError(f"{head}: {'; '.join(t for _, t in dead)}; the job cannot continue",
+                                 peer=self._peer_name(desc, dead[0][0])[1])
+        if missing:
+            return CommTimeoutError(f"{head}: {'; '.join(t for _, t in missing)}{fix}",
+                                    peer=self._peer_name(desc, missing[0][0])[1])
+        if mismatch:
+            return CollectiveMismatchError(
+                f"{head}, but {'; '.join(t for _, t in mismatch)}: the ranks called different operations "
+                f"on {desc.label} (rank {desc.me}'s {desc.text} against "
+                f"{', '.join(self._peer_name(desc, w)[0] for w, _ in mismatch)}); make every rank call the "
+                "same collectives in the same order, and match each send with a recv")
+        if blocked:
+            return CommTimeoutError(f"{head}: {'; '.join(t for _, t in blocked)}: the ranks wait on each "
+                                    "other in a different order (a deadlock)",
+                                    peer=self._peer_name(desc, blocked[0][0])[1])
+        return CommTimeoutError(f"{head}: every peer has joined it but it did not complete (MPI is "
+                                "stalled or the network is too slow for this timeout){fix}", peer=None)
+
+    # -- ending -------------------------------------------------------------------------------
+    def linger(self, seconds: float, done: Any) -> None:
+        """Answer queries and acknowledge notices for up to ``seconds`` or until ``done()``."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not done():
+            try:
+                self.poll(None)
+            except MPI.Exception:
+                return
+            time.sleep(2e-3)
+
+    def abort(self, code: int, reason: str) -> None:
+        """End the job with ``code`` after telling the peers (see module docstring)."""
+        if self.aborting or self.size == 1 or MPI.Is_finalized():
+            return
+        self.aborting = True
+        others = [w for w in range(self.size) if w != self.rank]
+
+        def everyone_knows() -> bool:
+            return all(w in self.acks or w in self.down or w in self.exited or w in self.failed for w in others)
+
+        try:
+            self.poll(None)
+        except MPI.Exception:
+            pass
+        if not self.failed and self.last_error is not None:
+            exc = self.last_error
+            peer = getattr(exc, "peer", None)
+            cur = self.last or {}
+            b = self.comms.get(cur.get("cid", "world"))
+            world_peer = b.members[peer] if (b is not None and peer is not None and peer < len(b.members)) else peer
+            notice = self._notice(code=code, cls=type(exc).__name__, peer=world_peer, msg=str(exc))
+            for w in others:
+                self._post(w, DOWN, notice)
+            self.linger(1.5, lambda: everyone_knows() or bool(self.failed))
+        elif not self.failed:
+            notice = self._notice(code=code, reason=reason)
+            for w in others:
+                self._post(w, FAIL, notice)
+            self.linger(2.0, everyone_knows)
+        if self.failed:
+            # another rank failed first and ends the job with its own exit code: let it,
+            # and only end the job here if it has not done so in a few seconds
+            first = min(self.failed.items(), key=lambda kv: kv[0])[1]
+            code = int(first.get("code") or code)
+            self.linger(4.0, lambda: False)
+        _flush_std()
+        MPI.COMM_WORLD.Abort(code)
+
+    def exit_notice(self) -> None:
+        """Tell every peer this rank's program ended, with its counts (called by ``close``)."""
+        if self.size == 1 or MPI.Is_finalized():
+            return
+        notice = self._notice()
+        for w in range(self.size):
+            if w != self.rank:
+                self._post(w, EXIT, notice)
+        self._flush_sends(0.5)
+
+
+def _done(req: Any) -> bool:
+    try:
+        return bool(req.Test())
+    except MPI.Exception:
+        return True
+
+
+def _tester(reqs: list[Any], statuses: list[Any] | None) -> Any:
+    if len(reqs) == 1:
+        req = reqs[0]
+        st = statuses[0] if statuses else None
+        return (lambda: req.Test(st)) if st is not None else req.Test
+    return lambda: MPI.Request.Testall(reqs, statuses)
+
+
+def _cores() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def _flush_std() -> None:
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:
+            pass
