@@ -19,11 +19,18 @@ import torch
 import torch.distributed as dist
 from meshcomm import algorithms
 from meshcomm.backend import Backend
-from meshcomm.errors import DistributedError
+from meshcomm.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    DistributedError,
+    PeerLostError,
+)
 
+from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
 from .codecs import Plan, plan_for
-from .errors import translate
+from .errors import first_line, translate
 from .liveness import Peer, suspects
+from .records import Records
 from .rendezvous import make_group
 
 __all__ = ["GlooBackend"]
@@ -31,7 +38,8 @@ __all__ = ["GlooBackend"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _TORCH = {name: getattr(torch, name) for name in
           ("int8", "uint8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")}
-_P2P_TAG = 0
+#: seconds a rank whose operation timed out waits for the others' failure records
+_RECORD_WAIT = 2.0
 
 
 def _tensor(buf: np.ndarray, wire: np.dtype | None = None, torch_name: str | None = None) -> torch.Tensor:
@@ -49,7 +57,14 @@ def _tensor(buf: np.ndarray, wire: np.dtype | None = None, torch_name: str | Non
 
 
 class GlooBackend(Backend):
-    """One meshcomm group = one ProcessGroupGloo; ``split`` makes a new one for each colour."""
+    """One meshcomm group = one ProcessGroupGloo; ``split`` makes a new one for each colour.
+
+    Failures: the first error of a group is kept and raised again by every later call
+    (the ProcessGroupGloo is dropped at once, which closes its connections, so peers still
+    waiting on this rank fail now rather than at their timeout). Before raising, the rank
+    publishes the call it failed in and reads the others' (:mod:`.records`), which names
+    the rank that left, stopped or called something else.
+    """
 
     def __init__(self, pg: Any, store: Any, prefix: str, rank: int, size: int, timeout: float,
                  ifname: str | None = None, label: str = "world", peers: list[Peer] | None = None,
@@ -62,9 +77,13 @@ class GlooBackend(Backend):
         self._ifname = ifname
         self._label = label
         self._splits = 0
+        self._seq = 0
         self._children: list[weakref.ref[GlooBackend]] = []
         self._peers = peers or []
         self._members = members if members is not None else list(range(size))
+        self._records = Records(store, prefix, timeout)
+        self._failed: DistributedError | None = None
+        self._status_sent = False
         self.timeout = timeout
 
     # -- identity -------------------------------------------------------------------
@@ -81,51 +100,168 @@ class GlooBackend(Backend):
     def _where(self) -> str:
         return f"rank {self._rank} of the {self._label} group (size {self._size})"
 
-    def _run(self, op: str, start: Callable[[], Any], peer: int | None = None) -> None:
-        """Start a gloo work item and wait for it, translating failures."""
+    def _usable(self, op: str) -> Any:
+        """The process group, or the error that broke this group (raised again, same class and peer)."""
+        if self._failed is not None:
+            first = self._failed
+            again = type(first)(f"[gloo] {self._where()}: {op} called on a group that failed earlier; "
+                                f"the first error was: {first}")
+            if hasattr(first, "peer"):
+                again.peer = first.peer  # type: ignore[attr-defined]
+            raise again
         if self._pg is None:
             raise DistributedError(f"[gloo] {self._where()}: {op} called after the group was closed")
-        try:
-            start().wait()
-        except RuntimeError as exc:
-            raise self._error(exc, op, peer) from exc
+        return self._pg
 
-    def _error(self, exc: BaseException, op: str, peer: int | None) -> DistributedError:
-        """Translate ``exc``, naming dead or stopped members of this host when gloo does not."""
-        found: list[tuple[int, str]] = []
-        if peer is None:
-            for _ in range(10):  # a killed peer's socket may close just before it is reaped
-                found = suspects(self._peers, self._members, self._rank)
-                if found:
-                    break
-                time.sleep(0.05)
-        return translate(exc, where=self._where(), op=op, timeout=self.timeout, peer=peer, suspects=found)
+    def _coll(self, name: str, buf: np.ndarray | None = None, root: int = -1) -> Call:
+        self._seq += 1
+        if buf is None:
+            return Call("coll", name, seq=self._seq, root=root)
+        return Call("coll", name, buf.dtype.name, buf.size, self._seq, root)
+
+    def _run(self, call: Call, start: Callable[[Any], Any], peer: int | None = None) -> None:
+        """Start a gloo work item on the process group and wait for it, translating failures."""
+        pg = self._usable(call.describe())
+        try:
+            start(pg).wait()
+        except RuntimeError as exc:
+            raise self._fail(exc, call, peer) from exc
+
+    def _fail(self, exc: BaseException | DistributedError, call: Call, peer: int | None) -> DistributedError:
+        """The error to raise for ``exc`` in ``call``; breaks this group (see the class docstring)."""
+        if isinstance(exc, DistributedError):
+            err = exc
+        else:
+            err = self._explain(exc, call, peer)
+        self._failed = err
+        self._records.publish(self._rank, call, type(err).__name__, getattr(err, "peer", None), str(err))
+        self._pg = None  # closes this group's connections: peers waiting on this rank learn now
+        return err
+
+    def _explain(self, exc: BaseException, call: Call, peer: int | None) -> DistributedError:
+        """Name the rank behind a gloo failure: mismatched call, left, stopped/dead, or silent."""
+        base = translate(exc, where=self._where(), op=call.describe(), timeout=self.timeout, peer=peer)
+        said = f" gloo said: {first_line(exc)}."
+        others = [q for q in range(self._size) if q != self._rank and call.involves(q)]
+        timed_out = isinstance(base, CommTimeoutError)
+        local: list[tuple[int, str]] = []
+        for _ in range(1 if timed_out else 10):  # a killed peer's socket may close just before it is reaped
+            local = [(q, text) for q, text in suspects(self._peers, self._members, self._rank) if q in others]
+            if local:
+                break
+            time.sleep(0.05)
+        down = {q for q, _ in local}
+        # publish this rank's call first, so that ranks that time out with it can compare
+        self._records.publish(self._rank, call, "pending", None, "")
+        records = self._records.collect(others, min(_RECORD_WAIT, self.timeout) if timed_out else 0.0,
+                                        skip=lambda q: q in down)
+        what = f"[gloo] {self._where()}: {call.describe()}"
+        # 1. a rank called something this call cannot meet, or already found a mismatch
+        odd = [q for q, rec in records.items() if conflicts(self._rank, call, q, rec.call)]
+        if odd:
+            calls = "; ".join(f"rank {q} called {records[q].call.describe()}" for q in odd)
+            return CollectiveMismatchError(
+                f"{what} cannot complete: the ranks called different operations: this rank called "
+                f"{call.describe()}; {calls}. Every rank of a group must call the same collectives in the "
+                f"same order with the same shapes, dtypes, ops and roots, and each recv must match its "
+                f"send's shape and dtype.{said}")
+        seen = [q for q, rec in records.items() if rec.error == "CollectiveMismatchError"]
+        if seen:
+            return CollectiveMismatchError(f"{what} failed: rank {seen[0]} found mismatched calls: "
+                                           f"{records[seen[0]].why}")
+        # 2. a rank left the job (closed its group, or its program failed) without failing here first
+        statuses = self._records.statuses(self._members[q] for q in others)
+        gone = [q for q in others if self._members[q] in statuses and q not in records
+                and not statuses[self._members[q]].startswith("after")]
+        if gone:
+            q = gone[0]
+            return PeerLostError(
+                f"{what} failed: rank {q} (world rank {self._members[q]}) left the job: "
+                f"{statuses[self._members[q]]}. Check that rank's output; this group cannot be used any more."
+                f"{said}", peer=q)
+        # 3. a rank on this host is dead or stopped
+        if local:
+            return translate(exc, where=self._where(), op=call.describe(), timeout=self.timeout, peer=peer,
+                             suspects=local)
+        # 4. another rank already knows whom to blame
+        blamed = [(q, rec) for q, rec in records.items()
+                  if rec.error in ("PeerLostError", "CommTimeoutError") and rec.peer is not None
+                  and rec.peer != self._rank]
+        if blamed:
+            q, rec = blamed[0]
+            cls = PeerLostError if rec.error == "PeerLostError" else CommTimeoutError
+            return cls(f"{what} failed: rank {q} reported that rank {rec.peer} failed: {rec.why}", peer=rec.peer)
+        # 5. a timeout: the ranks that published nothing are the silent ones
+        if timed_out:
+            silent = [q for q in others if q not in records]
+            if silent:
+                names = ", ".join(f"rank {q} (world rank {self._members[q]})" for q in silent)
+                return CommTimeoutError(
+                    f"{what} timed out after {self.timeout:g} s (MLX_TIMEOUT): no answer from {names}, "
+                    f"which is stuck, stopped, on another host and dead, or skipped this call; the other "
+                    f"ranks were waiting in the same call. Raise MLX_TIMEOUT if it is only slow.{said}",
+                    peer=silent[0] if len(silent) == 1 else peer)
+        return base
 
     # -- point-to-point -------------------------------------------------------------
+    def _post_send(self, pg: Any, buf: np.ndarray, dst: int) -> list[Any]:
+        """Start sending ``buf`` (tagged with its dtype and count); the works to wait for."""
+        n = buf.size
+        works = []
+        if n >= BIG:
+            head = np.array([dtype_code(buf.dtype), n], dtype=np.int64)
+            works.append(pg.send([_tensor(head)], dst, p2p_tag(buf.dtype, n, 0)))
+        works.append(pg.send([_tensor(buf)], dst, p2p_tag(buf.dtype, n, 1)))
+        return works
+
+    def _recv_into(self, pg: Any, buf: np.ndarray, src: int, call: Call) -> None:
+        """Receive into ``buf``; a big message's header is checked before its payload is posted."""
+        n = buf.size
+        if n >= BIG:
+            head = np.zeros(2, dtype=np.int64)
+            pg.recv([_tensor(head)], src, p2p_tag(buf.dtype, n, 0)).wait()
+            if int(head[1]) != n or int(head[0]) != dtype_code(buf.dtype):
+                raise CollectiveMismatchError(
+                    f"[gloo] {self._where()}: {call.describe()}: rank {src} sent {int(head[1])} elements "
+                    f"({buf.dtype.name} on both ranks) but this rank expects {n}; a recv must match its "
+                    "send's shape and dtype")
+        pg.recv([_tensor(buf)], src, p2p_tag(buf.dtype, n, 1)).wait()
+
     def send(self, buf: np.ndarray, dst: int) -> None:
-        if buf.nbytes:
-            t = _tensor(buf)
-            self._run(f"send to rank {dst}", lambda: self._pg.send([t], dst, _P2P_TAG), peer=dst)
+        if not buf.nbytes:
+            return
+        call = Call("send", "send", buf.dtype.name, buf.size, peer=dst)
+        pg = self._usable(call.describe())
+        try:
+            for w in self._post_send(pg, buf, dst):
+                w.wait()
+        except RuntimeError as exc:
+            raise self._fail(exc, call, dst) from exc
 
     def recv(self, buf: np.ndarray, src: int) -> None:
-        if buf.nbytes:
-            t = _tensor(buf)
-            self._run(f"recv from rank {src}", lambda: self._pg.recv([t], src, _P2P_TAG), peer=src)
+        if not buf.nbytes:
+            return
+        call = Call("recv", "recv", buf.dtype.name, buf.size, peer=src)
+        pg = self._usable(call.describe())
+        try:
+            self._recv_into(pg, buf, src, call)
+        except (RuntimeError, CollectiveMismatchError) as exc:
+            raise self._fail(exc, call, src) from exc
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
         """Both directions posted before waiting: gloo's send/recv are asynchronous."""
-        if self._pg is None:
-            raise DistributedError(f"[gloo] {self._where()}: sendrecv called after the group was closed")
-        works = []
+        call = Call("sendrecv", "sendrecv", sendbuf.dtype.name, sendbuf.size if sendbuf.nbytes else 0,
+                    peer=dst if sendbuf.nbytes else -1, peer2=src if recvbuf.nbytes else -1,
+                    dtype2=recvbuf.dtype.name, count2=recvbuf.size if recvbuf.nbytes else 0)
+        pg = self._usable(call.describe())
         try:
-            if sendbuf.nbytes:
-                works.append((self._pg.send([_tensor(sendbuf)], dst, _P2P_TAG), dst))
+            works = self._post_send(pg, sendbuf, dst) if sendbuf.nbytes else []
             if recvbuf.nbytes:
-                works.append((self._pg.recv([_tensor(recvbuf)], src, _P2P_TAG), src))
-            for w, _ in works:
+                self._recv_into(pg, recvbuf, src, call)
+            for w in works:
                 w.wait()
-        except RuntimeError as exc:
-            raise self._error(exc, f"sendrecv (to {dst}, from {src})", src if dst == src else None) from exc
+        except (RuntimeError, CollectiveMismatchError) as exc:
+            raise self._fail(exc, call, src if dst == src else None) from exc
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -133,19 +269,20 @@ class GlooBackend(Backend):
         if plan.generic:
             algorithms.all_reduce(self, sendbuf, recvbuf, op)
             return
+        call = self._coll(f"all_{op}", sendbuf)
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
             recvbuf[...] = sendbuf
-            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, op)
+            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call)
             return
         encode, decode = plan.codec
         wire = encode(sendbuf)
-        self._allreduce(_tensor(wire, plan.wire, plan.torch), plan, op)
+        self._allreduce(_tensor(wire, plan.wire, plan.torch), plan, call)
         decode(wire, recvbuf)
 
-    def _allreduce(self, t: torch.Tensor, plan: Plan, op: str) -> None:
+    def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[plan.op]
-        self._run(f"all_{op}", lambda: self._pg.allreduce([t], opts))
+        self._run(call, lambda pg: pg.allreduce([t], opts))
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         """An all-reduce of a copy, then this rank's block.
@@ -161,18 +298,18 @@ class GlooBackend(Backend):
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         src, out = _tensor(sendbuf), _tensor(recvbuf)
-        self._run("all_gather", lambda: self._pg._allgather_base(out, src))
+        self._run(self._coll("all_gather", sendbuf), lambda pg: pg._allgather_base(out, src))
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         t = _tensor(buf)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self._run(f"broadcast from root {root}", lambda: self._pg.broadcast([t], opts),
+        self._run(self._coll("broadcast", buf, root), lambda pg: pg.broadcast([t], opts),
                   peer=root if self._rank != root else None)
 
     def barrier(self) -> None:
-        self._run("barrier", lambda: self._pg.barrier())
+        self._run(self._coll("barrier"), lambda pg: pg.barrier())
 
     # -- groups ---------------------------------------------------------------------
     def split(self, color: int, key: int) -> Backend:
@@ -190,18 +327,40 @@ class GlooBackend(Backend):
         try:
             pg = make_group(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
         except RuntimeError as exc:
-            raise self._error(exc, f"split(color={color}) connecting to ranks {members}", None) from exc
+            raise translate(exc, where=self._where(), op=f"split(color={color}) connecting to ranks {members}",
+                            timeout=self.timeout, suspects=suspects(self._peers, self._members, self._rank)
+                            ) from exc
         child = GlooBackend(pg, self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname, label,
                             self._peers, [self._members[q] for q in members])
         self._children.append(weakref.ref(child))
         return child
 
+    def abort(self, code: int, reason: str) -> None:
+        """This rank's program failed: tell the peers why (a status record in the store), then
+        close every group so that peers waiting on this rank raise PeerLostError naming it now.
+        The launcher ends the job with ``code``; gloo needs nothing more."""
+        self._set_status(f"its program failed: {reason} (exit code {code})")
+        self.close()
+
+    def _set_status(self, text: str) -> None:
+        if self._status_sent or self._store is None or self._label != "world":
+            return
+        self._status_sent = True
+        if self._failed is not None:  # this rank is not the cause: it is leaving because of a failure
+            text = f"after its own failure ({type(self._failed).__name__}): {text}"
+        self._records.set_status(self._members[self._rank], text)
+
     def close(self) -> None:
         """Drop this group's and its splits' process groups (gloo closes connections on free).
 
         Done at ``meshcomm.shutdown()`` (atexit) so that no ProcessGroupGloo is left for
-        interpreter finalisation, where freeing one intermittently aborted the process.
+        interpreter finalisation, where freeing one intermittently aborted the process. The
+        world group first leaves a status record, so that a peer still waiting on this rank
+        (which exits early) names it and says it left.
         """
+        if self._pg is not None or self._failed is not None:
+            self._set_status("it closed its group: its program ended or called meshcomm.shutdown() "
+                             "while this rank still waited for it")
         for ref in self._children:
             child = ref()
             if child is not None:

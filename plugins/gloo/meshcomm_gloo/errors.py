@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
 
-__all__ = ["translate"]
+__all__ = ["translate", "first_line"]
 
 _LOST = ("connection closed", "connection reset", "broken pipe", "closed by peer", "connection refused",
          "socket closed", "eof", "read error", "write error", "pair closed")
 _TIMEOUT = ("timed out", "timeout", "deadline")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("Exception raised from")]
     return (lines[0] if lines else type(exc).__name__)[:400]
@@ -29,7 +29,7 @@ def translate(exc: BaseException, *, where: str, op: str, timeout: float, peer: 
     ``peer`` is the group rank the operation talked to, when it talked to one; ``suspects``
     are (group rank, description) of members found dead or stopped (see :mod:`.liveness`).
     """
-    said = _first_line(exc)
+    said = first_line(exc)
     low = said.lower()
     suspects = suspects or []
     if peer is None and len(suspects) == 1:

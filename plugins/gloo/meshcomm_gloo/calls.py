@@ -1,0 +1,125 @@
+"""What each rank is calling, so a gloo failure can be explained as a mismatch.
+
+gloo itself never compares calls: a send met by a recv of another size is silently
+truncated or aborts the process (``gloo::EnforceNotMet``), and a collective met by a
+send just waits. Two things here prevent that:
+
+* **Point-to-point tags carry the dtype and element count** (:func:`p2p_tag`). A send
+  and a recv that disagree use different gloo slots, so gloo never matches them (no
+  abort, no wrong data); both sides wait until MLX_TIMEOUT. Counts of ``BIG`` elements
+  or more do not fit in the tag: such a message is preceded by a 16-byte header (dtype,
+  count) that the receiver checks before posting the payload receive.
+* **Every operation has a :class:`Call` descriptor.** When an operation fails, the rank
+  publishes its descriptor in the rendezvous store and reads the others' (see
+  :mod:`.records`); :func:`conflicts` says which ranks called something that cannot
+  meet this rank's call, which turns a timeout into a CollectiveMismatchError.
+
+Pure Python + NumPy (no torch), so it is testable without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from meshcomm.dtypes import SUPPORTED
+
+__all__ = ["Call", "BIG", "p2p_tag", "conflicts", "dtype_code"]
+
+#: element counts from here on travel with a header instead of in the tag
+BIG = 1 << 25
+_CODES = {np.dtype(dt): i for i, dt in enumerate(SUPPORTED)}
+assert len(_CODES) <= 32, "five bits of the p2p tag hold the dtype"
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """A small number for each supported dtype (the same on every rank)."""
+    return _CODES[np.dtype(dtype)]
+
+
+def p2p_tag(dtype: np.dtype, count: int, part: int = 0) -> int:
+    """The gloo tag of a message of ``count`` elements of ``dtype`` (31 bits, never negative).
+
+    Below :data:`BIG`: ``code << 25 | count``. From :data:`BIG` on: bit 30 set, ``part`` 0
+    for the header and 1 for the payload.
+    """
+    code = dtype_code(dtype)
+    if count < BIG:
+        return (code << 25) | count
+    return (1 << 30) | (code << 25) | part
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation as this rank called it.
+
+    ``kind`` is ``"coll"`` (``seq`` counts this group's collectives), ``"send"``,
+    ``"recv"`` or ``"sendrecv"``; ``peer``/``peer2`` are group ranks (send: destination,
+    recv: source, sendrecv: destination then source); ``count2``/``dtype2`` describe the
+    received half of a sendrecv.
+    """
+
+    kind: str
+    name: str
+    dtype: str = "-"
+    count: int = 0
+    seq: int = 0
+    root: int = -1
+    peer: int = -1
+    peer2: int = -1
+    dtype2: str = "-"
+    count2: int = 0
+
+    def text(self) -> str:
+        """One line that :meth:`parse` reads back (stored in the rendezvous store)."""
+        return " ".join(str(v) for v in (self.kind, self.name, self.dtype, self.count, self.seq, self.root,
+                                          self.peer, self.peer2, self.dtype2, self.count2))
+
+    @classmethod
+    def parse(cls, text: str) -> Call:
+        k, name, dt, count, seq, root, peer, peer2, dt2, count2 = text.split()
+        return cls(k, name, dt, int(count), int(seq), int(root), int(peer), int(peer2), dt2, int(count2))
+
+    def describe(self) -> str:
+        """What a user reads: ``all_sum of 4 float32 (collective #3)``, ``send of 4 float32 to rank 0``."""
+        if self.kind == "coll":
+            root = f" from root {self.root}" if self.root >= 0 else ""
+            what = f" of {self.count} {self.dtype}" if self.count else ""
+            return f"{self.name}{what}{root} (collective #{self.seq} of the group)"
+        if self.kind == "send":
+            return f"send of {self.count} {self.dtype} to rank {self.peer}"
+        if self.kind == "recv":
+            return f"recv of {self.count} {self.dtype} from rank {self.peer}"
+        return (f"sendrecv ({self.count} {self.dtype} to rank {self.peer}, "
+                f"{self.count2} {self.dtype2} from rank {self.peer2})")
+
+    # what this call sends to / expects from a given rank, as (dtype, count), or None
+    def _sends_to(self, q: int) -> tuple[str, int] | None:
+        if self.kind in ("send", "sendrecv") and self.peer == q:
+            return self.dtype, self.count
+        return None
+
+    def _recvs_from(self, q: int) -> tuple[str, int] | None:
+        if self.kind == "recv" and self.peer == q:
+            return self.dtype, self.count
+        if self.kind == "sendrecv" and self.peer2 == q:
+            return self.dtype2, self.count2
+        return None
+
+    def involves(self, q: int) -> bool:
+        """Whether this call needs rank ``q`` (every rank for a collective)."""
+        return self.kind == "coll" or q in (self.peer, self.peer2)
+
+
+def conflicts(me: int, mine: Call, q: int, theirs: Call) -> bool:
+    """Whether rank ``q``'s call ``theirs`` can never meet rank ``me``'s call ``mine``."""
+    if not mine.involves(q):
+        return False
+    if mine.kind == "coll":
+        return theirs != mine
+    if theirs.kind == "coll":
+        return True
+    want_out, want_in = mine._sends_to(q), mine._recvs_from(q)
+    if want_out is not None and theirs._recvs_from(me) != want_out:
+        return True
+    return want_in is not None and theirs._sends_to(me) != want_in

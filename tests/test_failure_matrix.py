@@ -1,0 +1,154 @@
+"""The contract's failure table as real jobs: every bundled backend x every way rank 1 can fail.
+
+Each test runs ``meshcomm launch -n 3 --backend B --timeout 5 tests/programs/failure_rank.py
+--kind KIND`` (MLX_TIMEOUT=5) and checks, from the job's output and exit status only:
+
+* the job ends within MLX_TIMEOUT + 5 s plus a fixed start-up/teardown allowance for the
+  backend (measured: a healthy 3-rank job takes ~2.5-3 s on sockets, ~3-4.5 s on mpi, ~4-5.5 s
+  on gloo on the 2-core test machine; the allowance doubles that and adds the launcher's
+  SETTLE + GRACE of 4 s);
+* every survivor prints a meshcomm error: for a failed rank, PeerLostError or
+  CommTimeoutError with ``peer=1`` (CommTimeoutError for a stopped rank); for mismatched
+  calls, CollectiveMismatchError on every rank; for two threads, a DistributedError;
+* no rank prints a result (the program prints ``RESULT`` whenever an operation returns,
+  ``RESULT WRONG`` when the value is not what the inputs give);
+* the exit status is the failing rank's (1 for an exception, 3 for ``sys.exit(3)``, 137
+  for SIGKILL; non-zero where the failing rank itself exited 0 or was stopped);
+* no process of the job is left (every process carries a unique marker in its argv).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "programs" / "failure_rank.py"
+MLX_TIMEOUT = 5.0
+#: seconds allowed on top of MLX_TIMEOUT + 5 s for start-up and the launcher's teardown
+ALLOWANCE = {"sockets": 10.0, "mpi": 12.0, "gloo": 14.0}
+BACKENDS = ("sockets", "mpi", "gloo")
+DEATHS = ("raise", "exit3", "exit0", "sigkill", "sigstop")
+MISMATCHES = ("shape", "dtype", "op", "root", "send")
+KINDS = (*DEATHS, *MISMATCHES, "threads")
+#: expected exit status of the job (None: any non-zero status)
+EXIT = {"raise": 1, "exit3": 3, "exit0": None, "sigkill": 137, "sigstop": None, "threads": 1,
+        **dict.fromkeys(MISMATCHES, 1)}
+#: ``[rank R] text`` (meshcomm launch) or ``[J,R]<stdout>: text`` (Open MPI's --tag-output)
+LINE = re.compile(r"^\[(?:rank (\d+)|\d+,(\d+))\](?:<std\w+>:)? ?(.*)$")
+ERROR = re.compile(r"^ERROR (\w+) peer=(\S+): (.*)$")
+
+
+@dataclass
+class Job:
+    rc: int | None
+    took: float
+    out: str
+    err: str
+    leftovers: list[str]
+
+    def lines(self, rank: int) -> list[str]:
+        got = []
+        for line in self.out.splitlines():
+            m = LINE.match(line)
+            if m and int(m.group(1) or m.group(2)) == rank:
+                got.append(m.group(3))
+        return got
+
+    def errors(self, rank: int) -> list[tuple[str, str, str]]:
+        return [m.groups() for m in map(ERROR.match, self.lines(rank)) if m]
+
+    def show(self) -> str:
+        return (f"exit status {self.rc} after {self.took:.1f} s; leftovers {self.leftovers}\n"
+                f"--- stdout ---\n{self.out[-6000:]}\n--- stderr ---\n{self.err[-6000:]}")
+
+
+def _processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip() and "pgrep" not in line]
+
+
+def _kill_all(marker: str) -> None:
+    """SIGCONT and SIGKILL every process of the job (a stopped rank too)."""
+    for line in _processes(marker):
+        pid = int(line.split()[0])
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def run_job(backend: str, kind: str) -> Job:
+    marker = f"mcfm-{uuid.uuid4().hex[:12]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
+    env.update(MLX_TIMEOUT=f"{MLX_TIMEOUT:g}", PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--backend", backend,
+           "--timeout", f"{MLX_TIMEOUT:g}", "--", str(PROGRAM), "--kind", kind, "--marker", marker]
+    limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL)
+    try:
+        try:
+            out, err = proc.communicate(timeout=limit + 20)
+        except subprocess.TimeoutExpired:
+            _kill_all(marker)  # the ranks (and mpirun) hold the output pipes open: end them too
+            proc.kill()
+            out, err = proc.communicate(timeout=30)
+            err += "\n[test] the job was still running 20 s after the limit: killed"
+        took = time.monotonic() - t0
+        time.sleep(0.5)  # processes the launcher signalled a moment ago
+        leftovers = _processes(marker)
+    finally:
+        _kill_all(marker)
+    return Job(proc.returncode, took, out, err, leftovers)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failure(backend: str, kind: str) -> None:
+    job = run_job(backend, kind)
+    problems = []
+    limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
+    if job.took > limit:
+        problems.append(f"the job took {job.took:.1f} s, more than {limit:g} s")
+    ready = [r for r in range(3) if "READY" in job.lines(r)]
+    if ready != [0, 1, 2]:
+        problems.append(f"only ranks {ready} printed READY (start-up failed?)")
+    for r in range(3):
+        results = [line for line in job.lines(r) if line.startswith("RESULT")]
+        if results:
+            problems.append(f"rank {r} printed a result: {results}")
+    survivors = (0, 2) if kind in DEATHS else (0, 1, 2)
+    for r in survivors:
+        errs = job.errors(r)
+        if not errs:
+            problems.append(f"rank {r} printed no meshcomm error")
+            continue
+        name, peer, _ = errs[0]
+        if kind in DEATHS:
+            want = ("CommTimeoutError",) if kind == "sigstop" else ("PeerLostError", "CommTimeoutError")
+            if name not in want or peer != "1":
+                problems.append(f"rank {r} raised {name} peer={peer}; want {' or '.join(want)} peer=1")
+        elif kind in MISMATCHES:
+            if name != "CollectiveMismatchError":
+                problems.append(f"rank {r} raised {name} peer={peer}; want CollectiveMismatchError")
+    want_rc = EXIT[kind]
+    if want_rc is None and job.rc in (0, None):
+        problems.append(f"exit status {job.rc}; want non-zero")
+    elif want_rc is not None and job.rc != want_rc:
+        problems.append(f"exit status {job.rc}; want {want_rc}")
+    if job.leftovers:
+        problems.append(f"processes left after the launcher returned: {job.leftovers}")
+    assert not problems, "\n".join(problems) + "\n" + job.show()
