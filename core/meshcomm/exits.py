@@ -15,8 +15,9 @@ than a rank that raised ``PeerLostError`` *because of* it: a record is written a
     {"rank": 1, "time": 1796000000.1, "code": 1, "type": "KeyError", "message": "'x'",
      "reason": "KeyError: 'x'", "peer": null, "consequence": false, "pid": 4242, "host": "node1"}
 
-``consequence`` is true for a ``PeerLostError`` or ``CommTimeoutError`` that names a peer:
-the launcher skips those when it looks for the rank to blame.
+``consequence`` is true for a ``PeerLostError`` or ``CommTimeoutError`` (``peer`` is the rank
+it names, when the transport knows): the launcher skips those when it looks for the rank
+to blame.
 """
 
 from __future__ import annotations
@@ -167,7 +168,10 @@ def failure_record(code: int, reason: str, exc: BaseException | None = None) -> 
     """The record :func:`end_rank` writes (see the module docstring)."""
     from .errors import CommTimeoutError, PeerLostError
 
-    peer = getattr(exc, "peer", None) if isinstance(exc, (PeerLostError, CommTimeoutError)) else None
+    # a lost peer or a timeout is a consequence of another rank, whether or not the
+    # transport could tell which one
+    consequence = isinstance(exc, (PeerLostError, CommTimeoutError))
+    peer = getattr(exc, "peer", None) if consequence else None
     return {
         "rank": _rank(),
         "time": time.time(),
@@ -176,7 +180,7 @@ def failure_record(code: int, reason: str, exc: BaseException | None = None) -> 
         "message": str(exc) if exc is not None else f"exit code {code}",
         "reason": reason,
         "peer": peer if isinstance(peer, int) else None,
-        "consequence": isinstance(peer, int),
+        "consequence": consequence,
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }

@@ -5,13 +5,15 @@ naming it, often before the failed rank's process has finished exiting. The laun
 therefore blames from the ranks' failure records (:mod:`meshcomm.exits`): records that are
 a consequence of a peer are skipped; a rank that exited non-zero without a record, or was
 killed by a signal, failed for its own reason. Only when no rank did (a rank that stopped
-answering, or exited 0 while its peers still needed it) is the peer the records name blamed.
+answering, or exited 0 while its peers still needed it) is the peer the records name blamed,
+or else the first rank that was still running without a record.
 Without any record, the old rule applies: the first failure seen that is not status 1.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +57,12 @@ def _record_text(rec: dict[str, Any]) -> str:
     return f"exited with code {code} ({rec.get('reason') or rec.get('type')})"
 
 
-def blame(failures: list[Failure], records: list[dict[str, Any]]) -> Verdict | None:
-    """The rank to name in the summary and the job's exit code, or None if nothing failed."""
+def blame(failures: list[Failure], records: list[dict[str, Any]], running: Sequence[int] = ()) -> Verdict | None:
+    """The rank to name in the summary and the job's exit code, or None if nothing failed.
+
+    ``running``: ranks still running when the launcher stopped the job; when every record
+    is a consequence and none names a peer, the first of them without a record is blamed.
+    """
     recorded = {r.get("rank") for r in records}
     own: list[tuple[float, int, Verdict]] = []
     for rec in records:
@@ -74,6 +80,12 @@ def blame(failures: list[Failure], records: list[dict[str, Any]]) -> Verdict | N
         verb = "did not answer in time" if first.get("type") == "CommTimeoutError" else "was lost"
         text = f"{verb} (rank {first.get('rank')} raised {first.get('type')}: {first.get('message')})"
         return Verdict(int(first["peer"]), int(first.get("code", 1)) or 1, text)
+    silent = [r for r in running if r not in recorded]
+    if records and silent:
+        first = records[0]
+        text = (f"did not answer in time (still running when rank {first.get('rank')} raised "
+                f"{first.get('type')}: {first.get('message')})")
+        return Verdict(silent[0], int(first.get("code", 1)) or 1, text)
     for f in failures:  # no records at all: status 1 is how ranks that lost a peer end
         if f.status != 1:
             return Verdict(f.rank, exit_code(f.status), describe_status(f.status))

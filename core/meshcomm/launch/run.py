@@ -240,17 +240,19 @@ def _run_ranks(job: Job, progs: list[list[str]], base: dict[str, str], envs: lis
                 time.sleep(0.02)
             watch.note_exits([(p.rank, p.poll()) for p in procs])
         watch.note_records()
-        verdict = blame(watch.failures, watch.records)
-        running: list[int] = []
+        running = [p.rank for p in procs if p.poll() is None]
+        verdict = blame(watch.failures, watch.records, running)
         if verdict is not None or intr.signum is not None:
-            running = [p.rank for p in procs if p.poll() is None]
             _stop(procs)
+        else:
+            running = []
         for p in procs:
             p.join_output()
         remote_records = _cleanup_hosts(job, ssh, cleanup, fetch_records=verdict is not None)
         if remote_records:
             verdict = blame(watch.failures, sorted(watch.records + remote_records,
-                                                   key=lambda r: (r.get("time", 0.0), r.get("rank") or 0)))
+                                                   key=lambda r: (r.get("time", 0.0), r.get("rank") or 0)),
+                            running)
     if intr.signum is not None:
         sys.stderr.write(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
@@ -329,15 +331,8 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
                                 start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
         def signal_ranks(sig: int) -> None:
-            pids = _rank_pids(job)
-            if pids:
-                for pid in pids:
-                    try:
-                        os.kill(pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            elif proc.poll() is None:
-                proc.send_signal(sig)  # Open MPI's and MPICH's mpiexec forward SIGUSR1
+            if proc.poll() is None:
+                proc.send_signal(sig)  # Open MPI's and MPICH's (Hydra) mpiexec forward SIGUSR1
 
         watch = _Watch(job, signal_ranks if runner else None)
 
