@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from meshcomm import nn
 from meshcomm.testing.threaded import run_threaded
+from numerics import assert_within, gamma, matmul_bound, mlp_bounds, sum_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -156,7 +157,15 @@ def test_quantized_linear_matches_mlx():
     ql = nn.QuantizedLinear(128, 32, group_size=64, bits=4, rng=0)
     ql.update({k: np.array(getattr(ref, k)) for k in ("weight", "scales", "biases", "bias")})
     x = rand(5, 128)
-    np.testing.assert_allclose(ql(x), np.array(ref(mx.array(x))), rtol=1e-5, atol=1e-5)
+    # MLX's CPU kernel forms each weight as scale * q + bias (FMA or not) and accumulates
+    # x * w in float32, then adds the bias; we round q * scale, add the bias, use a BLAS dot.
+    # Both evaluate sum_j x_j (s q_j + b) + bias in float32 with at most 2 (dequantization)
+    # + 128 (dot) + 1 (bias) roundings per term, of magnitude |x| @ (|s| q + |b|).
+    q = nn.unpack_bits(ql.weight, 4).astype(np.float64)
+    per_weight = (np.repeat(np.abs(ql.scales.astype(np.float64)), 64, axis=1) * q
+                  + np.repeat(np.abs(ql.biases.astype(np.float64)), 64, axis=1))
+    assert_within(ql(x), np.array(ref(mx.array(x))),
+                  matmul_bound(x, per_weight.T, bias=ql.bias, extra=2), "QuantizedLinear vs MLX")
     assert ql.weight.shape == ref.weight.shape and ql.scales.shape == ref.scales.shape
 
 
@@ -182,7 +191,8 @@ def test_linear_forward_with_batch_axes_and_settable_parameters():
     layer.weight = np.arange(24, dtype=np.float32).reshape(4, 6)
     layer.bias = np.ones(4, np.float32)
     x = rand(2, 3, 6)
-    np.testing.assert_allclose(layer(x), x @ layer.weight.T + 1, rtol=1e-6)
+    assert_within(layer(x), x @ layer.weight.T + 1, matmul_bound(x, layer.weight.T, bias=layer.bias),
+                  "layer(x) vs x @ W.T + 1")
     assert layer(x[0, 0]).shape == (4,)
 
 
@@ -194,6 +204,9 @@ def test_quantized_linear_from_linear():
     assert (ql.input_dims, ql.output_dims) == (128, 16)
     np.testing.assert_array_equal(ql.bias, lin.bias)
     x = rand(4, 128)
+    # Quantization error, not rounding: 8-bit steps over 32-weight groups are ~7e-4, so a
+    # random 128-term sum typically moves by ~2e-3 (worst case sum|x| * step / 2 ~ 0.035);
+    # 0.02 is fixed by this seeded data and is ~1e4 times any kernel's rounding here.
     np.testing.assert_allclose(ql(x), lin(x), atol=0.02)
     assert repr(ql) == "QuantizedLinear(input_dims=128, output_dims=16, bias=True, group_size=32, bits=8)"
     fresh = nn.QuantizedLinear(64, 8, rng=0)
@@ -238,6 +251,9 @@ def test_gradients_match_finite_differences(make):
 
     model(x)
     dx = model.backward(r)
+    # float64 throughout. The loss is linear in each single input or parameter (piecewise, for
+    # the ReLU model, with no kink within eps for this data), so central differences have no
+    # truncation error: only rounding, ~|loss| * 2**-52 / eps ~ 1e-9, far below atol=1e-7.
     np.testing.assert_allclose(dx, numerical_grad(loss, x), rtol=1e-5, atol=1e-7)
     flat_params = dict(nn.tree_flatten(model.trainable_parameters()))
     flat_grads = dict(nn.tree_flatten(model.grads))
@@ -259,6 +275,7 @@ def test_quantized_linear_gradients():
     ql(x)
     dx = ql.backward(r)
     assert set(ql.grads) == {"bias"}
+    # float64 and linear in x and in the bias: as above, only ~1e-9 of rounding is expected.
     np.testing.assert_allclose(dx, numerical_grad(loss, x), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ql.grads["bias"], numerical_grad(loss, ql.bias), rtol=1e-5)
 
@@ -294,12 +311,17 @@ def test_all_to_sharded_equals_slice_of_linear(n):
         grad_in = layer.backward(r[:, part])
         return part, out, grad_in, layer.grads, repr(layer)
 
+    # The same sums as the whole layer's, in another order (BLAS blocking, the all_sum).
+    out_bound = matmul_bound(x, full.weight.T, bias=full.bias)
+    dx_bound = matmul_bound(r, full.weight, partials=n)
+    dw_bound = matmul_bound(r.T, x)
+    db_bound = sum_bound(list(r))
     for part, out, grad_in, grads, text in run_threaded(n, rank):
         assert grads["weight"].shape == (8 // n, 12)
-        np.testing.assert_allclose(out, y[:, part], rtol=1e-6)
-        np.testing.assert_allclose(grad_in, dx, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(grads["weight"], full.grads["weight"][part], rtol=1e-6)
-        np.testing.assert_allclose(grads["bias"], full.grads["bias"][part], rtol=1e-6)
+        assert_within(out, y[:, part], out_bound[:, part], f"output {part}")
+        assert_within(grad_in, dx, dx_bound, "all-summed input gradient")
+        assert_within(grads["weight"], full.grads["weight"][part], dw_bound[part], "weight gradient")
+        assert_within(grads["bias"], full.grads["bias"][part], db_bound[part], "bias gradient")
         assert "output_dims=8" in text and f"/{n})" in text
 
 
@@ -318,11 +340,15 @@ def test_sharded_to_all_equals_linear(n):
         out = layer(x[:, part])
         return part, out, layer.backward(r), layer.grads
 
+    out_bound = matmul_bound(x, full.weight.T, bias=full.bias, partials=n)
+    dx_bound = matmul_bound(r, full.weight)
+    dw_bound = matmul_bound(r.T, x)
+    db_bound = sum_bound(list(r))
     for part, out, grad_in, grads in run_threaded(n, rank):
-        np.testing.assert_allclose(out, y, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(grad_in, dx[:, part], rtol=1e-6)
-        np.testing.assert_allclose(grads["weight"], full.grads["weight"][:, part], rtol=1e-6)
-        np.testing.assert_allclose(grads["bias"], full.grads["bias"], rtol=1e-6)
+        assert_within(out, y, out_bound, "all-summed output")
+        assert_within(grad_in, dx[:, part], dx_bound[:, part], f"input gradient {part}")
+        assert_within(grads["weight"], full.grads["weight"][:, part], dw_bound[:, part], "weight gradient")
+        assert_within(grads["bias"], full.grads["bias"], db_bound, "bias gradient")
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -343,9 +369,14 @@ def test_quantized_sharded_layers_equal_quantized_linear(n):
         out = b(np.concatenate([h] * (128 // 16), axis=1)[:, : 128 // n] if n > 1 else np.tile(h, 8))
         return h, a, b, out
 
+    w1 = q1.dequantized_weight()
+    h_bound = matmul_bound(x, w1.T, bias=q1.bias)
     for k, (h, a, b, _) in enumerate(run_threaded(n, rank)):
         part = slice(k * 16 // n, (k + 1) * 16 // n)
-        np.testing.assert_allclose(h, y1[:, part], rtol=1e-5, atol=1e-6)
+        # Dequantization is element-wise, so a shard's weights are exactly the slice of the
+        # whole layer's: only the order of summation differs.
+        np.testing.assert_array_equal(a.dequantized_weight(), w1[part])
+        assert_within(h, y1[:, part], h_bound[:, part], f"output {part}")
         assert a.weight.shape == (16 // n, 128 * 4 // 32) and a.scales.shape == (16 // n, 4)
         assert b.weight.shape == (8, 128 // n * 3 // 32) and b.bias.shape == (8,)
         assert (a.input_dims, a.output_dims, b.input_dims, b.output_dims) == (128, 16, 128, 8)
@@ -359,12 +390,30 @@ def test_quantized_sharded_layers_equal_quantized_linear(n):
         b = nn.QuantizedShardedToAllLinear.from_quantized_linear(q2, group=g)
         part = slice(g.rank() * 128 // n, (g.rank() + 1) * 128 // n)
         out = b(z[:, part])
-        return part, out, b.backward(r), b.grads
+        return part, out, b.backward(r), b.grads, b.dequantized_weight()
 
-    for part, out, grad_in, grads in run_threaded(n, rank2):
-        np.testing.assert_allclose(out, zr, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(grad_in, dz[:, part], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(grads["bias"], q2.grads["bias"], rtol=1e-6)
+    w2 = q2.dequantized_weight()
+    out_bound = matmul_bound(z, w2.T, bias=q2.bias, partials=n)
+    dz_bound = matmul_bound(r, w2)
+    for part, out, grad_in, grads, shard in run_threaded(n, rank2):
+        np.testing.assert_array_equal(shard, w2[:, part])
+        assert_within(out, zr, out_bound, "all-summed output")
+        assert_within(grad_in, dz[:, part], dz_bound[:, part], f"input gradient {part}")
+        assert_within(grads["bias"], q2.grads["bias"], sum_bound(list(r)), "bias gradient")
+
+
+def affine_layers(model: nn.Sequential) -> list:
+    """``(weight, bias)`` as each layer multiplies (dequantized if quantized), ``None`` for ReLU:
+    the input of :func:`numerics.mlp_bounds`."""
+    out = []
+    for layer in model.layers:
+        if isinstance(layer, nn.ReLU):
+            out.append(None)
+        elif isinstance(layer, nn.QuantizedLinear):
+            out.append((layer.dequantized_weight(), layer.bias))
+        else:
+            out.append((layer.weight, layer.bias))
+    return out
 
 
 def mlp(seed: int = 0, quantize: bool = False) -> nn.Sequential:
@@ -392,21 +441,23 @@ def test_sharded_mlp_outputs_and_gradients_equal_unsharded(n, quantize):
         out = model(x)
         return out, model.backward(r), dict(nn.tree_flatten(model.grads)), model
 
+    bounds = mlp_bounds(affine_layers(ref), x, r, partials=n)
     results = run_threaded(n, rank)
     for k, (out, grad_in, grads, model) in enumerate(results):
         kinds = [type(layer).__name__ for layer in model.layers if not isinstance(layer, nn.ReLU)]
         prefix = "Quantized" if quantize else ""
         assert kinds == [prefix + "AllToShardedLinear", prefix + "ShardedToAllLinear"] * 2
-        np.testing.assert_allclose(out, y, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(grad_in, dx, rtol=1e-5, atol=1e-6)
+        assert_within(out, y, bounds.output, "MLP output")
+        assert_within(grad_in, dx, bounds.input_grad, "MLP input gradient")
         assert grads.keys() == ref_grads.keys()
         for path, g in grads.items():
-            layer = ref.layers[int(path.split(".")[1])]
-            full = ref_grads[path]
+            _, index, key = path.split(".")
+            layer = ref.layers[int(index)]
+            full, bound = ref_grads[path], bounds.grads[int(index)][key]
             if g.shape != full.shape:   # a shard: rows for all-to-sharded, columns otherwise
-                axis = 0 if "AllToSharded" in type(model.layers[int(path.split(".")[1])]).__name__ else 1
-                full = np.split(full, n, axis=axis)[k]
-            np.testing.assert_allclose(g, full, rtol=1e-5, atol=1e-6, err_msg=f"{path} of {layer}")
+                axis = 0 if "AllToSharded" in type(model.layers[int(index)]).__name__ else 1
+                full, bound = np.split(full, n, axis=axis)[k], np.split(bound, n, axis=axis)[k]
+            assert_within(g, full, bound, f"{path} of {layer} on rank {k}")
 
 
 def test_sharding_errors_name_the_sizes():
@@ -456,7 +507,9 @@ def test_shard_inplace_with_segments_and_callable():
         return layer(x), [type(layer).__name__ for layer in model.layers]
 
     (a, kinds), (b, _) = run_threaded(2, rank)
-    np.testing.assert_allclose(np.concatenate([a, b], axis=1), y[:, [0, 2, 4, 1, 3, 5]], rtol=1e-6)
+    order = [0, 2, 4, 1, 3, 5]
+    assert_within(np.concatenate([a, b], axis=1), y[:, order],
+                  matmul_bound(x, fused.weight.T, bias=fused.bias)[:, order], "segmented shards")
     assert kinds == ["AllToShardedLinear", "ReLU", "Linear"]
 
 
@@ -498,9 +551,11 @@ def test_average_gradients_batches_all_sums(size, expected):
         assert [p for p, _ in flat] == [p for p, _ in flat_want]
         assert averaged["layers"][1] == {}
         dtypes = [np.asarray(v).dtype for _, v in nn.tree_flatten(grad_tree(0))]
-        for (path, got), (_, exp), dtype in zip(flat, flat_want, dtypes, strict=True):
+        leaves = zip(nn.tree_flatten(grad_tree(0)), nn.tree_flatten(grad_tree(1)), strict=True)
+        for (path, got), (_, exp), dtype, ((_, a), (_, b)) in zip(flat, flat_want, dtypes, leaves, strict=True):
             assert got.shape == np.shape(exp) and got.dtype == dtype, path
-            np.testing.assert_allclose(got.astype(np.float32), np.asarray(exp, np.float32), rtol=1e-3, err_msg=path)
+            # all_sum then / 2 against a + b then / 2, both in the leaf's dtype.
+            assert_within(got, exp, sum_bound([a, b], dtype, divide_by=2), path)
         assert averaged["layers"][2]["weight"].dtype == np.float16
     np.testing.assert_array_equal(results[0][0]["layers"][0]["weight"], results[1][0]["layers"][0]["weight"])
 
@@ -516,6 +571,7 @@ def test_data_and_tensor_parallel_step_equals_single_process():
     x = rand(8, 16)
     r = rand(8, 8, seed=3) / 8
     ref = mlp()
+    before = affine_layers(ref)
     ref(x)
     ref.backward(r)
     ref.update(nn.tree_map(lambda p, g: p - 0.1 * g, ref.trainable_parameters(), ref.grads))
@@ -534,8 +590,32 @@ def test_data_and_tensor_parallel_step_equals_single_process():
 
     results = run_threaded(4, rank)
     for out, _ in results:
-        np.testing.assert_allclose(out, after, rtol=1e-5, atol=1e-6)
+        assert_within(out, after, sgd_step_bound(before, x, r, lr=0.1, tp=2, dp=2), "output after the step")
     assert results[0][1] == results[2][1] and results[1][1] == results[3][1]
+
+
+def sgd_step_bound(layers: list, x: np.ndarray, r: np.ndarray, lr: float, tp: int, dp: int) -> np.ndarray:
+    """Bound on two evaluations of ``model(x)`` after ``p -= lr * grad`` (gradients from ``x``
+    and ``r``, batch sums split over ``dp`` replicas, contractions over ``tp`` shards): each
+    updated parameter is off by ``lr * (its gradient's error)`` plus the two roundings of the
+    update (and of its float64 reference), and the second forward pass carries that error."""
+    c = float(np.float32(lr))    # NumPy rounds the Python float to the arrays' float32
+    step = mlp_bounds(layers, x, r, partials=tp, batch_partials=dp)
+    updated, errors = [], []
+    for layer, grad, err in zip(layers, step.reference_grads, step.grad_errors, strict=True):
+        if layer is None:
+            updated.append(None)
+            errors.append(None)
+            continue
+        new, bound = [], []
+        for p, key in zip(layer, ("weight", "bias"), strict=True):
+            p64, g = p.astype(np.float64), grad[key]
+            size = np.abs(p64) + c * (np.abs(g) + err[key])     # >= |p| + |lr * computed grad|
+            new.append(p64 - c * g)
+            bound.append(c * err[key] + (gamma(2) + gamma(2, np.float64)) * size)
+        updated.append(tuple(new))
+        errors.append(tuple(bound))
+    return mlp_bounds(updated, x, partials=tp, weight_errors=errors).output
 
 
 # --------------------------------------------------------------------------- examples
