@@ -227,6 +227,50 @@ def test_stopped_peer_times_out_on_survivors() -> None:
     assert elapsed < 30, f"survivors took {elapsed:.1f} s with MLX_TIMEOUT={timeout}"
 
 
+@pytest.mark.parametrize("mode", ["count", "dtype", "big"])
+def test_p2p_mismatch_is_a_mismatch_error_on_both_ranks(mode: str) -> None:
+    """A recv of another size or dtype than its send: CollectiveMismatchError on both ranks, never
+    gloo's silent truncation or its process abort (gloo::EnforceNotMet)."""
+    timeout = 3.0
+    t0 = time.monotonic()
+    res = finish(start(2, [str(HERE), "_w_p2p", mode], {"MLX_TIMEOUT": str(timeout)}), timeout=90)
+    took = time.monotonic() - t0
+    _all_ok(res)
+    for r, (_, out, err) in enumerate(res):
+        assert "RAISED CollectiveMismatchError" in out, f"rank {r}: {out}{err[-2000:]}"
+        assert "GOT" not in out, out
+    assert "rank 0 called send of" in res[1][1] or "rank 0 sent" in res[1][1], res[1][1]
+    assert took < timeout + 30, f"took {took:.1f} s"
+
+
+def test_big_p2p_message_round_trips() -> None:
+    """A message of BIG elements or more (header + payload path) arrives intact."""
+    res = finish(start(2, [str(HERE), "_w_p2p", "bigok"], {"MLX_TIMEOUT": "60"}), timeout=120)
+    _all_ok(res)
+    assert all(out.strip() == "OK" for _, out, _ in res), res
+
+
+@pytest.mark.parametrize("how", ["exit0", "raise"])
+def test_rank_leaving_early_is_named_with_its_reason(how: str) -> None:
+    """Rank 1 exits 0 (or raises) while the others wait: PeerLostError naming it and why."""
+    res = finish(start(3, [str(HERE), "_w_leave", how], {"MLX_TIMEOUT": "20"}), timeout=90)
+    for r in (0, 2):
+        rc, out, err = res[r]
+        assert rc == 0, err[-2000:]
+        assert "RAISED PeerLostError peer=1" in out and "left the job" in out, out + err[-2000:]
+        if how == "raise":
+            assert "KeyError" in out, out
+    assert res[1][0] == (0 if how == "exit0" else 1), res[1]
+
+
+def test_huge_timeout_does_not_overflow() -> None:
+    """MLX_TIMEOUT at the core's cap (2147483 s) reaches torch's timedelta/ms conversions and gloo."""
+    run(2, "_w_any", {"MLX_TIMEOUT": "2147483"})
+    res = finish(start(2, [str(HERE), "_w_p2p", "ok"], {"MLX_TIMEOUT": "2147483"}), timeout=120)
+    _all_ok(res)
+    assert all(out.strip() == "OK" for _, out, _ in res), res
+
+
 def test_missing_rank_times_out_at_start_up() -> None:
     port = _free_port()
     p = subprocess.Popen([sys.executable, str(HERE), "_w_any"], env=_env(0, 2, {"MLX_TIMEOUT": "2"}, port=port),
@@ -434,6 +478,50 @@ def _w_dead() -> None:
     except mc.DistributedError as exc:
         peer = getattr(exc, "peer", None)
         print(f"RAISED {type(exc).__name__} peer={peer} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+
+
+def _w_p2p() -> None:
+    """Rank 0 sends, rank 1 receives something else (or the same, for ``ok``/``bigok``)."""
+    import meshcomm as mc
+    from meshcomm_gloo.calls import BIG
+
+    mode = sys.argv[2]
+    g = mc.init(strict=True, backend="gloo")
+    r = g.rank()
+    n = BIG if mode.startswith("big") else 4
+    sent = (np.arange(n) % 251).astype(np.uint8 if mode.startswith("big") else np.float32)
+    want = {"count": (n + 1, sent.dtype), "dtype": (n, np.float64), "big": (n + 1, sent.dtype)}.get(mode)
+    shape, dtype = want if want else (n, sent.dtype)
+    try:
+        if r == 0:
+            mc.send(sent, dst=1, group=g)
+            g.barrier()
+        else:
+            got = mc.recv((shape,), dtype, src=0, group=g)
+            assert want is None, f"GOT {got[:8]}"
+            assert np.array_equal(got, sent), "payload corrupted"
+            g.barrier()
+        print("OK")
+    except mc.DistributedError as exc:
+        print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}", flush=True)
+
+
+def _w_leave() -> None:
+    """Rank 1 exits 0 (``exit0``) or raises (``raise``) while ranks 0 and 2 wait in all_sum."""
+    import meshcomm as mc
+
+    g = mc.init(strict=True, backend="gloo")
+    g.barrier()
+    if g.rank() == 1:
+        time.sleep(0.3)
+        if sys.argv[2] == "raise":
+            raise KeyError("rank 1 fails on purpose")
+        sys.exit(0)
+    try:
+        mc.all_sum(np.ones(4), group=g)
+        print("NO ERROR")
+    except mc.DistributedError as exc:
+        print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}", flush=True)
 
 
 if __name__ == "__main__":
