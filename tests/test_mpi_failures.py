@@ -13,6 +13,7 @@ The module is also the rank side: ``python tests/test_mpi_failures.py SCENARIO M
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,7 +79,9 @@ def _rank_main(scenario: str) -> int:
         else:
             raise SystemExit(f"unknown scenario {scenario}")
     except mc.DistributedError as exc:
-        print(f"CAUGHT rank {r} {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}", flush=True)
+        # on stderr, like the traceback that follows (MPICH's Hydra may drop a killed rank's stdout)
+        print(f"CAUGHT rank {r} {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}",
+              file=sys.stderr, flush=True)
         raise
     return 0
 
@@ -146,13 +149,10 @@ def _run(scenario: str, via: str) -> tuple[int, str, float]:
 
 
 def _caught(out: str) -> dict[int, str]:
-    """rank -> 'ErrorClass peer=P: message' from the CAUGHT lines."""
-    found = {}
-    for line in out.splitlines():
-        if "CAUGHT rank " in line:
-            rest = line.split("CAUGHT rank ", 1)[1]
-            r, _, text = rest.partition(" ")
-            found.setdefault(int(r), text)
+    """rank -> 'ErrorClass peer=P: message' from the CAUGHT lines (Hydra may glue two ranks' lines)."""
+    found: dict[int, str] = {}
+    for m in re.finditer(r"CAUGHT rank (\d+) (.*?)(?=CAUGHT rank |\n|$)", out):
+        found.setdefault(int(m.group(1)), m.group(2))
     return found
 
 

@@ -151,7 +151,7 @@ class MPIBackend(Backend):
         tag = status.Get_tag()
         got = status.Get_count(self._move[buf.dtype])
         if tag != self._tags.tag(buf.dtype, buf.size):
-            raise self._mismatch(buf, src, tag, f"got {got} elements of {buf.dtype}'s size")
+            raise self._mismatch(buf, src, tag, f"{got * buf.dtype.itemsize} bytes arrived")
         if got != buf.size:  # same tag, different count: only when counts differ by 2**count_bits
             raise DistributedError(
                 f"[mpi] rank {self._rank}: recv from rank {src} got {got} elements of {buf.dtype}, "
@@ -202,9 +202,14 @@ class MPIBackend(Backend):
         self.coll_count += 1
         try:
             req = self.comm.Iallreduce([sendbuf, dt], [recvbuf, dt], mop)
+            if req.Test():
+                return
         except MPI.Exception as exc:
             raise self._fail(f"all_reduce({op}, {sendbuf.dtype})", exc) from None
-        self._finish([req], ("coll", _REDUCE_NAMES.get(op, op)), f"all_reduce({op}, {sendbuf.dtype})")
+        name = _REDUCE_NAMES.get(op, op)
+        if op == "max" and sendbuf.size == 2 and sendbuf.dtype == np.int64:
+            name = "all_max (meshcomm's call check before a collective)"
+        self._finish([req], ("coll", name), f"all_reduce({op}, {sendbuf.dtype})")
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.broken is not None:

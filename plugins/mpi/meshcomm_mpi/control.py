@@ -89,6 +89,7 @@ class Control:
         self._qid = 0
         self._answers: dict[int, dict[str, Any]] = {}
         self._diagnosing = False
+        self._acked: set[int] = set()
 
     # -- bookkeeping ------------------------------------------------------------------------
     def register(self, backend: Any) -> None:
@@ -223,8 +224,7 @@ class Control:
                 self.acks.add(src)
             elif tag == FAIL:
                 self.failed.setdefault(src, msg)
-                self.lost = True
-                self._post(src, ACK, None)
+                self.lost = True  # acknowledged from abort/close, once this rank's error is printed
                 if desc is not None:
                     raise self._fail_error(desc, src, msg)
             elif tag == DOWN:
@@ -252,10 +252,11 @@ class Control:
 
     def _fail_error(self, desc: Desc, w: int, msg: dict[str, Any]) -> PeerLostError:
         name, peer = self._peer_name(desc, w)
+        reason = str(msg.get("reason"))
+        code = "" if "exit code" in reason else f" (exit code {msg.get('code')})"
         return PeerLostError(
-            f"[mpi] {name} failed while rank {desc.me} waits in {desc.where}: {msg.get('reason')} "
-            f"(exit code {msg.get('code')}); the job is ending. Fix the error on {name} (its own "
-            "output shows the traceback)",
+            f"[mpi] {name} failed while rank {desc.me} waits in {desc.where}: {reason}{code}; "
+            f"the job is ending. Fix the error on {name} (its own output shows the traceback)",
             peer=peer,
         )
 
@@ -390,19 +391,32 @@ class Control:
             for w in others:
                 self._post(w, DOWN, notice)
             self.linger(1.5, lambda: everyone_knows() or bool(self.failed))
+            if not self.failed:
+                self.linger(0.3, lambda: bool(self.failed))  # the peers' last output is on its way
         elif not self.failed:
             notice = self._notice(code=code, reason=reason)
             for w in others:
                 self._post(w, FAIL, notice)
             self.linger(2.0, everyone_knows)
+            self.linger(0.3, lambda: False)  # the peers' last output is on its way to mpiexec
         if self.failed:
             # another rank failed first and ends the job with its own exit code: let it,
             # and only end the job here if it has not done so in a few seconds
+            _flush_std()
+            self.acknowledge()
             first = min(self.failed.items(), key=lambda kv: kv[0])[1]
             code = int(first.get("code") or code)
             self.linger(4.0, lambda: False)
         _flush_std()
         MPI.COMM_WORLD.Abort(code)
+
+    def acknowledge(self) -> None:
+        """Tell every rank whose FAIL notice arrived that this rank has printed its error."""
+        for w in self.failed:
+            if w not in self._acked:
+                self._acked.add(w)
+                self._post(w, ACK, None)
+        self._flush_sends(0.2)
 
     def exit_notice(self) -> None:
         """Tell every peer this rank's program ended, with its counts (called by ``close``)."""
