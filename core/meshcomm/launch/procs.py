@@ -33,10 +33,17 @@ class OutputMux:
         self.prefix = prefix
         self.lock = threading.Lock()
 
-    def pump(self, stream: IO[bytes], out: IO[bytes], tag: str, first_line_hook=None) -> threading.Thread:
+    def pump(self, stream: IO[bytes], out: IO[bytes], tag: str, first_line_hook=None,
+             strip_nul: bool = False) -> threading.Thread:
+        """Copy ``stream`` to ``out`` line by line, each prefixed ``tag`` (when prefixing);
+        ``strip_nul`` drops NUL bytes (Open MPI's mpiexec ends its help texts with one)."""
         def run() -> None:
             first = True
             for line in iter(stream.readline, b""):
+                if strip_nul:
+                    line = line.replace(b"\x00", b"")
+                    if not line:
+                        continue
                 if first and first_line_hook is not None:
                     first = False
                     if first_line_hook(line):

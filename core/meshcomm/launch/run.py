@@ -328,7 +328,12 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
         # mpiexec gets SIGTERM if we die, so it can stop its ranks (which also die with
         # their parent: the rank runner asks for that)
         proc = subprocess.Popen(cmd, env={**os.environ, **base}, cwd=cwd, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        assert proc.stdout is not None and proc.stderr is not None
+        plain = OutputMux(False)  # mpiexec's own messages (and ranks' output when it tags them)
+        pumps = [plain.pump(proc.stdout, sys.stdout.buffer, "", strip_nul=True),
+                 plain.pump(proc.stderr, sys.stderr.buffer, "", strip_nul=True)]
 
         def signal_ranks(sig: int) -> None:
             if proc.poll() is None:
@@ -359,6 +364,8 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
         _kill_ranks(job)
         if fifos is not None:
             fifos.close()
+        for t in pumps:
+            t.join(2.0)
     if intr.signum is not None:
         sys.stderr.write(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
