@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,13 @@ def test_killed_launcher_leaves_no_rank(backend: str, victim: str, tmp_path: Pat
         print(f"{backend}: ranks gone {took:.2f}s after SIGKILL of the {victim}")
     finally:
         job.kill()
+    # the killed launcher could not remove its job directory: the next launch sweeps it
+    from meshcomm.launch.job import _sweep_stale
+
+    mine = [d for d in Path(tempfile.gettempdir()).glob("meshcomm-*")
+            if (d / ".launcher-pid").exists() and (d / ".launcher-pid").read_text() == str(job.proc.pid)]
+    _sweep_stale(Path(tempfile.gettempdir()))
+    assert not [d for d in mine if d.exists()], f"stale job directories were not removed: {mine}"
 
 
 def test_rank_runner_dies_with_its_parent(tmp_path: Path) -> None:

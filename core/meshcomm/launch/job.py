@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import shutil
@@ -25,7 +26,9 @@ class Job:
         self.secret = secrets.token_hex(16)
         self.verbose = verbose
         self.dir = Path(tempfile.gettempdir()) / f"meshcomm-{self.job_id}"
+        _sweep_stale(self.dir.parent)
         self.dir.mkdir(mode=0o700)
+        (self.dir / _OWNER).write_text(str(os.getpid()))
         self.files: dict[str, str] = {}
         self._fds: dict[int, list[int]] = {}
         self._keep: list[socket.socket] = []
@@ -87,6 +90,30 @@ class Job:
     def cleanup(self) -> None:
         self.release_fds()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: the launcher's pid, in its job directory: a directory whose launcher is gone (it was
+#: SIGKILLed and could not clean up) is removed by the next launch
+_OWNER = ".launcher-pid"
+
+
+def _sweep_stale(tmp: Path) -> None:
+    """Remove job directories (``meshcomm-*``) of this user whose launcher no longer runs."""
+    for d in tmp.glob("meshcomm-*"):
+        try:
+            pid = int((d / _OWNER).read_text())
+            if d.stat().st_uid != os.getuid():
+                continue
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _family(ip: str) -> socket.AddressFamily:
