@@ -210,6 +210,19 @@ def test_dead_peer_raises_on_survivors() -> None:
     assert elapsed < timeout, f"survivors took {elapsed:.1f} s; they must not wait for the timeout"
 
 
+def test_dead_remote_peer_is_named_in_collectives() -> None:
+    """With every rank looking remote (no /proc to inspect), a killed rank is still named: the
+    address in gloo's message is traced to it through the endpoints each rank published."""
+    res = finish(start(3, [str(HERE), "_w_dead", "kill", "remote"], {"MLX_TIMEOUT": "20"}), timeout=90)
+    assert res[2][0] == -signal.SIGKILL, res[2]
+    _all_ok(res[:2])
+    for r in (0, 1):
+        out = res[r][1]
+        assert "RAISED PeerLostError peer=2" in out, out + res[r][2][-2000:]
+        assert "elsewhere-2" in out or "reported that rank 2 failed" in out, out
+    assert "elsewhere-2" in res[0][1] + res[1][1], "no rank traced the address to rank 2"
+
+
 def test_stopped_peer_times_out_on_survivors() -> None:
     timeout = 3.0
     procs = start(3, [str(HERE), "_w_dead", "stop"], {"MLX_TIMEOUT": str(timeout)})
@@ -466,6 +479,10 @@ def _w_dead() -> None:
     mode = sys.argv[2]
     g = mc.init(strict=True, backend="gloo")
     r = g.rank()
+    if sys.argv[3:] == ["remote"]:  # every rank looks as if it ran on another host: no /proc lookups
+        from meshcomm_gloo.liveness import Peer
+
+        g.transport._peers[:] = [Peer(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
     mc.all_sum(np.ones(8), group=g)
     if r == 2:
         time.sleep(0.3)

@@ -29,9 +29,9 @@ from meshcomm.errors import (
 from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
 from .codecs import Plan, plan_for
 from .errors import first_line, translate
-from .liveness import Peer, suspects
+from .liveness import Peer, owner, suspects
 from .records import Records
-from .rendezvous import make_group
+from .rendezvous import connect
 
 __all__ = ["GlooBackend"]
 
@@ -68,8 +68,9 @@ class GlooBackend(Backend):
 
     def __init__(self, pg: Any, store: Any, prefix: str, rank: int, size: int, timeout: float,
                  ifname: str | None = None, label: str = "world", peers: list[Peer] | None = None,
-                 members: list[int] | None = None) -> None:
+                 members: list[int] | None = None, ends: list[set[str]] | None = None) -> None:
         self._pg = pg
+        self._ends = ends or []
         self._store = store
         self._prefix = prefix
         self._rank = rank
@@ -179,7 +180,14 @@ class GlooBackend(Backend):
                 f"{what} failed: rank {q} (world rank {self._members[q]}) left the job: "
                 f"{statuses[self._members[q]]}. Check that rank's output; this group cannot be used any more."
                 f"{said}", peer=q)
-        # 3. a rank on this host is dead or stopped
+        # 3. a rank on this host is dead or stopped (a stopped rank closes nothing: when gloo
+        #    reports a closed connection, a peer that timed out on it has dropped its group)
+        stopped = [(q, text) for q, text in local if text.endswith("is stopped")]
+        if stopped and len(stopped) == len(local):
+            q, text = stopped[0]
+            return CommTimeoutError(
+                f"{what} failed: rank {q} does not answer: on this host {text}. Its peers give up after "
+                f"{self.timeout:g} s (MLX_TIMEOUT); resume it (SIGCONT) or end the job.{said}", peer=q)
         if local:
             return translate(exc, where=self._where(), op=call.describe(), timeout=self.timeout, peer=peer,
                              suspects=local)
@@ -191,7 +199,15 @@ class GlooBackend(Backend):
             q, rec = blamed[0]
             cls = PeerLostError if rec.error == "PeerLostError" else CommTimeoutError
             return cls(f"{what} failed: rank {q} reported that rank {rec.peer} failed: {rec.why}", peer=rec.peer)
-        # 5. a timeout: the ranks that published nothing are the silent ones
+        # 5. the address in gloo's message belongs to a member (also one on another host)
+        q = None if timed_out else owner(str(exc), self._ends, self._rank)
+        if q is not None and q in others:
+            host = self._peers[self._members[q]].host if self._members[q] < len(self._peers) else "?"
+            return PeerLostError(
+                f"{what} failed: lost the connection to rank {q} (world rank {self._members[q]} on host "
+                f"{host}), which crashed, was killed or exited without a word. Check that rank's output; "
+                f"this group cannot be used any more.{said}", peer=q)
+        # 6. a timeout: the ranks that published nothing are the silent ones
         if timed_out:
             silent = [q for q in others if q not in records]
             if silent:
@@ -325,13 +341,13 @@ class GlooBackend(Backend):
         label = f"split {self._splits} (color {color}) of the {self._label}"
         sub_rank, sub_size = members.index(r), len(members)
         try:
-            pg = make_group(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
+            pg, ends = connect(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
         except RuntimeError as exc:
             raise translate(exc, where=self._where(), op=f"split(color={color}) connecting to ranks {members}",
                             timeout=self.timeout, suspects=suspects(self._peers, self._members, self._rank)
                             ) from exc
         child = GlooBackend(pg, self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname, label,
-                            self._peers, [self._members[q] for q in members])
+                            self._peers, [self._members[q] for q in members], ends)
         self._children.append(weakref.ref(child))
         return child
 

@@ -10,12 +10,13 @@ stopped. Ranks on other hosts cannot be inspected and are not named.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Peer", "exchange", "suspects"]
+__all__ = ["Peer", "exchange", "suspects", "endpoints", "owner"]
 
 _KEY = "meshcomm/proc/"
 
@@ -67,3 +68,65 @@ def suspects(peers: list[Peer], members: list[int], me: int) -> list[tuple[int, 
         if state is not None:
             out.append((i, f"rank {i} (world rank {world}, pid {peers[world].pid}) is {state}"))
     return out
+
+
+# -- which rank owns the address in a gloo message ---------------------------------------
+# gloo names a lost peer only by an address ("Connection closed by peer [10.0.0.5]:41234"),
+# the remote end of one of its connections: the peer's listening port or the port it
+# connected from. Each rank records the TCP endpoints its process group opened and
+# publishes them; a failure's address is then looked up, which names ranks on other hosts.
+
+_ADDR = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
+
+
+def _ip(hexaddr: str) -> str:
+    raw = bytes.fromhex(hexaddr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    ip = socket.inet_ntop(socket.AF_INET6, words)
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
+def endpoints() -> set[str]:
+    """``ip:port`` of every TCP socket this process holds (empty where /proc is unavailable)."""
+    inodes = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    out = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[9] in inodes:
+                addr, _, port = f[1].rpartition(":")
+                out.add(f"{_ip(addr)}:{int(port, 16)}")
+    return out
+
+
+def owner(message: str, ends: list[set[str]], me: int) -> int | None:
+    """The group rank whose endpoints include the address in gloo's ``message``, if exactly one does."""
+    m = _ADDR.search(message)
+    if not m or not ends:
+        return None
+    ip, printed = m.group(1), int(m.group(2))
+    # torch 2.13's gloo prints the port in network byte order: try both readings
+    for port in dict.fromkeys((((printed & 0xFF) << 8) | (printed >> 8), printed)):
+        exact = [q for q, e in enumerate(ends) if q != me and f"{ip}:{port}" in e]
+        if len(exact) == 1:
+            return exact[0]
+        by_port = [q for q, e in enumerate(ends) if q != me and any(x.rpartition(":")[2] == str(port) for x in e)]
+        if len(by_port) == 1:
+            return by_port[0]
+    return None

@@ -63,16 +63,17 @@ def factory(config: Config, settings: Any) -> Backend:
     from .backend import GlooBackend
     from .errors import translate
     from .liveness import exchange
-    from .rendezvous import WORLD_PREFIX, make_group, make_store
+    from .rendezvous import WORLD_PREFIX, connect, make_store
 
     store, rank, size, where = make_store(config, settings)
     try:
         peers = exchange(store, rank, size)
-        pg = make_group(store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname)
+        pg, ends = connect(store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname)
     except RuntimeError as exc:
         raise translate(exc, where=f"rank {rank} of the world group (size {size}, {where})",
                         op="start-up (connecting to every rank)", timeout=config.timeout) from exc
-    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers)
+    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers,
+                       ends=ends)
 
 
 @hookimpl

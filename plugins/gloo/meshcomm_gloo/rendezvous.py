@@ -15,9 +15,10 @@ import torch.distributed as dist
 from meshcomm.config import Config
 from meshcomm.errors import BackendUnavailableError, CommTimeoutError, ConfigError
 
+from .liveness import endpoints
 from .settings import GlooSettings
 
-__all__ = ["make_store", "make_group", "WORLD_PREFIX"]
+__all__ = ["make_store", "make_group", "connect", "WORLD_PREFIX"]
 
 #: key prefix of every store key meshcomm writes (the world group's own prefix is below it)
 WORLD_PREFIX = "meshcomm/world"
@@ -85,3 +86,21 @@ def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, if
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
     opts._timeout = _delta(timeout)
     return dist.ProcessGroupGloo(pstore, rank, size, opts)
+
+
+def connect(store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None
+            ) -> tuple[Any, list[set[str]]]:
+    """:func:`make_group`, plus every member's TCP endpoints of that group (index = group rank).
+
+    The endpoints let a failure's address ("closed by peer [ip]:port") be traced to a rank
+    (:func:`.liveness.owner`); an empty list when they could not be learnt.
+    """
+    before = endpoints()
+    pg = make_group(store, prefix, rank, size, timeout, ifname)
+    try:
+        mine = endpoints() - before
+        store.set(f"{prefix}/meshcomm-ends/{rank}", " ".join(sorted(mine)))
+        got = store.multi_get([f"{prefix}/meshcomm-ends/{q}" for q in range(size)])
+        return pg, [set(bytes(v).decode().split()) for v in got]
+    except Exception:  # noqa: BLE001 - only error messages lose a name; the group works
+        return pg, []
