@@ -34,6 +34,7 @@ __all__ = ["MPIBackend"]
 
 _REDUCE_NAMES = {"sum": "all_sum", "max": "all_max", "min": "all_min"}
 _ANY_TAG = MPI.ANY_TAG
+_ALL_GATHER, _BARRIER = ("coll", "all_gather"), ("coll", "barrier")
 
 
 class MPIBackend(Backend):
@@ -106,17 +107,25 @@ class MPIBackend(Backend):
                 "end the job (or start a new one)"
             )
 
-    def _finish(self, reqs: list[Any], what: tuple[Any, ...], op: str, peer: int | None = None,
-                statuses: list[Any] | None = None) -> None:
-        """Complete ``reqs``: one test, then the control channel's deadline wait."""
+    def _finish(self, reqs: list[Any], what: tuple[Any, ...], peer: int | None = None,
+                statuses: list[Any] | None = None, nbytes: int = 0) -> None:
+        """Complete ``reqs``: one test, then the control channel's deadline wait.
+
+        ``nbytes`` (the size of the transfer) lengthens the initial spin: MPI progresses a
+        non-blocking operation only while it is tested, so sleeping between tests would
+        stretch every round of a large transfer.
+        """
         try:
             if len(reqs) == 1:
                 if reqs[0].Test(statuses[0] if statuses else None):
                     return
             elif MPI.Request.Testall(reqs, statuses):
                 return
-            self._ctl.wait(self, reqs, what, statuses)
+            self._ctl.wait(self, reqs, what, statuses, nbytes)
         except MPI.Exception as exc:
+            op = what[1] if what[0] == "coll" else what[0]
+            if what[0] == "sendrecv":
+                op = f"sendrecv (to {what[1]}, from {what[2]})"
             raise self._fail(op, exc, peer) from None
 
     # -- point-to-point -------------------------------------------------------------------
@@ -128,7 +137,7 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise self._fail("send", exc, dst) from None
         self.sent[dst] += 1
-        self._finish([req], ("send", dst), "send", dst)
+        self._finish([req], ("send", dst), dst, None, buf.nbytes)
 
     def recv(self, buf: np.ndarray, src: int) -> None:
         if self.broken is not None:
@@ -140,7 +149,7 @@ class MPIBackend(Backend):
             raise self._fail("recv", exc, src) from None
         self.recvd[src] += 1
         try:
-            self._finish([req], ("recv", src), "recv", src, [status])
+            self._finish([req], ("recv", src), src, [status], buf.nbytes)
         except DistributedError as exc:
             if "TRUNCATE" in str(exc).upper():
                 raise self._mismatch(buf, src, status.Get_tag(), str(exc)) from None
@@ -151,7 +160,7 @@ class MPIBackend(Backend):
         tag = status.Get_tag()
         got = status.Get_count(self._move[buf.dtype])
         if tag != self._tags.tag(buf.dtype, buf.size):
-            raise self._mismatch(buf, src, tag, f"{got * buf.dtype.itemsize} bytes arrived")
+            raise self._mismatch(buf, src, tag, f"got {got} elements, {got * buf.dtype.itemsize} bytes")
         if got != buf.size:  # same tag, different count: only when counts differ by 2**count_bits
             raise DistributedError(
                 f"[mpi] rank {self._rank}: recv from rank {src} got {got} elements of {buf.dtype}, "
@@ -187,7 +196,7 @@ class MPIBackend(Backend):
         self.recvd[src] += 1
         statuses = [status, MPI.Status()]
         try:
-            self._finish([rreq, sreq], ("sendrecv", dst, src), f"sendrecv (to {dst}, from {src})", None, statuses)
+            self._finish([rreq, sreq], ("sendrecv", dst, src), None, statuses, sendbuf.nbytes + recvbuf.nbytes)
         except DistributedError as exc:
             if "TRUNCATE" in str(exc).upper():
                 raise self._mismatch(recvbuf, src, status.Get_tag(), str(exc)) from None
@@ -209,7 +218,7 @@ class MPIBackend(Backend):
         name = _REDUCE_NAMES.get(op, op)
         if op == "max" and sendbuf.size == 2 and sendbuf.dtype == np.int64:
             name = "all_max (meshcomm's call check before a collective)"
-        self._finish([req], ("coll", name), f"all_reduce({op}, {sendbuf.dtype})")
+        self._finish([req], ("coll", name), None, None, sendbuf.nbytes)
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.broken is not None:
@@ -220,7 +229,7 @@ class MPIBackend(Backend):
             req = self.comm.Iallgather([sendbuf, dt], [recvbuf, dt])
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from None
-        self._finish([req], ("coll", "all_gather"), "all_gather")
+        self._finish([req], _ALL_GATHER, None, None, recvbuf.nbytes)
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         if self.broken is not None:
@@ -231,8 +240,8 @@ class MPIBackend(Backend):
             req = self.comm.Ireduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
             raise self._fail(f"reduce_scatter({op}, {sendbuf.dtype})", exc) from None
-        self._finish([req], ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})"),
-                     f"reduce_scatter({op}, {sendbuf.dtype})")
+        self._finish([req], ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})"), None, None,
+                     sendbuf.nbytes)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.broken is not None:
@@ -242,7 +251,7 @@ class MPIBackend(Backend):
             req = self.comm.Ibcast([buf, self._move[buf.dtype]], root)
         except MPI.Exception as exc:
             raise self._fail(f"broadcast(root={root})", exc) from None
-        self._finish([req], ("coll", f"broadcast(root={root})"), f"broadcast(root={root})")
+        self._finish([req], ("coll", f"broadcast(root={root})"), None, None, buf.nbytes)
 
     def barrier(self) -> None:
         if self.broken is not None:
@@ -252,7 +261,7 @@ class MPIBackend(Backend):
             req = self.comm.Ibarrier()
         except MPI.Exception as exc:
             raise self._fail("barrier", exc) from None
-        self._finish([req], ("coll", "barrier"), "barrier")
+        self._finish([req], _BARRIER)
 
     # -- groups -------------------------------------------------------------------------------
     def split(self, color: int, key: int) -> Backend:

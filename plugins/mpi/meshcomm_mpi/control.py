@@ -40,7 +40,7 @@ from mpi4py import MPI
 from .ops import Counts, Desc
 from .peers import PeerTable
 
-__all__ = ["Control", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "DOWN"]
+__all__ = ["Control", "host_cores", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "DOWN"]
 
 QUERY, ANSWER, FAIL, ACK, EXIT, DOWN = 1, 2, 3, 4, 5, 6
 
@@ -73,7 +73,7 @@ class Control:
         self.peers = peers
         self.spin = spin
         self.answer_wait = answer_wait
-        self.oversubscribed = peers is not None and peers.local_count > len(_cores())
+        self.oversubscribed = peers is not None and peers.local_count > host_cores()
         self.comms: dict[str, Any] = {}  #: cid -> MPIBackend, for counts in answers and notices
         self.failed: dict[int, dict[str, Any]] = {}
         self.down: dict[int, dict[str, Any]] = {}
@@ -133,17 +133,35 @@ class Control:
         return {"rank": self.rank, "counts": self._all_counts(), "state": self._state(), **fields}
 
     # -- the wait loop ----------------------------------------------------------------------
-    def wait(self, backend: Any, reqs: list[Any], what: tuple[Any, ...], statuses: list[Any] | None) -> None:
+    def wait(self, backend: Any, reqs: list[Any], what: tuple[Any, ...], statuses: list[Any] | None,
+             nbytes: int = 0) -> None:
         """Complete ``reqs`` (already tested once) under ``backend.timeout``, or raise.
 
+        First a spin on the requests alone (the base spin plus what the transfer takes at
+        about 1 GB/s: MPI progresses a non-blocking operation only while it is tested), with
+        a look at the control communicator every 64 tests; then the watched loop.
         Raises PeerLostError, CommTimeoutError or CollectiveMismatchError naming the peer;
         the communicator is then marked broken (its collective cannot be cancelled).
         """
+        test = _tester(reqs, statuses)
+        start = time.monotonic()
+        spin_end = start + self.spin + min(nbytes * 1e-9, 0.25)
+        probe, st, any_ = self.ctl.Iprobe, self._status, MPI.ANY_SOURCE
+        yield_ = os.sched_yield if self.oversubscribed else None
+        i = 0
+        while True:
+            if test():
+                return
+            i += 1
+            if not i & 63 and (probe(any_, any_, st) or time.monotonic() >= spin_end):
+                break
+            if yield_ is not None:
+                yield_()
         desc = Desc(backend, what)
         self.current = desc
         try:
             self._check_known(desc)
-            self._loop(backend, desc, reqs, statuses)
+            self._loop(backend, desc, test, start)
             self.last_error = None
         except DistributedError as exc:
             self._failed_op(backend, desc, reqs, exc)
@@ -151,23 +169,14 @@ class Control:
         finally:
             self.current = None
 
-    def _loop(self, backend: Any, desc: Desc, reqs: list[Any], statuses: list[Any] | None) -> None:
-        test = _tester(reqs, statuses)
-        start = time.monotonic()
+    def _loop(self, backend: Any, desc: Desc, test: Any, start: float) -> None:
         deadline = start + backend.timeout
-        spin_end = start + self.spin
-        next_look = start + 0.25
+        next_look = time.monotonic() + 0.1
         relevant = desc.asked()
-        i = 0
-        yield_ = os.sched_yield if self.oversubscribed else None
+        nap = 5e-5
         while True:
             if test():
                 return
-            i += 1
-            if i & 15 and time.monotonic() < spin_end:
-                if yield_ is not None:
-                    yield_()
-                continue
             if self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
                 self._drain(desc)
             now = time.monotonic()
@@ -175,8 +184,8 @@ class Control:
                 if self._diagnose(backend, desc, test):
                     return
                 continue  # not reached: _diagnose raises unless the operation completed
-            if now >= spin_end:
-                time.sleep(min(1e-3, max(2e-5, (now - start) / 8)))
+            time.sleep(nap)
+            nap = min(1e-3, nap * 1.25, max(5e-5, (now - start) / 8))
             if now >= next_look and self.peers is not None:
                 next_look = now + 0.25
                 for w in relevant:
@@ -444,11 +453,9 @@ def _tester(reqs: list[Any], statuses: list[Any] | None) -> Any:
     return lambda: MPI.Request.Testall(reqs, statuses)
 
 
-def _cores() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
+def host_cores() -> int:
+    """Cores of this host (not this process's affinity: mpiexec may bind each rank to one)."""
+    return os.cpu_count() or 1
 
 
 def _flush_std() -> None:

@@ -33,7 +33,7 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
             f"mpi backend: mpi4py could not load or initialise MPI: {type(exc).__name__}: {exc}"
         ) from exc
     from .backend import MPIBackend
-    from .control import Control
+    from .control import Control, host_cores
     from .parent import die_with_parent
     from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
@@ -63,7 +63,7 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
     table = np.empty(2 * size, dtype=np.int64)
     start.all_gather(ident, table)
     control.peers = PeerTable(table.reshape(size, 2), comm.Get_rank())
-    control.oversubscribed = control.peers.local_count > len(os.sched_getaffinity(0))
+    control.oversubscribed = control.peers.local_count > host_cores()
     if settings.int_sum == "numpy":
         numpy_sums = list(INTS)
     elif settings.int_sum == "native":
