@@ -228,15 +228,20 @@ def test_stopped_peer_times_out_on_survivors() -> None:
     procs = start(3, [str(HERE), "_w_dead", "stop"], {"MLX_TIMEOUT": str(timeout)})
     try:
         t0 = time.monotonic()
-        res = finish(procs[:2], timeout=60)
+        res1 = finish(procs[1:2], timeout=60)[0]
         elapsed = time.monotonic() - t0
+        # resumed while rank 0 (the store's host) still runs: it must learn that the others gave up on it
+        procs[2].send_signal(signal.SIGCONT)
+        res0, resumed = finish([procs[0], procs[2]], timeout=60)
+        res = [res0, res1]
     finally:
-        procs[2].kill()  # it stopped itself; SIGKILL ends a stopped process too
+        procs[2].kill()
         procs[2].communicate()
     _all_ok(res)
     for out in (res[0][1], res[1][1]):
-        assert "RAISED CommTimeoutError" in out, out
+        assert "RAISED CommTimeoutError peer=2" in out, out
         assert "is stopped" in out and "MLX_TIMEOUT" in out, out
+    assert "RAISED PeerLostError" in resumed[1] and "gave up waiting for this rank" in resumed[1], resumed
     assert elapsed < 30, f"survivors took {elapsed:.1f} s with MLX_TIMEOUT={timeout}"
 
 
@@ -495,6 +500,8 @@ def _w_dead() -> None:
     except mc.DistributedError as exc:
         peer = getattr(exc, "peer", None)
         print(f"RAISED {type(exc).__name__} peer={peer} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+        if mode == "stop" and r == 0:
+            time.sleep(4)  # keep the store up while the test resumes rank 2
 
 
 def _w_p2p() -> None:

@@ -170,7 +170,15 @@ class GlooBackend(Backend):
         if seen:
             return CollectiveMismatchError(f"{what} failed: rank {seen[0]} found mismatched calls: "
                                            f"{records[seen[0]].why}")
-        # 2. a rank left the job (closed its group, or its program failed) without failing here first
+        # 2. the others gave up waiting for this rank (it was stopped, e.g. SIGSTOP, or too slow)
+        given_up = [q for q, rec in records.items() if rec.peer == self._rank and rec.error == "CommTimeoutError"]
+        if given_up:
+            q = given_up[0]
+            return PeerLostError(
+                f"{what} failed: rank {q} gave up waiting for this rank after {self.timeout:g} s (MLX_TIMEOUT) "
+                f"and left the group: this rank was stopped or too slow. Raise MLX_TIMEOUT if it is only slow; "
+                f"this group cannot be used any more.{said}", peer=q)
+        # 3. a rank left the job (closed its group, or its program failed) without failing here first
         statuses = self._records.statuses(self._members[q] for q in others)
         gone = [q for q in others if self._members[q] in statuses and q not in records
                 and not statuses[self._members[q]].startswith("after")]
@@ -180,7 +188,7 @@ class GlooBackend(Backend):
                 f"{what} failed: rank {q} (world rank {self._members[q]}) left the job: "
                 f"{statuses[self._members[q]]}. Check that rank's output; this group cannot be used any more."
                 f"{said}", peer=q)
-        # 3. a rank on this host is dead or stopped (a stopped rank closes nothing: when gloo
+        # 4. a rank on this host is dead or stopped (a stopped rank closes nothing: when gloo
         #    reports a closed connection, a peer that timed out on it has dropped its group)
         stopped = [(q, text) for q, text in local if text.endswith("is stopped")]
         if stopped and len(stopped) == len(local):
@@ -191,7 +199,7 @@ class GlooBackend(Backend):
         if local:
             return translate(exc, where=self._where(), op=call.describe(), timeout=self.timeout, peer=peer,
                              suspects=local)
-        # 4. another rank already knows whom to blame
+        # 5. another rank already knows whom to blame
         blamed = [(q, rec) for q, rec in records.items()
                   if rec.error in ("PeerLostError", "CommTimeoutError") and rec.peer is not None
                   and rec.peer != self._rank]
@@ -199,7 +207,7 @@ class GlooBackend(Backend):
             q, rec = blamed[0]
             cls = PeerLostError if rec.error == "PeerLostError" else CommTimeoutError
             return cls(f"{what} failed: rank {q} reported that rank {rec.peer} failed: {rec.why}", peer=rec.peer)
-        # 5. the address in gloo's message belongs to a member (also one on another host)
+        # 6. the address in gloo's message belongs to a member (also one on another host)
         q = None if timed_out else owner(str(exc), self._ends, self._rank)
         if q is not None and q in others:
             host = self._peers[self._members[q]].host if self._members[q] < len(self._peers) else "?"
@@ -207,7 +215,7 @@ class GlooBackend(Backend):
                 f"{what} failed: lost the connection to rank {q} (world rank {self._members[q]} on host "
                 f"{host}), which crashed, was killed or exited without a word. Check that rank's output; "
                 f"this group cannot be used any more.{said}", peer=q)
-        # 6. a timeout: the ranks that published nothing are the silent ones
+        # 7. a timeout: the ranks that published nothing are the silent ones
         if timed_out:
             silent = [q for q in others if q not in records]
             if silent:
