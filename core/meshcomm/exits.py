@@ -117,21 +117,10 @@ def _flush() -> None:
 
 
 def _started_backends() -> list[tuple[str, Any]]:
-    """(name, backend) of every world ``meshcomm.world`` started, once each (read-only)."""
+    """(name, backend) of every world this process started; none if meshcomm.world was never
+    imported (the rank runner must not import it: it starts with the standard library only)."""
     world = sys.modules.get("meshcomm.world")
-    if world is None:
-        return []
-    worlds = getattr(world, "_worlds", {})
-    seen: set[int] = set()
-    out: list[tuple[str, Any]] = []
-    for name, group in list(worlds.items()):
-        if id(group) in seen or getattr(group, "backend", None) == "single":
-            continue
-        seen.add(id(group))
-        backend = getattr(group, "transport", None)
-        if backend is not None:
-            out.append((name, backend))
-    return out
+    return [] if world is None else world.started_backends()
 
 
 def _abort_worlds(code: int, reason: str) -> None:

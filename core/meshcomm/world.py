@@ -7,12 +7,13 @@ import threading
 from typing import Any
 
 from . import exits
+from .backend import Backend
 from .config import Config
 from .group import Group
 from .memory import keep_freed_memory
 from .registry import BackendInfo, get_registry
 
-__all__ = ["init", "is_available", "backends", "default_group", "shutdown"]
+__all__ = ["init", "is_available", "backends", "default_group", "started_backends", "shutdown"]
 
 _lock = threading.RLock()
 _worlds: dict[str, Group] = {}
@@ -61,6 +62,18 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
 def default_group() -> Group:
     """The group operations use when none is passed: the first world ``init()`` made."""
     return _default if _default is not None else init()
+
+
+def started_backends() -> list[tuple[str, Backend]]:
+    """``(name, backend)`` of every multi-process world this process started, once each."""
+    with _lock:
+        seen: set[int] = set()
+        out = []
+        for group in _worlds.values():
+            if group.backend != "single" and id(group) not in seen:
+                seen.add(id(group))
+                out.append((group.backend, group.transport))
+        return out
 
 
 def is_available(backend: str | None = None) -> bool:
