@@ -145,7 +145,7 @@ def test_welcome_round_trip_and_any_change_is_rejected(secret: bytes, nonce_c: b
 
 # -- frame headers -------------------------------------------------------------------------------
 
-EXPECT = engine.Call(group=0, seq=5, op=wire.OP_CODES["all_sum"], dtype=11, total=64, label="world")
+EXPECT = engine.Call(group=0, seq=5, op=wire.OP_CODES["broadcast"], dtype=11, total=64, label="world", arg=1)
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -179,7 +179,8 @@ def _receive(header: bytes, payload: bytes, expect_bytes: int = 256, timeout: fl
 
 def _ok(exc: BaseException | None, header: bytes) -> None:
     if exc is None:  # only the exact expected header (and a full payload) is accepted
-        assert wire.HEADER.unpack(header) == (EXPECT.group, EXPECT.seq, EXPECT.op, EXPECT.dtype, 256, EXPECT.total)
+        assert wire.HEADER.unpack(header) == (EXPECT.group, EXPECT.seq, EXPECT.op, EXPECT.dtype, 256, EXPECT.arg,
+                                                 EXPECT.total)
         return
     assert isinstance(exc, DistributedError), repr(exc)
     assert isinstance(exc, (CollectiveMismatchError, PeerLostError, CommTimeoutError)) or "stopped the job" in str(exc), repr(exc)
@@ -187,11 +188,12 @@ def _ok(exc: BaseException | None, header: bytes) -> None:
 
 headers = st.one_of(
     st.binary(min_size=wire.HEADER_SIZE, max_size=wire.HEADER_SIZE),
-    st.tuples(u32, u32, u16, u16, u32, st.integers(0, 2**64 - 1)).map(lambda t: wire.HEADER.pack(*t)),
+    st.tuples(u32, u32, u16, u16, u32, u32, st.integers(0, 2**64 - 1)).map(lambda t: wire.HEADER.pack(*t)),
     # near misses of the expected header, and ABORT frames of any kind and size
     st.tuples(st.sampled_from([0, 1, 0xFFFFFFFF]), st.sampled_from([4, 5, 6]),
-              st.sampled_from([wire.OP_CODES["all_sum"], wire.OP_CODES["all_max"], wire.ABORT, 999]),
+              st.sampled_from([wire.OP_CODES["broadcast"], wire.OP_CODES["all_max"], wire.ABORT, 999]),
               st.sampled_from([0, 10, 11, 12, 4, 0xFFFF]), st.sampled_from([0, 255, 256, 257, 4096, 2**32 - 1]),
+              st.sampled_from([0, 1, 2, 2**32 - 1]),  # the root
               st.sampled_from([63, 64, 65, 2**64 - 1])).map(lambda t: wire.HEADER.pack(*t)),
 )
 
@@ -204,12 +206,12 @@ def test_any_frame_header_is_a_clear_error_or_the_expected_frame(header: bytes, 
     assert time.monotonic() - t0 < 5, "the receive loop must not hang on a hostile header"
     _ok(exc, header)
     if isinstance(exc, CollectiveMismatchError) and wire.HEADER.unpack(header)[2] != wire.ABORT:
-        assert "rank 0 called all_sum #5" in str(exc) and "rank 1 sent" in str(exc), str(exc)
+        assert "rank 0 called broadcast #5 (64 x float32, root 1)" in str(exc) and "rank 1 sent" in str(exc), str(exc)
 
 
 def test_abort_announcing_4_gib_reads_at_most_4_kib() -> None:
     """An ABORT's message length comes from the peer: it is capped, not allocated."""
-    header = wire.HEADER.pack(0xFFFFFFFF, 1, wire.ABORT, 4, 2**32 - 1, 0)
+    header = wire.HEADER.pack(0xFFFFFFFF, 1, wire.ABORT, 4, 2**32 - 1, 0, 0)
     tracemalloc.start()
     try:
         exc = _receive(header, b"x" * 100_000)
@@ -227,7 +229,7 @@ def test_header_split_into_single_bytes_is_checked_like_a_whole_one() -> None:
         fab = engine.Fabric(0, 2, {1: a}, 2.0)
         a.setblocking(False)
         fab.post_recv(fab.links[1], EXPECT, memoryview(bytearray(8)), 1 << 20)
-        bad = wire.HEADER.pack(0, 5, wire.OP_CODES["all_sum"], 12, 8, EXPECT.total)  # float64, not float32
+        bad = wire.HEADER.pack(0, 5, EXPECT.op, 12, 8, EXPECT.arg, EXPECT.total)  # float64, not float32
 
         def drip() -> None:
             for i in range(len(bad)):
@@ -242,6 +244,13 @@ def test_header_split_into_single_bytes_is_checked_like_a_whole_one() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_frame_of_the_same_call_with_another_root_is_a_mismatch() -> None:
+    header = wire.HEADER.pack(EXPECT.group, EXPECT.seq, EXPECT.op, EXPECT.dtype, 256, 2, EXPECT.total)
+    exc = _receive(header, b"\0" * 256)
+    assert isinstance(exc, CollectiveMismatchError), repr(exc)
+    assert "root 1" in str(exc) and "root 2" in str(exc), str(exc)
 
 
 # -- a live job under a connection fuzzer --------------------------------------------------------
@@ -261,7 +270,7 @@ def _garbage(rng: random.Random) -> bytes:
         return wire.hello(b"not-the-secret", b"\0" * 16, wire.Hello(2, 1, 0, rng.randbytes(16), "x"))
     if kind == 4:
         return b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
-    return wire.HEADER.pack(0, 1, wire.ABORT, 1, 10, 0) + b"0123456789"  # a data-plane ABORT at start-up
+    return wire.HEADER.pack(0, 1, wire.ABORT, 1, 10, 0, 0) + b"0123456789"  # a data-plane ABORT at start-up
 
 
 def test_live_job_survives_a_connection_fuzzer_during_startup(tmp_path) -> None:

@@ -4,6 +4,14 @@ Small reductions use recursive doubling (latency); large ones a ring reduce-scat
 all-gather in chunks, where each chunk is reduced as soon as it arrives and forwarded at
 once, so sending, receiving and reducing overlap. Subgroups made by ``split`` share the
 world's connections; their frames carry their own group id.
+
+Every frame (and every shared-memory piece) carries the call's descriptor: operation,
+dtype, element count, sequence number and root. Each collective makes every rank depend,
+directly or through others, on every other rank's frames, so ranks that disagree on any
+of these get :class:`CollectiveMismatchError` on every rank (the core's own cross-rank
+check is therefore not needed: ``checks_calls = True``). A broadcast alone lets the root
+finish without hearing from anyone, so over TCP it first exchanges descriptors
+(header-only frames, a dissemination pattern).
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ FRAME_BYTES = 1 << 26
 class SocketsBackend(Backend):
     """One group (the world, or a split of it) over a shared :class:`Fabric`."""
 
+    #: every collective's descriptor (op, dtype, count, root) is checked in-band on every rank
+    checks_calls = True
+
     def __init__(self, fabric: Fabric, members: list[int], *, group_id: int = 0, label: str = "world",
-                 chunk_bytes: int = 256 * 1024, owner: bool = False) -> None:
+                 chunk_bytes: int = 256 * 1024, owner: bool = False, seq_start: int = 0) -> None:
         self.fabric = fabric
         self.members = members
         self.gid = group_id
@@ -43,9 +54,10 @@ class SocketsBackend(Backend):
         self.timeout = fabric.timeout
         self._owner = owner
         self._rank = members.index(fabric.rank)
-        self._seq = 0
-        self._sent: defaultdict[int, int] = defaultdict(int)
-        self._received: defaultdict[int, int] = defaultdict(int)
+        self._seq_start = seq_start & wire.SEQ_MASK
+        self._seq = self._seq_start
+        self._sent: defaultdict[int, int] = defaultdict(lambda: self._seq_start)
+        self._received: defaultdict[int, int] = defaultdict(lambda: self._seq_start)
         self._splits = 0
         self._call: Call | None = None
         #: shared memory of this host's ranks (world group only), see topology.py
@@ -63,12 +75,14 @@ class SocketsBackend(Backend):
         return self.fabric.links[self.members[r]]
 
     @contextmanager
-    def _op(self, name: str, buf: np.ndarray) -> Iterator[Call]:
+    def _op(self, name: str, buf: np.ndarray, arg: int = 0) -> Iterator[Call]:
+        """The call ``name`` on ``buf`` (``arg``: its root) for the frames sent inside."""
         if self._call is not None:  # nested (a collective built from another): one call
             yield self._call
             return
-        self._seq += 1
-        self._call = Call(self.gid, self._seq, wire.OP_CODES[name], dtype_code(buf.dtype), buf.size, self.label)
+        self._seq = wire.next_seq(self._seq)
+        self._call = Call(self.gid, self._seq, wire.OP_CODES[name], dtype_code(buf.dtype), buf.size, self.label,
+                          arg)
         try:
             yield self._call
         finally:
@@ -77,7 +91,7 @@ class SocketsBackend(Backend):
     def _p2p(self, counter: defaultdict[int, int], peer: int, buf: np.ndarray) -> Call:
         if self._call is not None:
             return self._call
-        counter[peer] += 1
+        counter[peer] = wire.next_seq(counter[peer])
         return Call(self.gid, counter[peer], wire.OP_CODES["send"], dtype_code(buf.dtype), buf.size, self.label)
 
     # -- point-to-point -------------------------------------------------------------------
@@ -149,11 +163,24 @@ class SocketsBackend(Backend):
                 algorithms.all_gather(self, sendbuf, recvbuf)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
-        with self._op("broadcast", buf) as call:
+        with self._op("broadcast", buf, root) as call:
             if self.shm_mode == "local" and self.shm is not None:
-                self.shm.broadcast(call, buf, root)
+                self.shm.broadcast(call, buf, root)  # every piece compares every descriptor
             else:
+                self._agree()
                 algorithms.broadcast(self, buf, root)
+
+    def _agree(self) -> None:
+        """Exchange the current call's descriptor with every rank (header-only frames in a
+        dissemination pattern: after round k a rank has, directly or through others, checked
+        2**(k+1) ranks), so a rank that would otherwise only send (a broadcast's root) still
+        learns when another rank called something else."""
+        none = np.zeros(0, np.uint8)
+        n, r = self.size(), self.rank()
+        dist = 1
+        while dist < n:
+            self.sendrecv(none, (r + dist) % n, none, (r - dist) % n)
+            dist <<= 1
 
     def barrier(self) -> None:
         token = np.zeros(0, np.uint8)
@@ -171,7 +198,14 @@ class SocketsBackend(Backend):
         gid = zlib.crc32(f"{self.gid}/{self._splits}/{color}".encode()) & 0x7FFFFFFF or 1
         return SocketsBackend(self.fabric, [self.members[m] for m in members], group_id=gid,
                               label=f"{self.label}/split{self._splits}(color={color})",
-                              chunk_bytes=self.chunk_bytes)
+                              chunk_bytes=self.chunk_bytes, seq_start=self._seq_start)
+
+    def abort(self, code: int, reason: str) -> None:
+        """This rank's program failed (``reason``, exit ``code``): tell every peer with an
+        ABORT frame, so each raises PeerLostError naming this rank instead of waiting (or
+        blaming whichever rank it happens to read from first). Does nothing when an earlier
+        failure was already reported (that one names the rank that failed first)."""
+        self.fabric.abort(code, reason)
 
     def close(self) -> None:
         if self._owner:

@@ -21,6 +21,7 @@ import time
 from meshcomm.errors import CommTimeoutError, ConfigError, DistributedError
 
 from . import wire
+from .engine import WAIT_SLICE
 from .hostfile import Peer
 
 __all__ = ["establish", "open_listener", "tune"]
@@ -77,8 +78,11 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("handshake timed out")
-        sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
+        sock.settimeout(min(left, WAIT_SLICE))  # any MLX_TIMEOUT, even beyond a time_t
+        try:
+            chunk = sock.recv(n - len(buf))
+        except TimeoutError:
+            continue  # a slice ended: the loop checks the deadline
         if not chunk:
             raise ConnectionError("connection closed during the handshake")
         buf += chunk

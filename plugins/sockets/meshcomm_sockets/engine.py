@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import socket
 import time
 from collections import deque
@@ -43,6 +44,31 @@ _ABORT_CLASS: dict[int, type[DistributedError]] = {
     1: PeerLostError, 2: CommTimeoutError, 3: CollectiveMismatchError, 4: DistributedError,
 }
 _KIND_OF = {PeerLostError: 1, CommTimeoutError: 2, CollectiveMismatchError: 3}
+#: longest single wait in the kernel: any MLX_TIMEOUT (even inf) is waited for in slices,
+#: since poll() takes an int of milliseconds and socket timeouts a time_t
+WAIT_SLICE = 3600.0
+#: a wait that returned this much later than asked means this rank did not run (SIGSTOP,
+#: a debugger, a starved machine): its peers may have given up on it meanwhile
+_STALL = 1.0
+#: seconds to finish a half-sent frame (so an ABORT after it is read as one) when failing
+_FINISH_FRAME = 2.0
+#: monotonic time this process was last resumed after a stop (SIGCONT), 0 if never
+_resumed = [0.0]
+
+
+def _on_sigcont(signum: int, frame: object) -> None:
+    _resumed[0] = time.monotonic()
+
+
+def watch_resume() -> None:
+    """Note when this process is resumed after SIGSTOP/Ctrl-Z (a SIGCONT handler), so a rank
+    whose peers gave up on it while it was stopped can be told so; left alone when the
+    program handles SIGCONT itself or this is not the main thread."""
+    try:
+        if signal.getsignal(signal.SIGCONT) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGCONT, _on_sigcont)
+    except (ValueError, OSError, AttributeError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -55,17 +81,22 @@ class Call:
     dtype: int
     total: int
     label: str
+    #: the call's argument every rank must agree on: the root of a rooted operation, else 0
+    arg: int = 0
 
-    def describe(self, seq: int | None = None, op: int | None = None, dtype: int | None = None,
-                 total: int | None = None) -> str:
-        return _describe(self.op if op is None else op, self.seq if seq is None else seq,
-                         self.dtype if dtype is None else dtype, self.total if total is None else total)
+    def describe(self) -> str:
+        return _describe(self.op, self.seq, self.dtype, self.total, self.arg)
 
 
-def _describe(op: int, seq: int, dtype: int, total: int) -> str:
+#: operations whose argument is a root (named in messages)
+_ROOTED = {wire.OP_CODES["broadcast"]}
+
+
+def _describe(op: int, seq: int, dtype: int, total: int, arg: int = 0) -> str:
     name = wire.OPS[op] if 0 <= op < len(wire.OPS) else f"op#{op}"
     dt = dtype_from_code(dtype)
-    return f"{name} #{seq} ({total} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype})"
+    root = f", root {arg}" if op in _ROOTED or arg else ""
+    return f"{name} #{seq} ({total} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype}{root})"
 
 
 class _Expect:
@@ -124,6 +155,10 @@ class Fabric:
         self.spin = 0.0
         #: give the core away on every spin (ranks outnumber this host's cores)
         self.yielding = False
+        #: (when it ended, how long) of the last time this rank overslept a wait (see note_stall)
+        self.stall = (0.0, 0.0)
+        self._scanning = False
+        watch_resume()
 
     # -- queueing -----------------------------------------------------------------------
     def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
@@ -131,13 +166,14 @@ class Fabric:
         n = len(payload)
         if n == 0:
             link.starts.append(True)
-            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0, call.total)))
+            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0, call.arg, call.total)))
             return
         for lo in range(0, n, frame):
             part = payload[lo : lo + frame]
             link.starts.append(True)
             link.starts.append(False)
-            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.total)))
+            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.arg,
+                                                        call.total)))
             link.out.append(part)
 
     def post_recv(self, link: Link, call: Call, target: memoryview, frame: int,
@@ -172,8 +208,11 @@ class Fabric:
         """The loop itself (``send``/``recv``: which directions it drives)."""
         poller: select.poll | None = None
         registered: dict[int, int] = {}
-        last = entered = time.monotonic()
+        last = entered = tick = time.monotonic()
+        asked = 0.0
         while True:
+            self.note_stall(tick, asked)  # one round never takes long unless this rank was stopped
+            tick, asked = time.monotonic(), 0.0
             pending = False
             moved = False
             for link in links:
@@ -219,12 +258,13 @@ class Fabric:
                 poller.unregister(fd)
                 del registered[fd]
             left = self.timeout - (now - last)
-            wait_ms = max(0, int(left * 1000) + 1) if left > 0 else 0
+            wait_ms = int(min(left, WAIT_SLICE) * 1000) + 1 if left > 0 else 0
             if now - entered < self.spin:  # a short bounded spin first: waking up costs more
                 if self.yielding:
                     os.sched_yield()
                 wait_ms = 0
-            ready = poller.poll(wait_ms) if wait_ms else poller.poll(0)
+            asked = wait_ms / 1000
+            ready = poller.poll(wait_ms)
             if not ready:
                 if time.monotonic() - last >= self.timeout:
                     self._timeout(links, send=send, recv=recv)
@@ -237,7 +277,71 @@ class Fabric:
                         if ev & _POLLIN:
                             link.recv_blocked = False
 
+    def note_stall(self, asked_at: float, asked: float) -> None:
+        """Remember when a wait of ``asked`` seconds begun at ``asked_at`` returned much later
+        than asked: this rank was not running (stopped, or starved of CPU)."""
+        now = time.monotonic()
+        over = now - asked_at - asked
+        if over > _STALL:
+            self.stall = (now, over)
+
+    def stalled_error(self, what: str) -> CommTimeoutError | None:
+        """The error to raise instead of blaming a peer when this rank itself was not running
+        for long enough that its peers may have given up on it (``what``: what went wrong)."""
+        ended, took = self.stall
+        now = time.monotonic()
+        if _resumed[0] and now - _resumed[0] <= 5.0:
+            how = f"was stopped (SIGSTOP or Ctrl-Z) and resumed {now - _resumed[0]:.1f} s ago"
+        elif took >= max(_STALL, 0.5 * self.timeout) and now - ended <= 5.0:
+            how = f"did not run for {took:.1f} s (it was stopped, or starved of CPU)"
+        else:
+            return None
+        return CommTimeoutError(
+            f"rank {self.rank}: this rank {how}, and then {what}: the peers gave up waiting for this rank: "
+            f"it was stopped or too slow for MLX_TIMEOUT={self.timeout:g}. Resume stopped ranks "
+            "within MLX_TIMEOUT, or raise MLX_TIMEOUT.",
+            peer=self.rank,
+        )
+
+    def pending_abort(self) -> DistributedError | None:
+        """The error of an ABORT frame waiting unread at a frame boundary of some link (a
+        peer's report of the first failure, which names whom to blame), preferring one that
+        names this rank (the peers gave up on it); consumed. None if there is none.
+
+        Asked before blaming a peer for a closed or reset connection: a peer that failed
+        because of a third rank sends ABORT and then exits, and its exit can reach this rank
+        (a reset while sending to it) before this rank read the ABORT."""
+        if self._scanning:  # probing below can end in _lost, which asks again
+            return None
+        found: Link | None = None
+        for link in self.links.values():
+            if link.closed or link.cur is not None:
+                continue
+            try:
+                head = link.sock.recv(wire.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:
+                continue
+            if len(head) == wire.HEADER_SIZE:
+                group, _seq, op, _dt, _nb, _arg, _total = wire.HEADER.unpack(head)
+                if op == wire.ABORT and (found is None or group == self.rank):
+                    found = link
+                    if group == self.rank:
+                        break
+        if found is None:
+            return None
+        self._scanning = True
+        try:
+            self.probe(found)
+        except DistributedError as exc:
+            return exc
+        finally:
+            self._scanning = False
+        return None  # pragma: no cover - probe raises on the ABORT it just peeked
+
     def _timeout(self, links: list[Link], *, send: bool, recv: bool) -> None:
+        mine = self.pending_abort() or self.stalled_error("a peer stopped answering")
+        if mine is not None:
+            raise mine
         # blame the link this loop was actually stuck on: a receive it waited for, or (in
         # the sender thread, or when nothing was expected) a send the peer did not accept
         waiting = [lk for lk in links if recv and (lk.cur is not None or lk.expect) and lk.recv_blocked]
@@ -252,10 +356,13 @@ class Fabric:
             peer=link.peer,
         )
 
-    def _lost(self, link: Link, why: str) -> PeerLostError:
+    def _lost(self, link: Link, why: str) -> DistributedError:
         exp = link.cur or (link.expect[0] if link.expect else None)
         what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""
+        mine = self.pending_abort() or self.stalled_error(f"lost rank {link.peer} ({why}){what}")
         link.closed = True
+        if mine is not None:
+            return mine
         return PeerLostError(
             f"rank {self.rank}: lost rank {link.peer} ({link.where}){what}: {why}. "
             f"Rank {link.peer} exited or crashed; check its output.",
@@ -336,22 +443,23 @@ class Fabric:
                     exp.done()
 
     def _check(self, link: Link, exp: _Expect) -> None:
-        group, seq, op, dtype, nbytes, total = wire.HEADER.unpack(link.hdr)
+        group, seq, op, dtype, nbytes, arg, total = wire.HEADER.unpack(link.hdr)
         call = exp.call
         if op == wire.ABORT:
             raise self._abort_from(link, dtype, nbytes, exp, None if group == 0xFFFFFFFF else group)
-        if (group, seq, op, dtype, nbytes, total) == (call.group, call.seq, call.op, call.dtype, len(exp.target), call.total):
+        if (group, seq, op, dtype, nbytes, arg, total) == (call.group, call.seq, call.op, call.dtype,
+                                                           len(exp.target), call.arg, call.total):
             return
         if group != call.group:
-            theirs = f"a message of another group (id {group:#x}): {_describe(op, seq, dtype, total)}"
+            theirs = f"a message of another group (id {group:#x}): {_describe(op, seq, dtype, total, arg)}"
         else:
-            theirs = _describe(op, seq, dtype, total)
-            if (op, seq, dtype, total) == (call.op, call.seq, call.dtype, call.total):
+            theirs = _describe(op, seq, dtype, total, arg)
+            if (op, seq, dtype, arg, total) == (call.op, call.seq, call.dtype, call.arg, call.total):
                 theirs += f" in pieces of {nbytes} bytes where {len(exp.target)} were expected"
         raise CollectiveMismatchError(
             f"rank {self.rank} called {call.describe()} in group {call.label} and expected the same "
             f"from rank {link.peer}, but rank {link.peer} sent {theirs}. Every rank must make the "
-            "same calls in the same order with the same shapes and dtypes; send/recv pairs must match."
+            "same calls in the same order with the same shapes, dtypes and roots; send/recv pairs must match."
         )
 
     def _abort_from(self, link: Link, kind: int, nbytes: int, exp: _Expect, lost: int | None) -> DistributedError:
@@ -369,6 +477,14 @@ class Fabric:
             except OSError:
                 pass
         msg = (already + rest).decode("utf-8", "replace")
+        link.closed = True
+        if lost == self.rank and kind in (1, 2):  # the peers gave up on this very rank
+            return CommTimeoutError(
+                f"rank {self.rank}: the peers gave up waiting for this rank: it was stopped or too slow "
+                f"for MLX_TIMEOUT={self.timeout:g} (rank {link.peer} reported: {msg}). Resume stopped "
+                "ranks within MLX_TIMEOUT, or raise MLX_TIMEOUT for ranks that compute longer between calls.",
+                peer=self.rank,
+            )
         cls = _ABORT_CLASS.get(kind, DistributedError)
         text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
         peer = link.peer if lost is None else lost
@@ -397,7 +513,7 @@ class Fabric:
             raise self._lost(link, "connection closed")
         if len(head) < wire.HEADER_SIZE:
             return False
-        group, seq, op, dtype, nbytes, _total = wire.HEADER.unpack(head)
+        group, seq, op, dtype, nbytes, _arg, _total = wire.HEADER.unpack(head)
         if op != wire.ABORT:
             return True
         link.sock.recv(wire.HEADER_SIZE)
@@ -415,21 +531,39 @@ class Fabric:
         msg = str(exc).encode("utf-8", "replace")[:_MAX_ABORT]
         lost = getattr(exc, "peer", None)
         who = 0xFFFFFFFF if lost is None else lost
-        frame = wire.HEADER.pack(who, self.rank, wire.ABORT, kind, len(msg), 0) + msg
+        frame = wire.HEADER.pack(who, self.rank, wire.ABORT, kind, len(msg), 0, 0) + msg
         for link in self.links.values():
             if link.closed:
                 continue
-            partial = bool(link.out) and not link.starts[0]
             try:
-                if partial:  # mid-frame: the peer would misread an abort; closing tells it
+                if link.out and not link.starts[0]:
+                    # mid-frame: finish it, so the peer reads the ABORT as a frame and blames
+                    # whom it names (closing instead would make it blame this live rank)
+                    link.sock.settimeout(_FINISH_FRAME)
+                    link.starts.popleft()
+                    link.sock.sendall(link.out.popleft())
+                    while link.out and not link.starts[0]:
+                        link.starts.popleft()
+                        link.sock.sendall(link.out.popleft())
+                link.sock.settimeout(0.5)
+                link.sock.sendall(frame)
+            except OSError:  # the peer does not read: closing is all that is left to tell it
+                try:
                     link.sock.shutdown(socket.SHUT_RDWR)
-                else:
-                    link.sock.settimeout(0.5)
-                    link.sock.sendall(frame)
-            except OSError:
-                pass
+                except OSError:
+                    pass
             link.out.clear()
             link.starts.clear()
+
+    def abort(self, code: int, reason: str) -> None:
+        """This rank's program failed: tell every peer (an ABORT naming this rank, so each
+        raises PeerLostError about it at once) unless an earlier failure was reported."""
+        if self.failure is not None:
+            return
+        self.fail(PeerLostError(
+            f"rank {self.rank} failed and is ending the job: {reason} (exit code {code}); see its output",
+            peer=self.rank,
+        ))
 
     def close(self) -> None:
         for link in self.links.values():

@@ -83,6 +83,22 @@ def _environment(config: Config, settings: SocketsSettings) -> str | None:
     return None
 
 
+#: for tests only: where every sequence counter starts (the same on every rank), so a short
+#: job can cross the 2**32 wrap-around that a real one reaches after billions of calls
+SEQ_START_ENV = "MESHCOMM_SOCKETS_TEST_SEQ_START"
+
+
+def _seq_start() -> int:
+    text = os.environ.get(SEQ_START_ENV, "0")
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise ConfigError(f"{SEQ_START_ENV}={text!r} is not an integer (a test setting; unset it)") from None
+    if not 0 <= value < 1 << 32:
+        raise ConfigError(f"{SEQ_START_ENV}={value} must be in [0, 2**32) (a test setting; unset it)")
+    return value
+
+
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
     from .backend import SocketsBackend
     from .connect import establish
@@ -104,14 +120,16 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
     socks = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib),
                       timeout=config.timeout, bind=settings.bind, listener=listener)
     fabric = Fabric(config.rank, len(peers), socks, config.timeout)
-    world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True)
+    start = _seq_start()
+    world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
+                           seq_start=start)
     if len(peers) > 1:
         from .topology import attach_shared_memory
 
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
         attach_shared_memory(world, enabled=settings.shm, piece=piece,
                              host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
-                             spin_us=settings.spin_us)
+                             spin_us=settings.spin_us, seq_start=start)
     return world
 
 

@@ -16,7 +16,15 @@ every sleeping peer) and on the TCP connections of its local peers, which report
 peer (closed connection) or a failure elsewhere (ABORT frame) at once.
 
 The segment and the FIFOs are unlinked as soon as every local rank has opened them, so
-nothing is left in ``/dev/shm`` when the job ends, however it ends.
+nothing is left in ``/dev/shm`` when the job ends, however it ends. The creator reserves
+the segment's pages (``posix_fallocate``) before anyone maps it: a ``/dev/shm`` too small
+for it is a clear :class:`ShmSpaceError` at start-up (the job then uses TCP), never a
+SIGBUS on the first write to a page the filesystem cannot provide.
+
+Piece sequence numbers count 1, 2, ..., 2**32, 1, ... (never 0, which means "not
+waiting"; the parity alternates across the wrap, as the two slots need): a rank is never
+more than one piece ahead of another, so "every rank has published my piece" is "no rank
+still shows the previous number", an equality test that survives the wrap.
 """
 
 from __future__ import annotations
@@ -44,11 +52,51 @@ from meshcomm.errors import (
 
 from .engine import Call, Fabric, _describe
 
-__all__ = ["host_key", "ShmGroup", "SHM_DIR"]
+__all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "SEQ_WRAP", "next_piece"]
 
 SHM_DIR = Path("/dev/shm")
 _LINE = 16  # int64 words per rank's control line (two cache lines)
-_SEQ, _WAIT = 0, 1  # then, per slot parity p, the call descriptor at 2 + 4p: op, dtype, total, seq
+_SEQ, _WAIT = 0, 1  # then, per slot parity p, the call descriptor at 2 + 5p: op, dtype, total, seq, arg
+_DESC = 5
+#: piece numbers run 1..SEQ_WRAP (even, so parity alternates across the wrap)
+SEQ_WRAP = 1 << 32
+
+
+def next_piece(seq: int) -> int:
+    """The piece number after ``seq`` (1, 2, ..., SEQ_WRAP, 1, ...)."""
+    return seq % SEQ_WRAP + 1
+
+
+class ShmSpaceError(OSError):
+    """The shared-memory filesystem cannot hold this host's segment (the message says how
+    much is needed and how to get it)."""
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def reserve(fd: int, size: int, path: Path, ranks: int) -> None:
+    """Give the file ``fd`` its ``size`` bytes and reserve them in the filesystem, so no page
+    of the mapping can fail later (tmpfs has no space: SIGBUS); ShmSpaceError if it cannot."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        try:
+            st = os.statvfs(path.parent)
+            room = f"{_mib(st.f_bavail * st.f_frsize)} free of {_mib(st.f_blocks * st.f_frsize)}"
+        except OSError:
+            room = "unknown free space"
+        raise ShmSpaceError(
+            exc.errno,
+            f"{path.parent} cannot hold the shared-memory segment of this host's {ranks} ranks: it needs "
+            f"{_mib(size)} ({size} bytes) and {path.parent} has {room} ({exc.strerror}). Using TCP "
+            f"between every rank instead (slower). Fix: give it more room (containers: docker run "
+            f"--shm-size={max(64, -(-2 * size // (1 << 20)))}m, Kubernetes: an emptyDir with medium: "
+            "Memory on /dev/shm), use smaller slots (MESHCOMM_SOCKETS_SHM_PIECE_KIB), or set "
+            "MESHCOMM_SOCKETS_SHM=0 to use TCP without this warning.",
+        ) from None
 _fence_lock = threading.Lock()
 
 
@@ -86,26 +134,33 @@ def host_key(override: str | None = None) -> bytes:
 class ShmGroup:
     """The shared-memory channel of the local ranks ``local`` (world ranks, sorted)."""
 
-    def __init__(self, fabric: Fabric, local: list[int], name: str, piece: int, create: bool) -> None:
+    def __init__(self, fabric: Fabric, local: list[int], name: str, piece: int, create: bool,
+                 seq_start: int = 0) -> None:
         self.fabric = fabric
         self.local = local
         self.n = len(local)
         self.me = local.index(fabric.rank)
         self.piece = piece
         self.timeout = fabric.timeout
-        self.seq = 0
-        size = 8 * _LINE * self.n + 2 * self.n * piece
+        #: the last piece this rank published, and the one before (what laggards still show)
+        self.seq = self.prev = seq_start % SEQ_WRAP
+        size = segment_size(self.n, piece)
         path = SHM_DIR / name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                reserve(fd, size, path, self.n)
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         self.path = path
         self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=_LINE * self.n).reshape(self.n, _LINE)
+        self.ctrl[self.me, _SEQ] = self.seq  # every rank does before the start-up barrier
         self.data = np.frombuffer(self.map, dtype=np.uint8, offset=8 * _LINE * self.n)
         # my wake-up FIFO; peers' FIFOs are opened in connect_fifos()
         self.fifo_path = SHM_DIR / f"{name}.fifo{self.me}"
@@ -149,15 +204,15 @@ class ShmGroup:
     # -- synchronisation ------------------------------------------------------------------
     def _publish(self, call: Call) -> None:
         line = self.ctrl[self.me]
-        d = 2 + 4 * (self.seq & 1)  # a peer reads it before we can reach the same parity again
-        line[d : d + 4] = (call.op, call.dtype, call.total, call.seq)
-        self.seq += 1
+        d = 2 + _DESC * (self.seq & 1)  # a peer reads it before we can reach the same parity again
+        line[d : d + _DESC] = (call.op, call.dtype, call.total, call.seq, call.arg)
+        self.prev, self.seq = self.seq, next_piece(self.seq)
         _fence()
         line[_SEQ] = self.seq
         _fence()
         for i, fd in self.peer_fifos.items():
             w = int(self.ctrl[i, _WAIT])
-            if 0 < w <= self.seq:
+            if w and (w == self.seq or w == self.prev):  # it waits for this piece (or the last)
                 try:
                     os.write(fd, b"\0")
                 except BlockingIOError:
@@ -165,6 +220,10 @@ class ShmGroup:
                 except BrokenPipeError:  # nobody reads its FIFO: it is gone
                     # it may have failed because of someone else and said so (ABORT): that wins
                     self.fabric.probe(self.fabric.links[self.local[i]])
+                    mine = self.fabric.pending_abort() or self.fabric.stalled_error(
+                        f"found local rank {self.local[i]} gone")
+                    if mine is not None:
+                        raise mine from None
                     raise PeerLostError(
                         f"rank {self.fabric.rank}: rank {self.local[i]} (same host) died while "
                         f"waiting in {call.describe()} in group {call.label}; check its output.",
@@ -172,7 +231,8 @@ class ShmGroup:
                     ) from None
 
     def _ready(self) -> bool:
-        return bool(self.ctrl[:, _SEQ].min() >= self.seq)
+        """Every local rank published piece ``seq`` (none still shows the previous one)."""
+        return not (self.ctrl[:, _SEQ] == self.prev).any()
 
     def _wait(self, call: Call) -> None:
         if not self._ready():
@@ -210,7 +270,10 @@ class ShmGroup:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                lagging = [self.local[i] for i in range(self.n) if self.ctrl[i, _SEQ] < self.seq]
+                mine = self.fabric.pending_abort() or self.fabric.stalled_error("its wait timed out")
+                if mine is not None:
+                    raise mine
+                lagging = [self.local[i] for i in range(self.n) if self.ctrl[i, _SEQ] == self.prev]
                 who = ("rank " if len(lagging) == 1 else "ranks ") + ", ".join(map(str, lagging))
                 raise CommTimeoutError(
                     f"rank {self.fabric.rank}: {who} (same host, shared memory) did not join "
@@ -219,7 +282,9 @@ class ShmGroup:
                     "or calling a different operation.",
                     peer=lagging[0] if lagging else None,
                 )
+            asked_at = time.monotonic()
             events = poller.poll(min(left, 0.01) * 1000)
+            self.fabric.note_stall(asked_at, min(left, 0.01))
             if any(fd == self.fifo for fd, _ in events):
                 try:
                     while os.read(self.fifo, 4096):
@@ -233,18 +298,19 @@ class ShmGroup:
                     poller.unregister(fd)  # data of a later operation: not our concern now
 
     def _check(self, call: Call) -> None:
-        mine = (call.op, call.dtype, call.total, call.seq)
-        d = 2 + 4 * ((self.seq - 1) & 1)
-        if (self.ctrl[:, d : d + 4] == mine).all():  # one comparison for the common case
+        mine = (call.op, call.dtype, call.total, call.seq, call.arg)
+        d = 2 + _DESC * (self.prev & 1)
+        if (self.ctrl[:, d : d + _DESC] == mine).all():  # one comparison for the common case
             return
         for i in range(self.n):
-            theirs = tuple(int(v) for v in self.ctrl[i, d : d + 4])
+            theirs = tuple(int(v) for v in self.ctrl[i, d : d + _DESC])
             if theirs != mine:
                 raise CollectiveMismatchError(
                     f"rank {self.fabric.rank} called {call.describe()} in group {call.label}, but local "
-                    f"rank {self.local[i]} is in {_describe(theirs[0], theirs[3], theirs[1], theirs[2])} "
-                    "(shared memory). Every rank must make the same calls in the same order with the "
-                    "same shapes and dtypes."
+                    f"rank {self.local[i]} is in "
+                    f"{_describe(theirs[0], theirs[3], theirs[1], theirs[2], theirs[4])} (shared memory). "
+                    "Every rank must make the same calls in the same order with the same shapes, "
+                    "dtypes and roots."
                 )
 
     def _step(self, call: Call, copy: tuple[np.ndarray, np.ndarray] | None,
@@ -322,6 +388,11 @@ class ShmGroup:
 
     def barrier(self, call: Call) -> None:
         self._step(call, None, None)
+
+
+def segment_size(ranks: int, piece: int) -> int:
+    """Bytes of the segment of ``ranks`` local ranks with slots of ``piece`` bytes."""
+    return 8 * _LINE * ranks + 2 * ranks * piece
 
 
 def new_name(job_id: str | None) -> str:

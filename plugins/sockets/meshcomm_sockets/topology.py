@@ -10,15 +10,22 @@ agree on the path each operation takes:
   host in shared memory, across hosts over TCP between one leader per host, then handed
   back within each host; other operations use TCP;
 * ``tcp``: one rank per host, or shared memory off.
+
+A host whose ``/dev/shm`` cannot hold its segment (the host's first rank reserves it with
+``posix_fallocate`` and sends the other local ranks an empty name) makes the whole job use
+TCP, with one warning naming the size needed and the fix, rather than a SIGBUS later.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 
 from .shm import SHM_DIR, ShmGroup, host_key, new_name
+
+log = logging.getLogger("meshcomm.sockets")
 
 __all__ = ["attach_shared_memory"]
 
@@ -43,7 +50,7 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
 
 
 def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: str | None,  # noqa: ANN001
-                         job_id: str | None, spin_us: int = 200) -> None:
+                         job_id: str | None, spin_us: int = 200, seq_start: int = 0) -> None:
     """Decide how ranks wait and the path of the world's collectives; map the host's segment."""
     from .backend import SocketsBackend
 
@@ -73,11 +80,12 @@ def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: st
             try:
                 name = new_name(job_id)
                 size = piece or default_piece(len(local))
-                shm = ShmGroup(world.fabric, local, name, size, create=True)
+                shm = ShmGroup(world.fabric, local, name, size, create=True, seq_start=seq_start)
                 text = f"{name} {size}".encode()
                 raw[: len(text)] = np.frombuffer(text, np.uint8)
-            except OSError:
+            except OSError as exc:
                 ok[0] = 0  # peers get an empty name and give up too
+                log.warning("meshcomm sockets rank %d: %s", r, exc.strerror if exc.strerror else exc)
             for q in local[1:]:
                 world.send(raw, q)
         else:
@@ -86,7 +94,7 @@ def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: st
             try:
                 if not name:
                     raise OSError("the host's first rank could not create the segment")
-                shm = ShmGroup(world.fabric, local, name, int(size_text), create=False)
+                shm = ShmGroup(world.fabric, local, name, int(size_text), create=False, seq_start=seq_start)
             except OSError:
                 ok[0] = 0
     world.barrier()  # every FIFO exists
@@ -112,7 +120,7 @@ def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: st
     leaders = [v[0] for v in sorted(hosts.values())]
     world.leader_backend = (
         SocketsBackend(world.fabric, leaders, group_id=0x4C454144, label="world/host-leaders",
-                       chunk_bytes=world.chunk_bytes)
+                       chunk_bytes=world.chunk_bytes, seq_start=seq_start)
         if r in leaders else None
     )
 

@@ -11,9 +11,10 @@ Handshake (per connection, the higher rank connects to the lower one)::
 The HMAC key is the per-job secret (``MESHCOMM_JOB_SECRET``, empty when there is none),
 so a stranger without it is rejected, and garbage fails on the magic first.
 
-Every data frame starts with a 24-byte header naming the group, the call's sequence
-number, the operation, the dtype, the payload size and the call's element count, so a
-receiver detects any disagreement between ranks before it uses a byte of payload.
+Every data frame starts with a 28-byte header naming the group, the call's sequence
+number (modulo 2**32, see :func:`next_seq`), the operation, the dtype, the payload size,
+the call's argument (the root of a rooted operation, else 0) and the call's element count,
+so a receiver detects any disagreement between ranks before it uses a byte of payload.
 """
 
 from __future__ import annotations
@@ -27,16 +28,25 @@ __all__ = [
     "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ABORT_KINDS",
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
     "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
-    "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT",
+    "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
 ]
 
 MAGIC = b"MESHCOMM"
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the header carries the call's argument (root)
 MAX_VERSION = 256
 
-#: group u32, seq u32, op u16, dtype u16, nbytes u32, total u64
-HEADER = struct.Struct("<IIHHIQ")
+#: group u32, seq u32, op u16, dtype u16, nbytes u32, arg u32 (root), total u64
+HEADER = struct.Struct("<IIHHIIQ")
 HEADER_SIZE = HEADER.size
+#: sequence numbers live in the header's 32 bits and wrap around
+SEQ_MASK = 0xFFFFFFFF
+
+
+def next_seq(seq: int) -> int:
+    """The sequence number after ``seq``: counts modulo 2**32, so a job may make any number
+    of calls (ranks compare numbers only for equality, never for order)."""
+    return (seq + 1) & SEQ_MASK
+
 
 OPS = ("?", "all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send",
        "barrier", "split")
