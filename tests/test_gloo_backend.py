@@ -196,18 +196,20 @@ def test_any_selects_gloo_when_its_environment_is_set() -> None:
 
 
 def test_dead_peer_raises_on_survivors() -> None:
+    import re
+
     timeout = 20.0
     procs = start(3, [str(HERE), "_w_dead", "kill"], {"MLX_TIMEOUT": str(timeout)})
-    t0 = time.monotonic()
     res = finish(procs, timeout=90)
-    elapsed = time.monotonic() - t0
     assert res[2][0] == -signal.SIGKILL, f"rank 2 should have killed itself: {res[2]}"
     _all_ok(res[:2])
     for r in (0, 1):
         out = res[r][1]
         assert "RAISED PeerLostError peer=2" in out, out + res[r][2][-2000:]
         assert "rank 2" in out and "world rank 2" in out, out
-    assert elapsed < timeout, f"survivors took {elapsed:.1f} s; they must not wait for the timeout"
+        # measured by the rank from its first call after start-up (start-up is slow on a loaded machine)
+        took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+        assert took < timeout, f"rank {r} took {took:.1f} s; it must not wait for the timeout"
 
 
 def test_dead_remote_peer_is_named_in_collectives() -> None:

@@ -101,8 +101,11 @@ class GlooBackend(Backend):
     def _where(self) -> str:
         return f"rank {self._rank} of the {self._label} group (size {self._size})"
 
-    def _usable(self, op: str) -> Any:
+    def _usable(self, call: Call) -> Any:
         """The process group, or the error that broke this group (raised again, same class and peer)."""
+        if self._pg is not None:
+            return self._pg
+        op = call.describe()
         if self._failed is not None:
             first = self._failed
             again = type(first)(f"[gloo] {self._where()}: {op} called on a group that failed earlier; "
@@ -110,19 +113,17 @@ class GlooBackend(Backend):
             if hasattr(first, "peer"):
                 again.peer = first.peer  # type: ignore[attr-defined]
             raise again
-        if self._pg is None:
-            raise DistributedError(f"[gloo] {self._where()}: {op} called after the group was closed")
-        return self._pg
+        raise DistributedError(f"[gloo] {self._where()}: {op} called after the group was closed")
 
     def _coll(self, name: str, buf: np.ndarray | None = None, root: int = -1) -> Call:
         self._seq += 1
         if buf is None:
             return Call("coll", name, seq=self._seq, root=root)
-        return Call("coll", name, buf.dtype.name, buf.size, self._seq, root)
+        return Call("coll", name, buf.dtype, buf.size, self._seq, root)
 
     def _run(self, call: Call, start: Callable[[Any], Any], peer: int | None = None) -> None:
         """Start a gloo work item on the process group and wait for it, translating failures."""
-        pg = self._usable(call.describe())
+        pg = self._usable(call)
         try:
             start(pg).wait()
         except RuntimeError as exc:
@@ -130,6 +131,7 @@ class GlooBackend(Backend):
 
     def _fail(self, exc: BaseException | DistributedError, call: Call, peer: int | None) -> DistributedError:
         """The error to raise for ``exc`` in ``call``; breaks this group (see the class docstring)."""
+        call = Call.parse(call.text())  # dtype names, as the other ranks publish them
         if isinstance(exc, DistributedError):
             err = exc
         else:
@@ -254,8 +256,8 @@ class GlooBackend(Backend):
     def send(self, buf: np.ndarray, dst: int) -> None:
         if not buf.nbytes:
             return
-        call = Call("send", "send", buf.dtype.name, buf.size, peer=dst)
-        pg = self._usable(call.describe())
+        call = Call("send", "send", buf.dtype, buf.size, peer=dst)
+        pg = self._usable(call)
         try:
             for w in self._post_send(pg, buf, dst):
                 w.wait()
@@ -265,8 +267,8 @@ class GlooBackend(Backend):
     def recv(self, buf: np.ndarray, src: int) -> None:
         if not buf.nbytes:
             return
-        call = Call("recv", "recv", buf.dtype.name, buf.size, peer=src)
-        pg = self._usable(call.describe())
+        call = Call("recv", "recv", buf.dtype, buf.size, peer=src)
+        pg = self._usable(call)
         try:
             self._recv_into(pg, buf, src, call)
         except (RuntimeError, CollectiveMismatchError) as exc:
@@ -274,10 +276,10 @@ class GlooBackend(Backend):
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
         """Both directions posted before waiting: gloo's send/recv are asynchronous."""
-        call = Call("sendrecv", "sendrecv", sendbuf.dtype.name, sendbuf.size if sendbuf.nbytes else 0,
+        call = Call("sendrecv", "sendrecv", sendbuf.dtype, sendbuf.size if sendbuf.nbytes else 0,
                     peer=dst if sendbuf.nbytes else -1, peer2=src if recvbuf.nbytes else -1,
-                    dtype2=recvbuf.dtype.name, count2=recvbuf.size if recvbuf.nbytes else 0)
-        pg = self._usable(call.describe())
+                    dtype2=recvbuf.dtype, count2=recvbuf.size if recvbuf.nbytes else 0)
+        pg = self._usable(call)
         try:
             works = self._post_send(pg, sendbuf, dst) if sendbuf.nbytes else []
             if recvbuf.nbytes:

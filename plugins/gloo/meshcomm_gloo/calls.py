@@ -19,7 +19,7 @@ Pure Python + NumPy (no torch), so it is testable without processes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 from meshcomm.dtypes import SUPPORTED
@@ -49,8 +49,11 @@ def p2p_tag(dtype: np.dtype, count: int, part: int = 0) -> int:
     return (1 << 30) | (code << 25) | part
 
 
-@dataclass(frozen=True)
-class Call:
+def _name(dtype: Any) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+class Call(NamedTuple):
     """One operation as this rank called it.
 
     ``kind`` is ``"coll"`` (``seq`` counts this group's collectives), ``"send"``,
@@ -61,19 +64,19 @@ class Call:
 
     kind: str
     name: str
-    dtype: str = "-"
+    dtype: Any = "-"  # a NumPy dtype on the fast path (its .name is slow); a name once parsed
     count: int = 0
     seq: int = 0
     root: int = -1
     peer: int = -1
     peer2: int = -1
-    dtype2: str = "-"
+    dtype2: Any = "-"
     count2: int = 0
 
     def text(self) -> str:
         """One line that :meth:`parse` reads back (stored in the rendezvous store)."""
-        return " ".join(str(v) for v in (self.kind, self.name, self.dtype, self.count, self.seq, self.root,
-                                          self.peer, self.peer2, self.dtype2, self.count2))
+        return " ".join(str(v) for v in (self.kind, self.name, _name(self.dtype), self.count, self.seq, self.root,
+                                          self.peer, self.peer2, _name(self.dtype2), self.count2))
 
     @classmethod
     def parse(cls, text: str) -> Call:
