@@ -103,6 +103,18 @@ def _sides(kind: str) -> tuple[int, int, dict[str, Callable[[np.ndarray], Callab
     except TypeError:  # a core from before the call check (PYTHONPATH to an older checkout)
         plain = mc.Group(b, "mpi")
 
+    ctl = getattr(b, "control", None)  # the non-blocking backend's wait loop (absent before it)
+
+    def with_spin(call: Callable[[], Any]) -> Callable[[], Any]:
+        """``call`` with the backend's wait loop spinning (never sleeping) for up to 1 s."""
+        def run() -> Any:
+            saved, ctl.spin = ctl.spin, 1.0
+            try:
+                return call()
+            finally:
+                ctl.spin = saved
+        return run
+
     def world(x: np.ndarray) -> Callable[[], Any]:
         out = np.empty_like(x)
         return lambda: (MPI.COMM_WORLD.Allreduce(x, out, MPI.SUM), out)[1]
@@ -111,15 +123,23 @@ def _sides(kind: str) -> tuple[int, int, dict[str, Callable[[np.ndarray], Callab
         out = np.empty_like(x)
         return lambda: (b.comm.Allreduce(x, out, MPI.SUM), out)[1]
 
+    def iwait(x: np.ndarray) -> Callable[[], Any]:
+        out = np.empty_like(x)
+        return lambda: (b.comm.Iallreduce(x, out, MPI.SUM).Wait(), out)[1]
+
     def backend(x: np.ndarray) -> Callable[[], Any]:
         out = np.empty_like(x)
         return lambda: (b.all_reduce(x, out, "sum"), out)[1]
 
-    return g.rank(), g.size(), {
-        "raw-world": world, "raw-dup": dup, "backend": backend,
+    sides: dict[str, Callable[[np.ndarray], Callable[[], Any]]] = {
+        "raw-world": world, "raw-dup": dup, "Iallreduce+Wait": iwait, "backend": backend,
         "all_sum-nocheck": lambda x: lambda: mc.all_sum(x, group=plain),
         "all_sum": lambda x: lambda: mc.all_sum(x, group=g),
     }
+    if ctl is not None and hasattr(ctl, "spin"):
+        sides["backend-spin"] = lambda x: with_spin(backend(x))
+        sides["all_sum-spin"] = lambda x: with_spin(lambda: mc.all_sum(x, group=g))
+    return g.rank(), g.size(), sides
 
 
 def worker(kind: str, sizes: list[int], min_time: float, blocks: int, out_path: str) -> int:
@@ -145,7 +165,10 @@ def worker(kind: str, sizes: list[int], min_time: float, blocks: int, out_path: 
                 rows[name].setdefault(str(x.nbytes), []).append(t.stats.median)
     if rank == 0:
         with open(out_path, "w") as f:
+            import meshcomm
+
             json.dump({"kind": kind, "ranks": size, "library": _library(), "rows": rows,
+                       "meshcomm": os.path.dirname(meshcomm.__file__),
                        "env": {k: v for k, v in os.environ.items() if k.startswith(("MPIR_", "MPI4PY_", "MESHCOMM_"))}},
                       f)
     return 0
@@ -209,7 +232,7 @@ def paired(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
                 for kind in order:
                     res = _job(python, n, kind, args, env)
                     jobs[kind].append(res)
-                    what = res.get("error") or f"{res['wall']:.0f} s, load {res['loadavg']:.1f}"
+                    what = res.get("error") or f"{res['wall']:.0f} s, load {res['loadavg']:.1f}, {res['meshcomm']}"
                     sys.stderr.write(f"{key}: round {rnd + 1} {kind}: {what}\n")
             runs[key] = _summarise(jobs)
     return runs
@@ -256,7 +279,8 @@ def layers(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
 
 
 def layers_table(runs: dict[str, Any]) -> str:
-    names = ["raw-world", "raw-dup", "backend", "all_sum-nocheck", "all_sum"]
+    names = ["raw-world", "raw-dup", "Iallreduce+Wait", "backend", "backend-spin", "all_sum-nocheck", "all_sum",
+             "all_sum-spin"]
     lines = ["| MPI | ranks | size | " + " | ".join(f"{n} (µs)" for n in names) + " |",
              "|---|---:|---:|" + "---:|" * len(names)]
     for key, res in runs.items():
@@ -265,7 +289,8 @@ def layers_table(runs: dict[str, Any]) -> str:
             lines.append(f"| {lib} | {n.split()[0]} | error: {res.get('error')} |")
             continue
         for size in res["rows"]["raw-world"]:
-            cells = [f"{statistics.median(res['rows'][name][size]) * 1e6:.1f}" for name in names]
+            cells = [f"{statistics.median(res['rows'][name][size]) * 1e6:.1f}" if name in res["rows"] else "-"
+                     for name in names]
             lines.append(f"| {lib} | {n.split()[0]} | {_fmt_size(int(size))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
