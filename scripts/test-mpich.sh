@@ -3,8 +3,9 @@
 # scripts/test.sh runs it after the main pytest, which runs the same tests on Open MPI.
 #
 # The set: every tests/test_mpi_*.py (the backend's own tests, its failure tests), and the
-# items of the launcher, failure-matrix and conformance-kit tests that select the mpi
-# backend (their ids contain "mpi": `-k mpi`). Extra arguments go to pytest.
+# items of the launcher, failure-matrix, launch-security and conformance-kit tests that
+# select the mpi backend (their ids contain "mpi": `-k mpi`; their `mpich` items skip
+# here, they are the main venv's way of reaching this one). Extra arguments go to pytest.
 # Exits non-zero on any failure, and when no test was selected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ if [ ! -x "$VPY" ]; then
   exit 1
 fi
 shopt -s nullglob
-files=(tests/test_mpi_*.py tests/test_launch.py tests/test_failure_*.py tests/test_conformance_kit.py)
+files=(tests/test_mpi_*.py tests/test_launch*.py tests/test_failure_*.py tests/test_security_launch.py
+       tests/test_conformance_kit.py)
 echo "== pytest (mpi backend on $("$VPY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'))"
 set +e
 "$VPY" -m pytest -p no:cacheprovider -q -k mpi "${files[@]}" "$@"
