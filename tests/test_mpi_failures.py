@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -255,11 +256,18 @@ def test_mpiexec_killed_leaves_no_rank() -> None:
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 90
-        seen = 0
-        while seen < 3 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen += "READY" in line
-        assert seen == 3, "the job did not start"
+        seen, text = 0, ""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while seen < 3 and time.monotonic() < deadline:
+                if not sel.select(timeout=1):
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
+                if not chunk:
+                    break
+                text += chunk
+                seen = text.count("READY")
+        assert seen == 3, f"the job did not start:\n{text[-3000:]}"
         assert len(_leftovers(marker)) >= 3
         proc.kill()
         proc.wait(timeout=30)

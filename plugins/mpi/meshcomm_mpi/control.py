@@ -146,14 +146,14 @@ class Control:
         test = _tester(reqs, statuses)
         start = time.monotonic()
         spin_end = start + self.spin + min(nbytes * 1e-9, 0.25)
-        probe, st, any_ = self.ctl.Iprobe, self._status, MPI.ANY_SOURCE
+        probe, st, any_src, any_tag = self.ctl.Iprobe, self._status, MPI.ANY_SOURCE, MPI.ANY_TAG
         yield_ = os.sched_yield if self.oversubscribed else None
         i = 0
         while True:
             if test():
                 return
             i += 1
-            if not i & 63 and (probe(any_, any_, st) or time.monotonic() >= spin_end):
+            if not i & 63 and (probe(any_src, any_tag, st) or time.monotonic() >= spin_end):
                 break
             if yield_ is not None:
                 yield_()

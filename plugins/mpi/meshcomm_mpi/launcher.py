@@ -9,8 +9,17 @@ Open MPI and MPICH (Hydra) spell things differently; the flavour comes from the
 library mpi4py loads (or from ``mpiexec --version`` for ``MESHCOMM_MPIEXEC``):
 
 * Open MPI refuses to run as root without ``--allow-run-as-root``, and more ranks
-  than cores without ``--oversubscribe``; environment variables go with ``-x K=V``;
-* MPICH passes environment variables with ``-genv K V`` and hosts with ``-hosts``.
+  than cores without ``--oversubscribe``; environment variables go with ``-x K=V``, or
+  ``-x K`` to pass mpiexec's own value of ``K`` without writing it on the command line;
+* MPICH passes environment variables with ``-genv K V`` and hosts with ``-hosts``; its
+  Hydra mpiexec passes its whole environment to every rank by default (``-genvall``),
+  also to remote hosts (through its proxies' control connection, not a command line).
+
+Secrets never go on the command line (every local user can read it in ``ps``): the job
+secret and the launcher's user variables (``--env``, hostfile ``envs``) are set in
+mpiexec's environment and named with ``forward=`` (Open MPI: ``-x NAME``; MPICH: passed
+with the rest of the environment, unless ``MESHCOMM_MPIEXEC_ARGS`` has ``-genvnone`` or
+``-genvlist``).
 
 ``python -m meshcomm_mpi.launcher --which`` prints the mpiexec and MPI it found.
 """
@@ -25,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from meshcomm.config import load_settings
+from meshcomm.launch.safety import check_env_name, secret_names
 
 from .discover import find_library, find_mpiexec, mpiexec_flavor
 from .settings import MPISettings
@@ -67,25 +77,41 @@ def mpiexec_command(
     hosts: Sequence[tuple[str, int]] | None = None,
     extra: Sequence[str] = (),
     settings: MPISettings | None = None,
+    forward: Sequence[str] = (),
 ) -> list[str]:
     """The command that runs ``argv`` on ``n`` MPI ranks.
 
     Args:
         n: number of ranks (>= 1).
         argv: the program and its arguments, run by every rank.
-        env: variables to set on every rank (forwarded to remote hosts as well).
+        env: variables to set on every rank (forwarded to remote hosts as well), written
+            with their values on the command line, where every local user can read them:
+            a secret-looking name (``MESHCOMM_JOB_SECRET``, ``*TOKEN``, ``*PASSWORD``, ...)
+            is refused; pass it with ``forward``.
         hosts: ``[(host, ranks on it), ...]`` for multi-host jobs; None runs locally.
         extra: further mpiexec arguments (``MESHCOMM_MPIEXEC_ARGS`` is appended too).
         settings: the mpi backend's settings (default: from the environment).
+        forward: names of variables that mpiexec passes from its own environment to every
+            rank without their values on any command line (Open MPI ``-x NAME``; MPICH's
+            Hydra passes its whole environment anyway). The caller sets them in the
+            environment mpiexec runs with.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"mpiexec_command: n={n!r} is not a positive number of ranks")
     if not argv:
         raise ValueError("mpiexec_command: argv is empty; pass the program to run, e.g. [sys.executable, 'x.py']")
+    env = dict(env or {})
+    hidden = secret_names(env)
+    if hidden:
+        raise ValueError(
+            f"mpiexec_command: {', '.join(hidden)} would be on mpiexec's command line, readable by every "
+            "local user (ps); set it in mpiexec's environment and pass its name in forward=[...]"
+        )
+    for name in [*env, *forward]:
+        check_env_name(name, "mpiexec_command")
     settings = settings if settings is not None else load_settings(MPISettings)
     exe, flavor = resolve_mpiexec(settings)
     cmd = [str(exe), "-n", str(n)]
-    env = dict(env or {})
     if flavor == "openmpi":
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
@@ -95,13 +121,24 @@ def mpiexec_command(
             cmd.append("--oversubscribe")
         for k, v in env.items():
             cmd += ["-x", f"{k}={v}"]
+        for k in forward:
+            if k not in env:
+                cmd += ["-x", k]  # the value comes from mpiexec's environment, not from here
     else:
         if hosts:
             cmd += ["-hosts", ",".join(f"{h}:{k}" for h, k in hosts)]
         for k, v in env.items():
             cmd += ["-genv", k, v]
+        # forward: Hydra's default (-genvall) passes mpiexec's whole environment to every rank
     cmd += list(extra) + shlex.split(settings.mpiexec_args)
     return cmd + list(argv)
+
+
+#: variables of the launcher's environment for ranks that may be shown on mpiexec's command
+#: line (job layout, not secrets); every other one (the job secret, --env and hostfile
+#: ``envs`` variables) is passed by name only
+_SHOWN = ("MLX_BACKEND", "MLX_WORLD_SIZE", "MLX_TIMEOUT", "MESHCOMM_JOB_ID", "MESHCOMM_JOB_DIR",
+          "MESHCOMM_OUTPUT_DIR", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
@@ -113,6 +150,10 @@ def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[s
     FIFOs the launcher reads and prefixes), mpiexec is not asked to tag it; otherwise lines
     are tagged by mpiexec (``--tag-output`` / ``-prepend-rank``; Hydra tags every write, so
     lines may be split).
+
+    ``env`` is also the environment the launcher runs mpiexec with: the job's layout
+    variables are written on the command line, the job secret and user variables are
+    forwarded by name only (see :func:`mpiexec_command`).
     """
     counts: dict[str, int] = {}
     for place in job.places:
@@ -126,7 +167,9 @@ def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[s
     if "MESHCOMM_OUTPUT_DIR" not in env:
         flavor = resolve_mpiexec()[1]
         tag = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
-    return mpiexec_command(int(job.nranks), argv, env, hosts=hosts, extra=tag)
+    shown = {k: v for k, v in env.items() if k in _SHOWN}
+    forward = [k for k in env if k not in shown]
+    return mpiexec_command(int(job.nranks), argv, shown, hosts=hosts, extra=tag, forward=forward)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
