@@ -10,13 +10,6 @@ from ..errors import ConfigError
 __all__ = ["add_parser"]
 
 
-def _env_pair(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key or not key.replace("_", "").isalnum():
-        raise argparse.ArgumentTypeError(f"--env {text!r}: expected KEY=VALUE")
-    return key, value
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
@@ -29,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="comma-separated hosts (ssh names; also the IPs ranks use)")
     where.add_argument("--hostfile", help="JSON launcher hostfile (see README)")
-    p.add_argument("--env", action="append", type=_env_pair, default=[], metavar="K=V",
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="environment variable for every rank (repeatable)")
     p.add_argument("--timeout", type=float, default=None, help="MLX_TIMEOUT for every rank, seconds")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
@@ -45,11 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from .hosts import parse_hosts_arg, read_launch_hostfile
     from .run import launch
+    from .safety import parse_env_item
 
     prog = list(args.program)
     if prog and prog[0] == "--":
         prog = prog[1:]
     try:
+        env = dict(parse_env_item(item, f"--env {item!r}") for item in args.env)
         hosts = None
         if args.hostfile:
             hosts = read_launch_hostfile(args.hostfile)
@@ -59,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
         if hosts is not None and hosts.backend and backend == "sockets" and "--backend" not in sys.argv:
             backend = hosts.backend
         return launch(
-            args.nranks, prog, backend=backend, hosts=hosts, env=dict(args.env), timeout=args.timeout,
+            args.nranks, prog, backend=backend, hosts=hosts, env=env, timeout=args.timeout,
             prefix=not args.no_prefix, verbose=args.verbose, cwd=args.cwd, python=args.python,
             ssh=args.ssh, port_base=args.port_base,
         )

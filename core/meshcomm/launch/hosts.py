@@ -4,10 +4,16 @@ The launcher hostfile (``--hostfile``) is JSON, like MLX's::
 
     [{"ssh": "node1", "ips": ["10.0.0.1"], "slots": 2}, {"ssh": "node2"}]
 
-or ``{"backend": "sockets", "envs": ["K=V"], "hosts": [...]}``, or a plain list of host
-names. ``ssh`` is where to start ranks (``local`` or ``localhost`` = this machine),
+or ``{"backend": "sockets", "envs": ["K=V"], "hosts": [...]}``; a host name alone stands
+for ``{"ssh": name}``. ``ssh`` is where to start ranks (``local`` or ``localhost`` = this machine),
 ``ips`` the addresses other ranks use to reach it (default: the ssh name), ``slots``
-how many ranks it takes (default: ranks are spread evenly in blocks).
+how many ranks it takes (default: ranks are spread evenly in blocks), ``envs`` variables
+for every rank (``KEY=VALUE``, KEY a shell identifier, like ``--env``).
+
+Host names and ``envs`` keys reach ssh's argv and the remote start script, so they are
+checked here (:mod:`meshcomm.launch.safety`): a name starting with ``-`` (an ssh option such
+as ``-oProxyCommand=...``) or holding shell characters, and a key that is not a shell
+identifier, are refused with a ConfigError before anything runs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import ConfigError
+from .safety import check_host, parse_env_item
 from .spec import RankPlace
 
 __all__ = ["Host", "LaunchHostfile", "read_launch_hostfile", "parse_hosts_arg", "place_ranks", "is_local"]
@@ -39,10 +46,25 @@ class Host(BaseModel):
 
     @field_validator("ssh")
     @classmethod
-    def _no_spaces(cls, v: str) -> str:
+    def _destination(cls, v: str) -> str:
         v = v.strip()
         if not v or any(c.isspace() for c in v):
             raise ValueError(f"ssh destination {v!r} must be one word (user@host or host)")
+        try:
+            return check_host(v, "ssh destination")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("ips")
+    @classmethod
+    def _addresses(cls, v: list[str]) -> list[str]:
+        for ip in v:
+            try:
+                check_host(ip, "address")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+            if "@" in ip:
+                raise ValueError(f"address {ip!r} must be a host name or IP address, without user@")
         return v
 
     @property
@@ -59,6 +81,20 @@ class LaunchHostfile(BaseModel):
     backend: str | None = None
     envs: list[str] = Field(default_factory=list)
 
+    @field_validator("envs")
+    @classmethod
+    def _env_items(cls, v: list[str]) -> list[str]:
+        for item in v:
+            try:
+                parse_env_item(item, f"envs entry {item!r}")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    def env(self) -> dict[str, str]:
+        """``envs`` as a mapping (checked when the file was read)."""
+        return dict(parse_env_item(item, "envs") for item in self.envs)
+
 
 def is_local(host: str | None) -> bool:
     """True for this machine (no ssh needed)."""
@@ -70,7 +106,9 @@ def is_local(host: str | None) -> bool:
 
 def _validate(data: Any, source: str) -> LaunchHostfile:
     if isinstance(data, list):
-        data = {"hosts": [{"ssh": h} if isinstance(h, str) else h for h in data]}
+        data = {"hosts": data}
+    if isinstance(data, dict) and isinstance(data.get("hosts"), list):  # a name stands for {"ssh": name}
+        data = {**data, "hosts": [{"ssh": h} if isinstance(h, str) else h for h in data["hosts"]]}
     try:
         return LaunchHostfile.model_validate(data)
     except ValidationError as exc:
@@ -83,7 +121,8 @@ def _validate(data: Any, source: str) -> LaunchHostfile:
             where = f"host entry {loc[1]}{field} ({json.dumps(entry)})"
         elif loc:
             where = f"field {loc[0]!r}"
-        raise ConfigError(f"{source}: {where}: {err['msg']}") from None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise ConfigError(f"{source}: {where}: {msg}") from None
 
 
 def read_launch_hostfile(path: str | Path) -> LaunchHostfile:

@@ -7,10 +7,12 @@ import random
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import uuid
 from pathlib import Path
 
+from ..errors import ConfigError
 from .spec import RankPlace
 
 __all__ = ["Job"]
@@ -27,7 +29,7 @@ class Job:
         self.verbose = verbose
         self.dir = Path(tempfile.gettempdir()) / f"meshcomm-{self.job_id}"
         _sweep_stale(self.dir.parent)
-        self.dir.mkdir(mode=0o700)
+        self._dir_stat = _make_private_dir(self.dir)
         (self.dir / _OWNER).write_text(str(os.getpid()))
         self.files: dict[str, str] = {}
         self._fds: dict[int, list[int]] = {}
@@ -88,8 +90,36 @@ class Job:
         self._keep.clear()
 
     def cleanup(self) -> None:
+        """Close inherited sockets and remove the job's directory, if it is still the one
+        this job made (same inode, ours, not a symlink: never one someone put in its place)."""
         self.release_fds()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            st = os.lstat(self.dir)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino, st.st_uid) == self._dir_stat and stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _make_private_dir(path: Path) -> tuple[int, int, int]:
+    """Create ``path`` 0700 (never reuse an existing one); its (device, inode, owner)."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        try:
+            uid: object = os.lstat(path).st_uid
+        except OSError:
+            uid = "?"
+        raise ConfigError(
+            f"job directory {path} exists already (owned by uid {uid}): another user may have made it "
+            "to read or plant the job's files; refusing to use it. Remove it, or set TMPDIR to a private directory"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create the job directory {path}: {exc.strerror}; set TMPDIR to a "
+                          "writable directory") from None
+    os.chmod(path, 0o700)  # whatever the umask
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino, st.st_uid
 
 
 #: the launcher's pid, in its job directory: a directory whose launcher is gone (it was

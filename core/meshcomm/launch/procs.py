@@ -12,7 +12,10 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-__all__ = ["OutputMux", "RankProcess", "FifoOutput", "remote_script", "remote_kill_command", "die_with_parent"]
+from .safety import check_env_name, mask, ssh_argv
+
+__all__ = ["OutputMux", "RankProcess", "FifoOutput", "remote_script", "remote_kill_command", "die_with_parent",
+           "private_dir_script", "DIR_REFUSED"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -60,9 +63,55 @@ class OutputMux:
         return t
 
 
+#: exit status of a remote start script that refused the job's directory
+DIR_REFUSED = 97
+
+
+def private_dir_script(folder: str) -> list[str]:
+    """Shell lines that make ``folder`` this user's private directory, or end the script.
+
+    Ranks sharing a host each run this, so the directory may exist already, made by a
+    sibling rank (or, on this machine, by the launcher): it is accepted only if it is a real
+    directory (not a symlink), owned by this user, mode exactly 0700. Anything else, such
+    as a directory another user made first to read the job's files or to plant its own, is
+    refused with a message naming its owner and mode, and exit status ``DIR_REFUSED``. Its
+    parent must be ours or root's, and not writable by others unless sticky (``/tmp``), or
+    a stranger could swap our directory afterwards.
+    """
+    parent = os.path.dirname(folder.rstrip("/")) or "/"
+    owner = 'owned by uid $(stat -c %u "$1" 2>/dev/null || echo ?), mode $(stat -c %a "$1" 2>/dev/null || echo ?)'
+    return [
+        "umask 077",
+        f"mc_dir={shlex.quote(folder)}; mc_parent={shlex.quote(parent)}",
+        f"mc_owner() {{ echo \"{owner}\"; }}",
+        'mkdir -p "$mc_parent" 2>/dev/null || true',
+        # the parent: root's or ours, and not group/other-writable unless sticky (find: POSIX tests)
+        'if [ -z "$(find "$mc_parent" -maxdepth 0 \\( -user 0 -o -user "$(id -u)" \\) '
+        '\\( -perm -1000 -o \\( ! -perm -020 ! -perm -002 \\) \\) 2>/dev/null)" ]; then '
+        'echo "meshcomm launch: error: the parent of the job directory, $mc_parent on $(hostname), is '
+        '$(mc_owner "$mc_parent"): another user could replace the job directory in it; refusing it. Use a TMPDIR '
+        f'that only you (or root) can write to, or a sticky one like /tmp" >&2; exit {DIR_REFUSED}; fi',
+        'mkdir -m 700 "$mc_dir" 2>/dev/null || true',
+        # the directory: a real one (find does not follow a symlink given to it), ours, 0700
+        'if [ -z "$(find "$mc_dir" -maxdepth 0 -type d -user "$(id -u)" -perm 700 2>/dev/null)" ]; then '
+        'echo "meshcomm launch: error: job directory $mc_dir on $(hostname) exists already and is not this job\'s '
+        '($([ -L "$mc_dir" ] && echo "a symlink, ")$(mc_owner "$mc_dir"), where this job makes it 0700 and owned '
+        'by uid $(id -u)): another user may have made it first to read or plant the job\'s files; refusing to use '
+        'it. Remove it (rm -rf $mc_dir) unless someone else needs it, and start the job again" >&2; '
+        f'exit {DIR_REFUSED}; fi',
+    ]
+
+
 def remote_script(argv: Sequence[str], env: dict[str, str], cwd: str, files: dict[str, str], filedir: str) -> str:
-    """The bash script a remote host runs: write the job's files, cd, export, report pid, exec."""
-    lines = ["set -e", f"mkdir -p -m 700 {shlex.quote(filedir)}"]
+    """The bash script a remote host runs: make the job's private directory (refusing one
+    another user made), write the job's files, cd, export, report pid, exec.
+
+    Every variable name is checked to be a shell identifier (it is pasted unquoted after
+    ``export``); every value, path and argument is quoted.
+    """
+    for k in env:
+        check_env_name(k, "remote rank environment")
+    lines = ["set -e", *private_dir_script(filedir)]
     for name, content in files.items():
         marker = "MESHCOMM_EOF_" + os.urandom(6).hex()
         final = shlex.quote(filedir + "/" + name)
@@ -109,7 +158,7 @@ class RankProcess:
             # line where any local user could read it with ps; bash reads it line by line,
             # so the program it execs finds stdin at its end
             script = remote_script(argv, env, cwd, files or {}, filedir)
-            cmd = [*ssh, host, "bash -s"]
+            cmd = ssh_argv(ssh, host, "bash -s")
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, preexec_fn=die_with_parent,
@@ -120,12 +169,11 @@ class RankProcess:
                 self.proc.stdin.close()
             except BrokenPipeError:
                 pass  # ssh failed at once; its exit status and stderr tell why
-        if verbose:
-            shown = " ".join(shlex.quote(c) for c in (argv if host is None else [*ssh, host, "bash -s <<script"]))
-            sys.stderr.write(f"meshcomm launch: rank {rank}{' on ' + host if host else ''}: {shown}\n")
+        if verbose:  # secrets (the job's, and credential-like --env values) shown as <hidden>
+            shown = " ".join(shlex.quote(c) for c in (argv if host is None else [*cmd[:-1], "bash -s <<script"]))
+            sys.stderr.write(mask(f"meshcomm launch: rank {rank}{' on ' + host if host else ''}: {shown}\n", env))
             if host is not None:
-                secret = env.get("MESHCOMM_JOB_SECRET")
-                sys.stderr.write((script.replace(secret, "<secret>") if secret else script) + "\n")
+                sys.stderr.write(mask(script, env) + "\n")
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self.threads = [
             mux.pump(self.proc.stdout, sys.stdout.buffer, tag, self._pid_line if host else None),
@@ -159,7 +207,7 @@ class RankProcess:
                 pass
         elif self.remote_pid is not None:
             name = signal.Signals(sig).name.replace("SIG", "")
-            subprocess.Popen([*self.ssh, self.host, f"kill -{name} {self.remote_pid} 2>/dev/null"],
+            subprocess.Popen(ssh_argv(self.ssh, self.host, f"kill -{name} {self.remote_pid} 2>/dev/null"),
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def signal(self, sig: int) -> None:
@@ -180,7 +228,7 @@ class RankProcess:
             else:
                 return
             try:
-                subprocess.run([*self.ssh, self.host, command],
+                subprocess.run(ssh_argv(self.ssh, self.host, command),
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, timeout=10, check=False)
             except subprocess.TimeoutExpired:

@@ -22,6 +22,7 @@ from .hosts import Host, LaunchHostfile, place_ranks
 from .job import Job
 from .procs import FifoOutput, OutputMux, RankProcess, die_with_parent
 from .rank import OUTPUT_DIR_ENV
+from .safety import check_env_name, mask, ssh_argv
 from .spec import ExternalLauncher, RankEnvLauncher
 
 __all__ = ["launch", "program_argv", "is_python", "GRACE"]
@@ -129,9 +130,9 @@ def launch(
         if timeout is not None:
             base["MLX_TIMEOUT"] = f"{timeout:g}"
         base.update(_thread_limits(places))
-        for item in (hosts.envs if hosts else []):
-            k, _, v = item.partition("=")
-            base[k] = v
+        base.update(hosts.env() if hosts else {})
+        for k in env or {}:
+            check_env_name(k, f"--env {k}")
         base.update(env or {})
         workdir = cwd or os.getcwd()
         runner = is_python(argv)
@@ -289,15 +290,12 @@ def _cleanup_hosts(job: Job, ssh: list[str], backend_cmd: str | None,
     remote ranks left are read first (printed by the same ssh command) and returned."""
     records: list[dict[str, Any]] = []
     for host in job.hosts:
-        parts = [] if host is None else [f"rm -rf {shlex.quote(str(job.dir))}"]
-        if host is not None and fetch_records:
-            folder = shlex.quote(str(job.dir / "failures"))
-            parts.insert(0, f"for f in {folder}/rank-*.json; do [ -f \"$f\" ] && cat \"$f\" && echo; done")
+        parts = [] if host is None else [_remote_cleanup(str(job.dir), fetch_records)]
         if backend_cmd:
             parts.append(backend_cmd)
         if not parts:
             continue
-        cmd = ["bash", "-c", "; ".join(parts)] if host is None else [*ssh, host, "; ".join(parts)]
+        cmd = ["bash", "-c", "; ".join(parts)] if host is None else ssh_argv(ssh, host, "; ".join(parts))
         try:
             done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, timeout=15, check=False)
@@ -314,13 +312,27 @@ def _cleanup_hosts(job: Job, ssh: list[str], backend_cmd: str | None,
     return records
 
 
+def _remote_cleanup(folder: str, fetch_records: bool) -> str:
+    """Shell command for a remote host: print the failure records (when asked) and remove
+    the job's directory, only if it is ours (a directory, not a symlink, owned by this user:
+    one another user made, which the ranks refused to use, is neither read nor removed)."""
+    d = shlex.quote(folder)
+    body = f"rm -rf {d}"
+    if fetch_records:
+        records = shlex.quote(folder + "/failures")
+        body = f'for f in {records}/rank-*.json; do [ -f "$f" ] && cat "$f" && echo; done; ' + body
+    return f"if [ -d {d} ] && [ ! -L {d} ] && [ -O {d} ]; then {body}; fi"
+
+
 def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, prefix: bool, verbose: bool,
                   runner: bool) -> int:
     """Run the one command that starts every rank (mpiexec). Ranks run through the rank
     runner write their output to FIFOs read here (whole lines, prefixed by us), their
     failure records to the job's directory (blame, and stacks on a timeout)."""
-    if verbose:
-        sys.stderr.write("meshcomm launch: " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+    if verbose:  # the secret is never on the command line; masked anyway, and in the environment
+        sys.stderr.write("meshcomm launch: " + mask(" ".join(shlex.quote(c) for c in cmd), base) + "\n")
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in base.items())
+        sys.stderr.write(f"meshcomm launch: variables set for {cmd[0]} and every rank: {mask(shown, base)}\n")
     fifos = None
     if OUTPUT_DIR_ENV in base:
         fifos = FifoOutput(base[OUTPUT_DIR_ENV], job.nranks, OutputMux(prefix))
