@@ -170,6 +170,46 @@ def _extreme_inputs(dt: np.dtype, n: int) -> list[np.ndarray]:
     return out
 
 
+def test_p2p_tags_are_distinct_and_fit_in_31_bits() -> None:
+    """Two messages get the same tag only if dtype and count agree (below BIG), so gloo never pairs
+    a send with a recv of another size; tags are non-negative 31-bit ints (torch's int tag)."""
+    from meshcomm.dtypes import SUPPORTED
+    from meshcomm_gloo.calls import BIG, p2p_tag
+
+    counts = [1, 2, 3, 4, 5, 1000, BIG - 1]
+    tags = {(dt.str, c): p2p_tag(dt, c) for dt in SUPPORTED for c in counts}
+    assert len(set(tags.values())) == len(tags)
+    big = {p2p_tag(dt, BIG + k, part) for dt in SUPPORTED for k in (0, 7) for part in (0, 1)}
+    assert len(big) == 2 * len(SUPPORTED) and not big & set(tags.values())
+    assert all(0 <= t < 2**31 for t in [*tags.values(), *big])
+
+
+def test_call_records_compare_and_round_trip() -> None:
+    import numpy as np
+    from meshcomm_gloo.calls import Call, conflicts
+
+    coll = Call("coll", "all_sum", np.dtype(np.float32), 4, 3)
+    assert Call.parse(coll.text()) == Call.parse(Call("coll", "all_sum", "float32", 4, 3).text())
+    send = Call.parse(Call("send", "send", np.dtype(np.float32), 4, peer=0).text())
+    ok, short = (Call("recv", "recv", "float32", c, peer=1) for c in (4, 5))
+    assert not conflicts(1, send, 0, ok) and not conflicts(0, ok, 1, send)
+    assert conflicts(1, send, 0, short) and conflicts(0, short, 1, send)
+    assert conflicts(0, Call.parse(coll.text()), 1, send) and conflicts(1, send, 0, Call.parse(coll.text()))
+    assert not conflicts(2, Call("send", "send", "float32", 4, peer=0), 1, coll), "rank 1 is not involved"
+
+
+def test_gloo_address_is_traced_to_a_rank() -> None:
+    """torch 2.13's gloo prints the peer's port byte-swapped; both readings are looked up."""
+    from meshcomm_gloo.liveness import owner
+
+    ends = [{"10.0.0.1:1000"}, {"10.0.0.2:39425", "10.0.0.2:55260"}, {"10.0.0.3:36053"}]
+    swapped = ((39425 & 0xFF) << 8) | (39425 >> 8)
+    assert owner(f"Connection closed by peer [10.0.0.2]:{swapped}. GLHF", ends, 0) == 1
+    assert owner("[/x/pair.cc:553] Connection closed by peer [10.0.0.3]:36053", ends, 0) == 2
+    assert owner("Connection closed by peer [10.0.0.9]:1", ends, 0) is None
+    assert owner("no address here", ends, 0) is None
+
+
 # -- gloo-specific behaviour on real ranks ---------------------------------------------
 def test_dtype_fallbacks_on_three_ranks() -> None:
     run(3, "_w_dtypes")

@@ -88,7 +88,9 @@ class Call(NamedTuple):
         if self.kind == "coll":
             root = f" from root {self.root}" if self.root >= 0 else ""
             what = f" of {self.count} {self.dtype}" if self.count else ""
-            return f"{self.name}{what}{root} (collective #{self.seq} of the group)"
+            check = (", most likely meshcomm's call check before the next collective"
+                     if self.name == "all_max" and self.count == 2 and _name(self.dtype) == "int64" else "")
+            return f"{self.name}{what}{root} (collective #{self.seq} of the group{check})"
         if self.kind == "send":
             return f"send of {self.count} {self.dtype} to rank {self.peer}"
         if self.kind == "recv":
