@@ -73,6 +73,8 @@ class MPIBackend(Backend):
         self.sent = [0] * self._size
         self.recvd = [0] * self._size
         self.broken: str | None = None
+        #: the last point-to-point call after the last collective (for exit notices)
+        self.tail: tuple[Any, ...] | None = None
         self._splits = 0
         self._tags = TagCodec(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._closed = False
@@ -88,6 +90,17 @@ class MPIBackend(Backend):
     @property
     def control(self) -> Control:
         return self._ctl
+
+    def tail_text(self) -> str | None:
+        """``send #2 to rank 0``: the last point-to-point call, if one came after the last collective."""
+        t = self.tail
+        if t is None:
+            return None
+        if t[0] == "send":
+            return f"send #{self.sent[t[1]]} to rank {t[1]}"
+        if t[0] == "recv":
+            return f"recv #{self.recvd[t[1]]} from rank {t[1]}"
+        return f"sendrecv (to rank {t[1]}, from rank {t[2]})"
 
     def counts_for(self, world_peer: int) -> Counts | None:
         """This rank's counts on this communicator as ``world_peer`` sees them (for queries)."""
@@ -137,6 +150,7 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise self._fail("send", exc, dst) from None
         self.sent[dst] += 1
+        self.tail = ("send", dst)
         self._finish([req], ("send", dst), dst, None, buf.nbytes)
 
     def recv(self, buf: np.ndarray, src: int) -> None:
@@ -148,6 +162,7 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise self._fail("recv", exc, src) from None
         self.recvd[src] += 1
+        self.tail = ("recv", src)
         try:
             self._finish([req], ("recv", src), src, [status], buf.nbytes)
         except DistributedError as exc:
@@ -194,6 +209,7 @@ class MPIBackend(Backend):
             raise self._fail(f"sendrecv (to {dst}, from {src})", exc) from None
         self.sent[dst] += 1
         self.recvd[src] += 1
+        self.tail = ("sendrecv", dst, src)
         statuses = [status, MPI.Status()]
         try:
             self._finish([rreq, sreq], ("sendrecv", dst, src), None, statuses, sendbuf.nbytes + recvbuf.nbytes)
@@ -209,6 +225,7 @@ class MPIBackend(Backend):
             self._usable(_REDUCE_NAMES.get(op, op))
         dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
         self.coll_count += 1
+        self.tail = None
         try:
             req = self.comm.Iallreduce([sendbuf, dt], [recvbuf, dt], mop)
             if req.Test():
@@ -225,6 +242,7 @@ class MPIBackend(Backend):
             self._usable("all_gather")
         dt = self._move[sendbuf.dtype]
         self.coll_count += 1
+        self.tail = None
         try:
             req = self.comm.Iallgather([sendbuf, dt], [recvbuf, dt])
         except MPI.Exception as exc:
@@ -236,6 +254,7 @@ class MPIBackend(Backend):
             self._usable("sum_scatter")
         dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
         self.coll_count += 1
+        self.tail = None
         try:
             req = self.comm.Ireduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
@@ -247,6 +266,7 @@ class MPIBackend(Backend):
         if self.broken is not None:
             self._usable("broadcast")
         self.coll_count += 1
+        self.tail = None
         try:
             req = self.comm.Ibcast([buf, self._move[buf.dtype]], root)
         except MPI.Exception as exc:
@@ -257,6 +277,7 @@ class MPIBackend(Backend):
         if self.broken is not None:
             self._usable("barrier")
         self.coll_count += 1
+        self.tail = None
         try:
             req = self.comm.Ibarrier()
         except MPI.Exception as exc:

@@ -82,6 +82,7 @@ class Control:
         self.current: Desc | None = None
         self.last: dict[str, Any] | None = None  #: the operation that last raised, for answers
         self.last_error: DistributedError | None = None
+        self.peer_died = False  #: a peer's process is gone: its launcher ends the job itself
         self.lost = False  #: a peer is known lost or a communicator broken: MPI_Finalize could hang
         self.aborting = False
         self._status = MPI.Status()
@@ -95,12 +96,12 @@ class Control:
     def register(self, backend: Any) -> None:
         self.comms[backend.cid] = backend
 
-    def _all_counts(self) -> dict[str, tuple[int, dict[int, int], dict[int, int]]]:
+    def _all_counts(self) -> dict[str, tuple[int, dict[int, int], dict[int, int], str | None]]:
         out = {}
         for cid, b in self.comms.items():
             m = b.members
             out[cid] = (b.coll_count, {m[q]: n for q, n in enumerate(b.sent) if n},
-                        {m[q]: n for q, n in enumerate(b.recvd) if n})
+                        {m[q]: n for q, n in enumerate(b.recvd) if n}, b.tail_text())
         return out
 
     def _counts_in(self, notice: dict[str, Any], desc: Desc) -> Counts | None:
@@ -190,6 +191,7 @@ class Control:
                 next_look = now + 0.25
                 for w in relevant:
                     if self.peers.local[w] and self.peers.state(w) == "dead":
+                        self.peer_died = True
                         raise PeerLostError(
                             f"[mpi] rank {desc.me} waits in {desc.where}, but {desc.who(desc.local[w])} "
                             f"{self.peers.describe(w)}; the job cannot continue",
@@ -286,6 +288,14 @@ class Control:
             return
         name, peer = self._peer_name(desc, w)
         self.lost = True
+        entry = msg.get("counts", {}).get(desc.cid)
+        tail = entry[3] if entry is not None and len(entry) > 3 else None
+        if desc.kind == "coll" and tail is not None:
+            raise CollectiveMismatchError(
+                f"[mpi] {name} called {tail} on {desc.label} where rank {desc.me} calls {desc.text}, "
+                f"and then its program ended: the ranks called different operations; make every rank "
+                "call the same collectives in the same order, and match each send with a recv"
+            )
         raise PeerLostError(
             f"[mpi] {name} exited (its program ended) while rank {desc.me} waits in {desc.where}, "
             f"an operation {name} never reached; make every rank run the same sequence of "
@@ -347,6 +357,7 @@ class Control:
         head = f"[mpi] rank {desc.me} waited {backend.timeout:g} s (MLX_TIMEOUT) in {desc.where}"
         fix = ("; raise MLX_TIMEOUT if the peer is only slow, otherwise fix or restart it")
         if dead:
+            self.peer_died = any("died" in t for _, t in dead)
             return PeerLostError(f"{head}: {'; '.join(t for _, t in dead)}; the job cannot continue",
                                  peer=self._peer_name(desc, dead[0][0])[1])
         if missing:
@@ -399,6 +410,9 @@ class Control:
             notice = self._notice(code=code, cls=type(exc).__name__, peer=world_peer, msg=str(exc))
             for w in others:
                 self._post(w, DOWN, notice)
+            if self.peer_died:
+                # mpiexec ends a job whose process died, with that process's status: let it
+                self.linger(5.0, lambda: bool(self.failed))
             self.linger(1.5, lambda: everyone_knows() or bool(self.failed))
             if not self.failed:
                 self.linger(0.3, lambda: bool(self.failed))  # the peers' last output is on its way
