@@ -52,7 +52,7 @@ _ERRORS: dict[str, type[DistributedError]] = {
 
 def _make(cls: type[DistributedError], msg: str, peer: int | None) -> DistributedError:
     if cls in (PeerLostError, CommTimeoutError):
-        return cls(msg, peer=peer)  # type: ignore[call-arg]
+        return cls(msg, peer=peer)
     return cls(msg)
 
 
@@ -172,7 +172,7 @@ class Control:
 
     def _loop(self, backend: Any, desc: Desc, test: Any, start: float) -> None:
         deadline = start + backend.timeout
-        next_look = time.monotonic() + 0.1
+        next_look = time.monotonic() + 0.05
         relevant = desc.asked()
         nap = 5e-5
         while True:
@@ -188,7 +188,7 @@ class Control:
             time.sleep(nap)
             nap = min(1e-3, nap * 1.25, max(5e-5, (now - start) / 8))
             if now >= next_look and self.peers is not None:
-                next_look = now + 0.25
+                next_look = now + 0.1
                 for w in relevant:
                     if self.peers.local[w] and self.peers.state(w) == "dead":
                         self.peer_died = True
@@ -327,7 +327,10 @@ class Control:
         raise self._verdict(backend, desc, asked)
 
     def _verdict(self, backend: Any, desc: Desc, asked: list[int]) -> DistributedError:
-        dead, missing, mismatch, blocked = [], [], [], []
+        dead: list[tuple[int, str]] = []
+        missing: list[tuple[int, str]] = []
+        mismatch: list[tuple[int, str]] = []
+        blocked: list[tuple[int, str]] = []
         for w in asked:
             name, _ = self._peer_name(desc, w)
             a = self._answers.get(w) or self.down.get(w) or self.exited.get(w)
