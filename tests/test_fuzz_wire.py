@@ -5,7 +5,11 @@
   from a peer's bytes is bounded (no allocation the peer controls).
 * The frame-header check (``Fabric._check`` through the receive loop) turns any header that
   differs from the expected call into a ``DistributedError`` subclass — mismatch, or the
-  ABORT a peer sent — within a bounded time and memory, whatever the 24 bytes say.
+  ABORT a peer sent — within a bounded time and memory, whatever the 28 bytes say.
+* Frame authentication: any changed bit of a header, its tag, a payload or its tag, an
+  ABORT's message, a replayed frame or a frame made without the key is a ``FrameAuthError``
+  and nothing it says (an ABORT's text) reaches the user; the per-connection keys differ
+  per connection and direction.
 * A live 2-rank job keeps working while a fuzzer hammers rank 0's listening port during
   start-up; each rejected connection is logged.
 * A send/recv pair that disagrees on shape or dtype is a ``CollectiveMismatchError`` on both
@@ -156,16 +160,27 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def _receive(header: bytes, payload: bytes, expect_bytes: int = 256, timeout: float = 2.0) -> BaseException | None:
-    """Rank 0 expects one frame of ``EXPECT`` from rank 1, which sends ``header + payload`` and
-    closes; returns what the receive loop raised (None: it accepted the frame)."""
+MAC = wire.Mac(b"")  # the engine's keys when none are given
+
+
+def _frame(header: bytes, payload: bytes, ctr: int = 0, nbytes: int = 256) -> bytes:
+    """``header`` with its tag, ``payload``, and the tag of its first ``nbytes`` bytes (as a
+    rank holding the connection's key sends it)."""
+    return MAC.seal(ctr, header) + payload + MAC.tag(b"P", ctr, payload[:nbytes])
+
+
+def _receive(header: bytes, payload: bytes, expect_bytes: int = 256, timeout: float = 2.0,
+             raw: bytes | None = None, payload_integrity: bool = True) -> BaseException | None:
+    """Rank 0 expects one frame of ``EXPECT`` from rank 1, which sends ``header + payload``
+    (authenticated, see _frame; or ``raw`` bytes) and closes; returns what the receive loop
+    raised (None: it accepted the frame)."""
     a, b = _tcp_pair()
     try:
-        fab = engine.Fabric(0, 2, {1: a}, timeout)
+        fab = engine.Fabric(0, 2, {1: a}, timeout, payload_integrity=payload_integrity)
         a.setblocking(False)
         target = memoryview(bytearray(expect_bytes))
         fab.post_recv(fab.links[1], EXPECT, target, 1 << 20)
-        b.sendall(header + payload)
+        b.sendall(_frame(header, payload, nbytes=wire.HEADER.unpack(header)[4]) if raw is None else raw)
         b.shutdown(socket.SHUT_WR)
         try:
             fab.progress([fab.links[1]])
@@ -183,7 +198,8 @@ def _ok(exc: BaseException | None, header: bytes) -> None:
                                                  EXPECT.total)
         return
     assert isinstance(exc, DistributedError), repr(exc)
-    assert isinstance(exc, (CollectiveMismatchError, PeerLostError, CommTimeoutError)) or "stopped the job" in str(exc), repr(exc)
+    assert isinstance(exc, (CollectiveMismatchError, PeerLostError, CommTimeoutError, engine.FrameAuthError)) or (
+        "stopped the job" in str(exc)), repr(exc)
 
 
 headers = st.one_of(
@@ -229,7 +245,7 @@ def test_header_split_into_single_bytes_is_checked_like_a_whole_one() -> None:
         fab = engine.Fabric(0, 2, {1: a}, 2.0)
         a.setblocking(False)
         fab.post_recv(fab.links[1], EXPECT, memoryview(bytearray(8)), 1 << 20)
-        bad = wire.HEADER.pack(0, 5, EXPECT.op, 12, 8, EXPECT.arg, EXPECT.total)  # float64, not float32
+        bad = MAC.seal(0, wire.HEADER.pack(0, 5, EXPECT.op, 12, 8, EXPECT.arg, EXPECT.total))  # float64, not float32
 
         def drip() -> None:
             for i in range(len(bad)):
@@ -251,6 +267,64 @@ def test_a_frame_of_the_same_call_with_another_root_is_a_mismatch() -> None:
     exc = _receive(header, b"\0" * 256)
     assert isinstance(exc, CollectiveMismatchError), repr(exc)
     assert "root 1" in str(exc) and "root 2" in str(exc), str(exc)
+
+
+# -- frame authentication ------------------------------------------------------------------------
+
+GOOD = wire.HEADER.pack(EXPECT.group, EXPECT.seq, EXPECT.op, EXPECT.dtype, 256, EXPECT.arg, EXPECT.total)
+PAYLOAD = bytes(range(256))
+
+
+def test_the_expected_authenticated_frame_is_accepted() -> None:
+    assert _receive(GOOD, PAYLOAD) is None
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, wire.FRAME_HEAD + 256 + wire.TAG - 1), st.integers(0, 7))
+def test_any_flipped_bit_of_a_frame_is_an_authentication_error(pos: int, bit: int) -> None:
+    frame = bytearray(_frame(GOOD, PAYLOAD))
+    frame[pos] ^= 1 << bit
+    exc = _receive(GOOD, PAYLOAD, raw=bytes(frame))
+    assert isinstance(exc, engine.FrameAuthError), (pos, repr(exc))
+    assert "failed authentication" in str(exc) and "rank 1" in str(exc)
+
+
+def test_header_only_integrity_leaves_payloads_unchecked() -> None:
+    """What MESHCOMM_SOCKETS_INTEGRITY=header gives up: a changed payload byte is accepted
+    (its header is still authenticated)."""
+    frame = bytearray(MAC.seal(0, GOOD) + PAYLOAD)
+    frame[wire.FRAME_HEAD + 7] ^= 1
+    assert _receive(GOOD, PAYLOAD, raw=bytes(frame), payload_integrity=False) is None
+    frame[3] ^= 1
+    assert isinstance(_receive(GOOD, PAYLOAD, raw=bytes(frame), payload_integrity=False), engine.FrameAuthError)
+
+
+def test_a_frame_sealed_with_another_key_or_counter_is_rejected() -> None:
+    other = wire.Mac(b"some other key")
+    for raw in (other.seal(0, GOOD) + PAYLOAD + other.tag(b"P", 0, PAYLOAD),  # another key
+                _frame(GOOD, PAYLOAD, ctr=1),  # a replayed/reordered frame: another counter
+                GOOD + b"\0" * wire.TAG + PAYLOAD + b"\0" * wire.TAG):  # no key at all
+        assert isinstance(_receive(GOOD, PAYLOAD, raw=raw), engine.FrameAuthError)
+
+
+def test_a_forged_abort_is_rejected_and_its_text_never_shown() -> None:
+    msg = b"FORGED: rank 1 says the disk is full"
+    head = wire.HEADER.pack(0xFFFFFFFF, 1, wire.ABORT, 4, len(msg), 0, 0)
+    for raw in (head + b"\0" * wire.TAG + msg + b"\0" * wire.TAG,  # header tag forged
+                MAC.seal(0, head) + msg + b"\0" * wire.TAG,  # authentic header, message forged
+                MAC.seal(0, head) + msg[:-1] + b"X" + MAC.tag(b"P", 0, msg)):  # message changed
+        exc = _receive(GOOD, PAYLOAD, raw=raw)
+        assert isinstance(exc, engine.FrameAuthError), repr(exc)
+        assert "FORGED" not in str(exc) and "stopped the job" not in str(exc)
+    exc = _receive(GOOD, PAYLOAD, raw=MAC.seal(0, head) + msg + MAC.tag(b"P", 0, msg))  # the real thing
+    assert not isinstance(exc, engine.FrameAuthError) and "rank 1 stopped the job: FORGED" in str(exc), repr(exc)
+
+
+def test_keys_differ_per_connection_and_direction() -> None:
+    c2a, a2c = wire.derive_keys(b"secret", b"a" * 16, b"c" * 16)
+    assert c2a != a2c and len(c2a) == len(a2c) == 32
+    assert wire.derive_keys(b"secret", b"a" * 16, b"d" * 16)[0] != c2a
+    assert wire.derive_keys(b"other", b"a" * 16, b"c" * 16)[0] != c2a
 
 
 # -- a live job under a connection fuzzer --------------------------------------------------------

@@ -201,7 +201,9 @@ def test_the_transfer_loop_waits_in_slices_for_any_timeout(timeout):
         call = engine.Call(0, 1, wire.OP_CODES["send"], 0, 8, "world")
         target = memoryview(bytearray(8))
         fab.post_recv(fab.links[1], call, target, 1 << 20)
-        later = threading.Timer(0.3, lambda: b.sendall(wire.HEADER.pack(0, 1, call.op, 0, 8, 0, 8) + b"abcdefgh"))
+        mac = wire.Mac(b"")  # the engine's keys when none are given
+        frame = mac.seal(0, wire.HEADER.pack(0, 1, call.op, 0, 8, 0, 8)) + b"abcdefgh" + mac.tag(b"P", 0, b"abcdefgh")
+        later = threading.Timer(0.3, lambda: b.sendall(frame))
         later.start()
         fab.progress([fab.links[1]])
         later.join()

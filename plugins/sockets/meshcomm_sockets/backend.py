@@ -192,7 +192,7 @@ class SocketsBackend(Backend):
 
     def split(self, color: int, key: int) -> Backend:
         pair = np.zeros(2, np.int64)
-        with self._op("split", pair):
+        with self._op("split", pair), self.fabric.sealed():  # membership steers the job: always tagged
             members = algorithms.split_members(self, color, key)
         self._splits += 1
         gid = zlib.crc32(f"{self.gid}/{self._splits}/{color}".encode()) & 0x7FFFFFFF or 1

@@ -6,6 +6,15 @@ others fail with its rank and address once ``timeout`` expires, never wait forev
 Connections that fail the handshake (garbage, wrong secret, wrong protocol, silence) are
 closed and logged and the rank goes on waiting for its real peers: each accepted
 connection is challenged on its own thread, so strangers cannot hold up the real ones.
+At most :data:`MAX_PENDING` handshakes run at once: further connections are closed at
+once (a real peer retries), so a flood of connections cannot exhaust this rank's file
+descriptors; running out of them anyway (EMFILE and the like) is a DistributedError that
+names the limit and the fix, not a raw OSError.
+
+Without a job secret anybody can complete the handshake, so a HELLO's claims (another
+meshcomm version, another world size) then do not stop start-up: they are logged and
+named in the timeout error if the real peer never comes, and the WELCOME does not tell
+such a peer this rank's versions.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ import errno
 import logging
 import os
 import queue
+import resource
 import socket
 import threading
 import time
+from typing import NamedTuple
 
 from meshcomm.errors import CommTimeoutError, ConfigError, DistributedError
 
@@ -24,11 +35,34 @@ from . import wire
 from .engine import WAIT_SLICE
 from .hostfile import Peer
 
-__all__ = ["establish", "open_listener", "tune"]
+__all__ = ["establish", "open_listener", "tune", "Connection", "MAX_PENDING"]
 
 log = logging.getLogger("meshcomm.sockets")
 
 _HANDSHAKE_LIMIT = 5.0  # seconds a connecting stranger gets to complete the handshake
+#: handshakes in progress at once on a listening rank; more connections are closed at once
+MAX_PENDING = 64
+#: errors of a process or system out of descriptors or memory for sockets
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+class Connection(NamedTuple):
+    """One authenticated connection to a peer and its two frame keys (see wire.derive_keys)."""
+
+    sock: socket.socket
+    send_key: bytes
+    recv_key: bytes
+
+
+def _exhausted(rank: int, what: str, exc: OSError) -> DistributedError:
+    """The error for running out of descriptors (EMFILE...): the cause, the limit, the fix."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return DistributedError(
+        f"rank {rank}: {what} failed: {exc.strerror or exc} (errno {errno.errorcode.get(exc.errno or 0, exc.errno)}; "
+        f"open-file limit of this process: {soft}, hard limit {hard}). Raise the limit (ulimit -n) or close "
+        "descriptors the program holds; a flood of connections to this rank's port is capped at "
+        f"{MAX_PENDING} pending handshakes and does not cause this by itself."
+    )
 
 
 def tune(sock: socket.socket) -> None:
@@ -95,12 +129,14 @@ def _connect_once(peer: Peer, deadline: float) -> socket.socket:
 
 
 def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str,
-             deadline: float, timeout: float) -> socket.socket:
+             deadline: float, timeout: float) -> Connection:
     delay, last = 0.02, "no attempt"
     while True:
         try:
             sock = _connect_once(peer, deadline)
         except OSError as exc:
+            if exc.errno in _EXHAUSTED:
+                raise _exhausted(rank, f"opening a connection to rank {q} at {peer}", exc) from None
             last = exc.strerror or str(exc)
         else:
             try:
@@ -121,10 +157,12 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
             else:
                 if w.status != wire.STATUS_OK:
                     sock.close()
+                    theirs = (f"rank {q} runs {w.version!r}" if w.version else
+                              f"rank {q} names its versions only to peers that prove MESHCOMM_JOB_SECRET")
                     raise DistributedError(
                         f"rank {rank}: rank {q} at {peer} refused the connection: "
-                        f"{wire.STATUS_TEXT.get(w.status, w.status)} (rank {q} runs {w.version!r}, "
-                        f"rank {rank} runs {version!r}). Use the same hostfile and the same "
+                        f"{wire.STATUS_TEXT.get(w.status, w.status)} ({theirs}, "
+                        f"rank {rank} runs {version!r}). Use the same hostfile, the same settings and the same "
                         "meshcomm versions on every host."
                     )
                 if w.rank != q:
@@ -133,7 +171,8 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                         f"rank {rank}: {peer} answered as rank {w.rank}, but MLX_HOSTFILE says "
                         f"rank {q} listens there. Every rank must use the same hostfile."
                     )
-                return sock
+                c2a, a2c = wire.derive_keys(secret, nonce_a, nonce_c)
+                return Connection(sock, c2a, a2c)
         if time.monotonic() + delay > deadline:
             raise CommTimeoutError(
                 f"rank {rank}: could not connect to rank {q} at {peer} within {timeout:g} s "
@@ -144,8 +183,31 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
         delay = min(delay * 2, 0.5)
 
 
+class _Hello(NamedTuple):
+    hello: wire.Hello
+    sock: socket.socket
+    addr: tuple
+    nonce_a: bytes
+
+
+class _Greeters:
+    """How many handshakes are in progress (each on its own thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.count += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.count -= 1
+
+
 def _greet(sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline: float,
-           out: queue.Queue[tuple[wire.Hello, socket.socket, tuple]]) -> None:
+           out: queue.Queue[_Hello], greeters: _Greeters) -> None:
     """Challenge one accepted connection and queue its valid HELLO (runs on its own thread,
     so a silent or slow stranger delays nobody); strangers are closed and logged."""
     limit = min(deadline, time.monotonic() + _HANDSHAKE_LIMIT)
@@ -155,16 +217,21 @@ def _greet(sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline:
         sock.sendall(wire.challenge(nonce_a))
         head = _recv_exact(sock, wire.HELLO_FIXED, limit)
         rest = _recv_exact(sock, wire.hello_size(head) - len(head), limit)
-        out.put((wire.parse_hello(secret, nonce_a, head + rest), sock, addr))
+        out.put(_Hello(wire.parse_hello(secret, nonce_a, head + rest), sock, addr, nonce_a))
     except (OSError, wire.HandshakeError) as exc:
         log.warning("meshcomm sockets rank %d: rejected a connection from %s: %s", rank, addr[:2], exc)
         sock.close()
+    finally:
+        greeters.leave()
 
 
-def _admit(h: wire.Hello, sock: socket.socket, addr: tuple, rank: int, world: int, pending: set[int],
-           secret: bytes, version: str) -> int | None:
-    """Answer a valid HELLO: the peer's rank when it is one we wait for, else None (or an
-    error for a version or world-size skew, which no waiting can fix)."""
+def _admit(got: _Hello, rank: int, world: int, pending: set[int], secret: bytes, version: str,
+           refused: list[str]) -> Connection | None:
+    """Answer a valid HELLO: the connection when it is a peer we wait for, else None (or an
+    error for a version or world-size skew, which no waiting can fix, when the HELLO proved
+    the job secret; without a secret anybody can claim anything, so a claim is only noted
+    in ``refused``, for the timeout error)."""
+    h, sock, addr = got.hello, got.sock, got.addr
     status = wire.STATUS_OK
     if h.version != version:
         status = wire.STATUS_VERSION
@@ -172,72 +239,92 @@ def _admit(h: wire.Hello, sock: socket.socket, addr: tuple, rank: int, world: in
         status = wire.STATUS_WORLD
     elif h.target != rank or h.rank not in pending:
         status = wire.STATUS_RANK
-    try:
-        sock.sendall(wire.welcome(secret, h.nonce, wire.Welcome(status, rank, version)))
+    try:  # versions only to a peer that proved the secret
+        sock.sendall(wire.welcome(secret, h.nonce, wire.Welcome(status, rank, version if secret else "")))
     except OSError:
         pass
-    if status == wire.STATUS_VERSION:
-        sock.close()
-        raise DistributedError(
-            f"rank {rank}: rank {h.rank} runs {h.version!r} but rank {rank} runs {version!r}; "
-            "install the same meshcomm versions on every host."
-        )
-    if status != wire.STATUS_OK:
-        log.warning(
-            "meshcomm sockets rank %d: rejected %s claiming rank %d of %d (target %d): %s",
-            rank, addr[:2], h.rank, h.world, h.target, wire.STATUS_TEXT[status],
-        )
-        sock.close()
-        if status == wire.STATUS_WORLD:
-            raise DistributedError(
-                f"rank {rank}: rank {h.rank} thinks the job has {h.world} ranks, this rank has "
-                f"{world}; every rank must use the same hostfile."
-            )
-        return None
-    return h.rank
+    if status == wire.STATUS_OK:
+        c2a, a2c = wire.derive_keys(secret, got.nonce_a, h.nonce)
+        return Connection(sock, a2c, c2a)
+    sock.close()
+    what = {
+        wire.STATUS_VERSION: f"it runs {h.version!r} but rank {rank} runs {version!r}; install the same "
+                             "meshcomm versions and use the same settings on every host",
+        wire.STATUS_WORLD: f"it thinks the job has {h.world} ranks, this rank has {world}; every rank must use "
+                           "the same hostfile",
+    }.get(status, wire.STATUS_TEXT[status])
+    log.warning("meshcomm sockets rank %d: rejected %s claiming rank %d of %d (target %d): %s",
+                rank, addr[:2], h.rank, h.world, h.target, what)
+    if status in (wire.STATUS_VERSION, wire.STATUS_WORLD):
+        if secret:
+            raise DistributedError(f"rank {rank}: rank {h.rank} (at {addr[0]}) cannot join: {what}.")
+        refused.append(f"{addr[0]} claiming rank {h.rank} was refused: {what}")
+    return None
 
 
 def _accept_all(listener: socket.socket, peers: list[Peer], rank: int, secret: bytes, version: str,
-                deadline: float, timeout: float) -> dict[int, socket.socket]:
-    """Accept every higher rank; each connection is challenged on its own thread."""
+                deadline: float, timeout: float) -> dict[int, Connection]:
+    """Accept every higher rank; each connection is challenged on its own thread, at most
+    MAX_PENDING at once (more are closed at once and counted in one warning per burst)."""
     world = len(peers)
     pending = set(range(rank + 1, world))
-    conns: dict[int, socket.socket] = {}
-    hellos: queue.Queue[tuple[wire.Hello, socket.socket, tuple]] = queue.Queue()
+    conns: dict[int, Connection] = {}
+    hellos: queue.Queue[_Hello] = queue.Queue()
+    greeters = _Greeters()
+    refused: list[str] = []
+    turned_away = 0
     listener.settimeout(0.01)
     try:
         while pending:
             while not hellos.empty():
-                h, sock, addr = hellos.get_nowait()
-                q = _admit(h, sock, addr, rank, world, pending, secret, version)
-                if q is not None:
-                    pending.discard(q)
-                    conns[q] = sock
+                got = hellos.get_nowait()
+                c = _admit(got, rank, world, pending, secret, version, refused)
+                if c is not None:
+                    pending.discard(got.hello.rank)
+                    conns[got.hello.rank] = c
             if not pending:
                 break
             if time.monotonic() >= deadline:
                 missing = ", ".join(f"{q} ({peers[q]})" for q in sorted(pending))
+                why = f" Meanwhile: {'; '.join(refused[-3:])}." if refused else ""
                 raise CommTimeoutError(
                     f"rank {rank}: waited {timeout:g} s for ranks {missing} to connect; they never "
-                    "did. Did they start, and do they use the same MLX_HOSTFILE?",
+                    f"did. Did they start, and do they use the same MLX_HOSTFILE?{why}",
                     peer=min(pending),
                 )
             try:
                 sock, addr = listener.accept()
             except TimeoutError:
+                if turned_away:
+                    log.warning("meshcomm sockets rank %d: closed %d connections at once: %d handshakes were "
+                                "already pending (a flood of connections to this rank's port?)",
+                                rank, turned_away, MAX_PENDING)
+                    turned_away = 0
                 continue
-            threading.Thread(target=_greet, args=(sock, addr, rank, secret, deadline, hellos),
+            except OSError as exc:
+                if exc.errno not in _EXHAUSTED:
+                    raise DistributedError(f"rank {rank}: accepting connections failed: {exc.strerror or exc}") from None
+                if greeters.count == 0:  # nothing of ours will free a descriptor
+                    raise _exhausted(rank, "accepting a connection from a peer", exc) from None
+                time.sleep(0.01)  # pending handshakes end within their limit and free theirs
+                continue
+            if greeters.count >= MAX_PENDING:
+                sock.close()
+                turned_away += 1
+                continue
+            greeters.enter()
+            threading.Thread(target=_greet, args=(sock, addr, rank, secret, deadline, hellos, greeters),
                              name="meshcomm-handshake", daemon=True).start()
     except BaseException:
-        for s in conns.values():
-            s.close()
+        for c in conns.values():
+            c.sock.close()
         raise
     return conns
 
 
 def establish(peers: list[Peer], rank: int, *, secret: bytes, version: str, timeout: float,
-              bind: str | None = None, listener: socket.socket | None = None) -> dict[int, socket.socket]:
-    """Connect this rank to every other rank; returns world rank -> connected socket.
+              bind: str | None = None, listener: socket.socket | None = None) -> dict[int, Connection]:
+    """Connect this rank to every other rank; returns world rank -> connection (socket and keys).
 
     ``listener`` is an already listening socket (inherited from the launcher); without
     one this rank opens its own on its hostfile port.
@@ -251,18 +338,18 @@ def establish(peers: list[Peer], rank: int, *, secret: bytes, version: str, time
     if listener is None:
         listener = open_listener(rank, peers[rank], bind, world)
     listener.setblocking(True)
-    conns: dict[int, socket.socket] = {}
+    conns: dict[int, Connection] = {}
     try:
         for q in range(rank):
             conns[q] = _connect(rank, world, q, peers[q], secret, version, deadline, timeout)
         conns.update(_accept_all(listener, peers, rank, secret, version, deadline, timeout))
     except BaseException:
-        for s in conns.values():
-            s.close()
+        for c in conns.values():
+            c.sock.close()
         raise
     finally:
         listener.close()
-    for s in conns.values():
-        tune(s)
-        s.setblocking(False)
+    for c in conns.values():
+        tune(c.sock)
+        c.sock.setblocking(False)
     return conns

@@ -6,21 +6,28 @@ kernel, never spinning) only when no socket can make progress. A callback runs a
 as an expected frame has fully arrived, so a ring can reduce one chunk while the kernel
 is still moving the next ones.
 
-Every received header is compared with what this rank expects (group, sequence number,
-operation, dtype, sizes); any difference raises :class:`CollectiveMismatchError` naming
-both ranks and both calls. The first failure (peer lost, timeout, mismatch) is reported
-to every other rank with an ABORT frame, so all survivors raise instead of waiting.
+Every received header is authenticated first (its tag under the connection's key and
+the frame's counter, see wire.py; a frame that fails is :class:`FrameAuthError`, and
+whatever it said is not used), then compared with what this rank expects (group,
+sequence number, operation, dtype, sizes); any difference raises
+:class:`CollectiveMismatchError` naming both ranks and both calls. Payload tags, where the
+frame has one, are checked before the payload is handed on (a callback, or the caller).
+The first failure (peer lost, timeout, mismatch, a forged frame) is reported to every
+other rank with an ABORT frame (itself authenticated, message included), so all
+survivors raise instead of waiting.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import select
 import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +41,7 @@ from meshcomm.errors import (
 
 from . import wire
 
-__all__ = ["Call", "Fabric", "Link"]
+__all__ = ["Call", "Fabric", "Link", "FrameAuthError"]
 
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
@@ -54,6 +61,13 @@ _STALL = 1.0
 _FINISH_FRAME = 2.0
 #: monotonic time this process was last resumed after a stop (SIGCONT), 0 if never
 _resumed = [0.0]
+#: ``Link.starts`` entry of a buffer that continues a frame (frame starts hold their counter)
+_CONT = -1
+
+
+class FrameAuthError(DistributedError):
+    """A frame failed authentication: its bytes were changed on the way, or it was not sent
+    by the peer this connection was opened with. Its contents were not used."""
 
 
 def _on_sigcont(signum: int, frame: object) -> None:
@@ -100,19 +114,21 @@ def _describe(op: int, seq: int, dtype: int, total: int, arg: int = 0) -> str:
 
 
 class _Expect:
-    __slots__ = ("call", "target", "done")
+    __slots__ = ("call", "target", "done", "sealed")
 
-    def __init__(self, call: Call, target: memoryview, done: Callable[[], None] | None) -> None:
-        self.call, self.target, self.done = call, target, done
+    def __init__(self, call: Call, target: memoryview, done: Callable[[], None] | None, sealed: bool = False) -> None:
+        self.call, self.target, self.done, self.sealed = call, target, done, sealed
 
 
 class Link:
-    """The connection to one peer, with its send queue and its expected frames."""
+    """The connection to one peer, with its send queue, its expected frames, and the keys
+    and frame counters of both directions."""
 
     __slots__ = ("peer", "sock", "fd", "where", "out", "starts", "expect", "cur", "hdr", "hdr_mv", "hdr_got",
-                 "got", "checked", "send_blocked", "recv_blocked", "closed")
+                 "got", "checked", "send_blocked", "recv_blocked", "closed", "send_mac", "recv_mac", "send_ctr",
+                 "recv_ctr", "tail", "tail_mv", "tail_got")
 
-    def __init__(self, peer: int, sock: socket.socket) -> None:
+    def __init__(self, peer: int, sock: socket.socket, send_key: bytes = b"", recv_key: bytes = b"") -> None:
         self.peer = peer
         self.sock = sock
         self.fd = sock.fileno()
@@ -121,12 +137,21 @@ class Link:
         except OSError:
             self.where = "?"
         self.out: deque[memoryview] = deque()
-        self.starts: deque[bool] = deque()  # True where an entry of ``out`` begins a frame
+        #: per entry of ``out``: the frame counter where it begins a frame, else _CONT
+        self.starts: deque[int] = deque()
         self.expect: deque[_Expect] = deque()
         self.cur: _Expect | None = None
-        self.hdr = bytearray(wire.HEADER_SIZE)
+        self.hdr = bytearray(wire.FRAME_HEAD)
         self.hdr_mv = memoryview(self.hdr)
         self.hdr_got = 0
+        self.tail = bytearray(wire.TAG)
+        self.tail_mv = memoryview(self.tail)
+        self.tail_got = 0
+        self.send_mac = wire.Mac(send_key)
+        self.recv_mac = wire.Mac(recv_key)
+        #: frames queued to send so far (the next one's counter); frames received so far
+        self.send_ctr = 0
+        self.recv_ctr = 0
         self.got = 0
         self.checked = False
         self.send_blocked = False
@@ -145,11 +170,18 @@ def as_bytes(buf: np.ndarray) -> memoryview:
 class Fabric:
     """This rank's connections to every other rank of the world, and the transfer loop."""
 
-    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float) -> None:
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float,
+                 keys: dict[int, tuple[bytes, bytes]] | None = None, payload_integrity: bool = True) -> None:
+        """``keys``: per peer (send key, receive key) from the handshake (empty keys without);
+        ``payload_integrity``: every data frame's payload carries a tag (else only headers,
+        ABORT frames and frames sent inside :meth:`sealed`)."""
         self.rank = rank
         self.size = size
         self.timeout = timeout
-        self.links: dict[int, Link] = {q: Link(q, s) for q, s in socks.items()}
+        keys = keys or {}
+        self.links: dict[int, Link] = {q: Link(q, s, *keys.get(q, (b"", b""))) for q, s in socks.items()}
+        self.payload_integrity = payload_integrity
+        self._sealing = 0
         self.failure: DistributedError | None = None
         #: seconds a waiting rank polls without sleeping (see topology.wait_policy)
         self.spin = 0.0
@@ -161,20 +193,43 @@ class Fabric:
         watch_resume()
 
     # -- queueing -----------------------------------------------------------------------
+    @contextmanager
+    def sealed(self) -> Iterator[None]:
+        """Every frame queued inside carries a payload tag whatever the integrity setting:
+        for exchanges that steer the job (shared-memory set-up, group membership). Every
+        rank taking part must enter it around the same calls."""
+        self._sealing += 1
+        try:
+            yield
+        finally:
+            self._sealing -= 1
+
+    def _seals(self, nbytes: int) -> bool:
+        return nbytes > 0 and (self.payload_integrity or self._sealing > 0)
+
     def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
-        """Queue ``payload`` to ``link`` as frames of at most ``frame`` bytes."""
+        """Queue ``payload`` to ``link`` as frames of at most ``frame`` bytes (tags computed
+        now: the caller does not change a buffer it queued)."""
         n = len(payload)
+        mac = link.send_mac
         if n == 0:
-            link.starts.append(True)
-            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0, call.arg, call.total)))
+            ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
+            link.starts.append(ctr)
+            link.out.append(memoryview(mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0,
+                                                                      call.arg, call.total))))
             return
+        seal = self._seals(n)
         for lo in range(0, n, frame):
             part = payload[lo : lo + frame]
-            link.starts.append(True)
-            link.starts.append(False)
-            link.out.append(memoryview(wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.arg,
-                                                        call.total)))
+            ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
+            link.starts.append(ctr)
+            link.out.append(memoryview(mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype,
+                                                                      len(part), call.arg, call.total))))
+            link.starts.append(_CONT)
             link.out.append(part)
+            if seal:
+                link.starts.append(_CONT)
+                link.out.append(memoryview(mac.tag(b"P", ctr, part)))
 
     def post_recv(self, link: Link, call: Call, target: memoryview, frame: int,
                   done: Callable[[], None] | None = None) -> None:
@@ -183,9 +238,10 @@ class Fabric:
         if n == 0:
             link.expect.append(_Expect(call, target, done))
             return
+        seal = self._seals(n)
         for lo in range(0, n, frame):
             last = lo + frame >= n
-            link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None))
+            link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None, seal))
 
     # -- the loop -----------------------------------------------------------------------
     def progress(self, links: list[Link]) -> None:
@@ -318,11 +374,11 @@ class Fabric:
             if link.closed or link.cur is not None:
                 continue
             try:
-                head = link.sock.recv(wire.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                head = link.sock.recv(wire.FRAME_HEAD, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except OSError:
                 continue
-            if len(head) == wire.HEADER_SIZE:
-                group, _seq, op, _dt, _nb, _arg, _total = wire.HEADER.unpack(head)
+            if len(head) == wire.FRAME_HEAD and self._authentic(link, head):
+                group, _seq, op, _dt, _nb, _arg, _total = wire.HEADER.unpack(head[: wire.HEADER_SIZE])
                 if op == wire.ABORT and (found is None or group == self.rank):
                     found = link
                     if group == self.rank:
@@ -392,7 +448,7 @@ class Fabric:
                     link.starts.popleft()
                 else:
                     out[0] = head[n:]
-                    link.starts[0] = False
+                    link.starts[0] = _CONT
                     n = 0
         return moved
 
@@ -407,23 +463,26 @@ class Fabric:
                 exp = link.cur = link.expect.popleft()
                 link.hdr_got = link.got = 0
                 link.checked = False
+                link.tail_got = 0
             target = exp.target
+            tail = wire.TAG if exp.sealed else 0
+            bufs = []
+            if link.hdr_got < wire.FRAME_HEAD:
+                bufs.append(link.hdr_mv[link.hdr_got :])
+            if link.got < len(target):
+                bufs.append(target[link.got :])
+            if link.tail_got < tail:
+                bufs.append(link.tail_mv[link.tail_got : tail])
             try:
-                if link.hdr_got < wire.HEADER_SIZE:
-                    if len(target):
-                        k = sock.recvmsg_into([link.hdr_mv[link.hdr_got :], target])[0]
-                    else:
-                        k = sock.recv_into(link.hdr_mv[link.hdr_got :])
-                    if k == 0:
-                        raise self._lost(link, "connection closed")
-                    take = min(k, wire.HEADER_SIZE - link.hdr_got)
-                    link.hdr_got += take
-                    link.got += k - take
-                elif link.got < len(target):
-                    k = sock.recv_into(target[link.got :])
-                    if k == 0:
-                        raise self._lost(link, "connection closed")
-                    link.got += k
+                k = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
+                if k == 0:
+                    raise self._lost(link, "connection closed")
+                take = min(k, wire.FRAME_HEAD - link.hdr_got)
+                link.hdr_got += take
+                k -= take
+                take = min(k, len(target) - link.got)
+                link.got += take
+                link.tail_got += k - take
             except BlockingIOError:
                 link.recv_blocked = True
                 return moved
@@ -434,19 +493,43 @@ class Fabric:
                     raise
                 raise self._lost(link, f"receive failed ({exc.strerror})") from None
             moved = True
-            if link.hdr_got == wire.HEADER_SIZE and not link.checked:
+            if link.hdr_got == wire.FRAME_HEAD and not link.checked:
                 self._check(link, exp)
                 link.checked = True
-            if link.hdr_got == wire.HEADER_SIZE and link.got == len(target):
+            if link.hdr_got == wire.FRAME_HEAD and link.got == len(target) and link.tail_got == tail:
+                if tail and not hmac.compare_digest(link.recv_mac.tag(b"P", link.recv_ctr, target), link.tail):
+                    raise self._forged(link, "payload", exp)
                 link.cur = None
+                link.recv_ctr += 1
                 if exp.done is not None:
                     exp.done()
 
+    def _authentic(self, link: Link, head: bytes | bytearray) -> bool:
+        """``head`` (a header and its tag) is the next frame ``link``'s peer sent."""
+        return hmac.compare_digest(link.recv_mac.tag(b"H", link.recv_ctr, bytes(head[: wire.HEADER_SIZE])),
+                                   bytes(head[wire.HEADER_SIZE : wire.FRAME_HEAD]))
+
+    def _forged(self, link: Link, part: str, exp: _Expect | None) -> FrameAuthError:
+        """The error for a frame from ``link`` whose ``part`` ("header"/"payload"/"abort
+        message") failed its tag."""
+        what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""
+        return FrameAuthError(
+            f"rank {self.rank}: a frame from rank {link.peer} ({link.where}){what} failed authentication (its "
+            f"{part} does not match its tag under this connection's key): its bytes were changed on the way (an "
+            f"on-path attacker or faulty network equipment) or it was not sent by rank {link.peer}. Nothing it "
+            "carried was used, and the job stops: this connection can no longer be trusted. Run jobs on a "
+            "trusted network or through an encrypted tunnel (WireGuard, ssh), with MESHCOMM_JOB_SECRET set; "
+            "see the README's Security section."
+        )
+
     def _check(self, link: Link, exp: _Expect) -> None:
-        group, seq, op, dtype, nbytes, arg, total = wire.HEADER.unpack(link.hdr)
+        if not self._authentic(link, link.hdr):
+            raise self._forged(link, "header", exp)
+        group, seq, op, dtype, nbytes, arg, total = wire.HEADER.unpack_from(link.hdr)
         call = exp.call
-        if op == wire.ABORT:
-            raise self._abort_from(link, dtype, nbytes, exp, None if group == 0xFFFFFFFF else group)
+        if op == wire.ABORT:  # what came after the header so far is the start of its message
+            sofar = bytes(exp.target[: link.got]) + bytes(link.tail[: link.tail_got])
+            raise self._abort_from(link, dtype, nbytes, sofar, None if group == 0xFFFFFFFF else group)
         if (group, seq, op, dtype, nbytes, arg, total) == (call.group, call.seq, call.op, call.dtype,
                                                            len(exp.target), call.arg, call.total):
             return
@@ -462,21 +545,35 @@ class Fabric:
             "same calls in the same order with the same shapes, dtypes and roots; send/recv pairs must match."
         )
 
-    def _abort_from(self, link: Link, kind: int, nbytes: int, exp: _Expect, lost: int | None) -> DistributedError:
-        nbytes = min(nbytes, _MAX_ABORT)
-        already = bytes(exp.target[: min(link.got, nbytes)])
-        rest = b""
-        if len(already) < nbytes:
+    def _abort_from(self, link: Link, kind: int, nbytes: int, sofar: bytes, lost: int | None) -> DistributedError:
+        """The error an authenticated ABORT header announces (its message, ``nbytes`` and a
+        tag, follows; ``sofar``: the part already read): shown only if its tag is right."""
+        if nbytes > _MAX_ABORT:  # authentic, but no meshcomm rank sends that: read nothing
+            link.closed = True
+            return DistributedError(
+                f"rank {self.rank}: rank {link.peer} stopped the job with an ABORT announcing {nbytes} bytes of "
+                f"message (at most {_MAX_ABORT} are sent); its message was not read"
+            )
+        need = nbytes + wire.TAG
+        data = sofar[:need]
+        if len(data) < need:
             link.sock.settimeout(1.0)
             try:
-                while len(already) + len(rest) < nbytes:
-                    chunk = link.sock.recv(nbytes - len(already) - len(rest))
+                while len(data) < need:
+                    chunk = link.sock.recv(need - len(data))
                     if not chunk:
                         break
-                    rest += chunk
+                    data += chunk
             except OSError:
                 pass
-        msg = (already + rest).decode("utf-8", "replace")
+        if len(data) < need:
+            msg = "(its message did not arrive whole)"
+        elif hmac.compare_digest(link.recv_mac.tag(b"P", link.recv_ctr, data[:nbytes]), data[nbytes:]):
+            msg = data[:nbytes].decode("utf-8", "replace")
+        else:
+            link.closed = True
+            return self._forged(link, "abort message", None)
+        link.recv_ctr += 1
         link.closed = True
         if lost == self.rank and kind in (1, 2):  # the peers gave up on this very rank
             return CommTimeoutError(
@@ -504,22 +601,24 @@ class Fabric:
         if link.cur is not None:  # a frame is being read: the stream is not at a boundary
             return True
         try:
-            head = link.sock.recv(wire.HEADER_SIZE, socket.MSG_PEEK)
+            head = link.sock.recv(wire.FRAME_HEAD, socket.MSG_PEEK)
         except BlockingIOError:
             return False
         except OSError as exc:
             raise self._lost(link, f"connection reset ({exc.strerror})") from None
         if not head:
             raise self._lost(link, "connection closed")
-        if len(head) < wire.HEADER_SIZE:
+        if len(head) < wire.FRAME_HEAD:
             return False
-        group, seq, op, dtype, nbytes, _arg, _total = wire.HEADER.unpack(head)
+        if not self._authentic(link, head):
+            link.closed = True
+            raise self._forged(link, "header", None)
+        group, seq, op, dtype, nbytes, _arg, _total = wire.HEADER.unpack(head[: wire.HEADER_SIZE])
         if op != wire.ABORT:
             return True
-        link.sock.recv(wire.HEADER_SIZE)
+        link.sock.recv(wire.FRAME_HEAD)
         link.got = 0
-        dummy = _Expect(Call(0, 0, 0, 0, 0, "?"), memoryview(bytearray(0)), None)
-        raise self._abort_from(link, dtype, nbytes, dummy, None if group == 0xFFFFFFFF else group)
+        raise self._abort_from(link, dtype, nbytes, b"", None if group == 0xFFFFFFFF else group)
 
     # -- failure ------------------------------------------------------------------------
     def fail(self, exc: DistributedError) -> None:
@@ -531,20 +630,24 @@ class Fabric:
         msg = str(exc).encode("utf-8", "replace")[:_MAX_ABORT]
         lost = getattr(exc, "peer", None)
         who = 0xFFFFFFFF if lost is None else lost
-        frame = wire.HEADER.pack(who, self.rank, wire.ABORT, kind, len(msg), 0, 0) + msg
+        header = wire.HEADER.pack(who, self.rank, wire.ABORT, kind, len(msg), 0, 0)
         for link in self.links.values():
             if link.closed:
                 continue
             try:
-                if link.out and not link.starts[0]:
+                if link.out and link.starts[0] == _CONT:
                     # mid-frame: finish it, so the peer reads the ABORT as a frame and blames
                     # whom it names (closing instead would make it blame this live rank)
                     link.sock.settimeout(_FINISH_FRAME)
                     link.starts.popleft()
                     link.sock.sendall(link.out.popleft())
-                    while link.out and not link.starts[0]:
+                    while link.out and link.starts[0] == _CONT:
                         link.starts.popleft()
                         link.sock.sendall(link.out.popleft())
+                # the ABORT takes the place (and the counter) of the first frame not sent
+                ctr = link.starts[0] if link.out else link.send_ctr
+                link.send_ctr = ctr + 1
+                frame = link.send_mac.seal(ctr, header) + msg + link.send_mac.tag(b"P", ctr, msg)
                 link.sock.settimeout(0.5)
                 link.sock.sendall(frame)
             except OSError:  # the peer does not read: closing is all that is left to tell it

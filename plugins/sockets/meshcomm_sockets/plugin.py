@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 from meshcomm.backend import Backend
 from meshcomm.config import Config, setting
@@ -15,7 +16,20 @@ from meshcomm.hookspecs import hookimpl
 from meshcomm.registry import BackendRegistrar
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher"]
+__all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher", "NO_SECRET_WARNING"]
+
+log = logging.getLogger("meshcomm.sockets")
+
+#: printed once, by rank 0, when a job runs without MESHCOMM_JOB_SECRET
+NO_SECRET_WARNING = (
+    "meshcomm sockets rank 0: MESHCOMM_JOB_SECRET is not set, so this job has no secret: any process that can "
+    "reach a rank's port (other users of this machine, and other machines when ranks listen on a network "
+    "address) can join the job as a rank, read its arrays and change them, and frame authentication then "
+    "uses a key anyone can compute. meshcomm launch sets a fresh secret itself; for ranks started by hand make "
+    "one secret and give the same value to every rank, e.g. "
+    "export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;print(secrets.token_hex(16))') once, then pass it "
+    "to each rank's environment. Set MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
+)
 
 
 class SocketsSettings(BaseModel):
@@ -31,6 +45,15 @@ class SocketsSettings(BaseModel):
     secret: str | None = setting(
         None, env="MESHCOMM_JOB_SECRET", accepts="any string, the same on every rank",
         description="per-job secret every connection must prove (meshcomm launch generates one)",
+    )
+    require_secret: bool = setting(
+        False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
+        description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
+    )
+    integrity: Literal["payload", "header"] = setting(
+        "payload", env="MESHCOMM_SOCKETS_INTEGRITY", accepts="payload or header (the same on every rank)",
+        description="payload: every TCP frame's payload is authenticated too (HMAC-SHA256); header: only "
+        "headers and control frames (faster for large arrays; a changed payload byte goes unnoticed)",
     )
     chunk_kib: int = setting(
         256, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
@@ -61,7 +84,7 @@ class SocketsSettings(BaseModel):
     )
 
 
-def _version(chunk_kib: int) -> str:
+def _version(chunk_kib: int, integrity: str = "payload") -> str:
     def v(dist: str) -> str:
         try:
             return metadata.version(dist)
@@ -70,7 +93,8 @@ def _version(chunk_kib: int) -> str:
 
     from .wire import PROTOCOL
 
-    return f"meshcomm {v('meshcomm')}, meshcomm-sockets {v('meshcomm-sockets')}, protocol {PROTOCOL}, chunk {chunk_kib} KiB"
+    return (f"meshcomm {v('meshcomm')}, meshcomm-sockets {v('meshcomm-sockets')}, protocol {PROTOCOL}, "
+            f"chunk {chunk_kib} KiB, integrity {integrity}")
 
 
 def _environment(config: Config, settings: SocketsSettings) -> str | None:
@@ -113,13 +137,24 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
             f"MLX_RANK={config.rank} but MLX_HOSTFILE={str(config.hostfile)!r} lists {len(peers)} "
             f"ranks; expected 0 <= MLX_RANK < {len(peers)}"
         )
+    secret = (settings.secret or "").encode()
+    if not secret and len(peers) > 1:
+        if settings.require_secret:
+            raise ConfigError(
+                f"rank {config.rank}: MESHCOMM_REQUIRE_SECRET is set but MESHCOMM_JOB_SECRET is not: give every "
+                "rank the same secret, e.g. export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;"
+                "print(secrets.token_hex(16))') once and pass it to every rank (meshcomm launch sets one itself)"
+            )
+        if config.rank == 0:
+            log.warning(NO_SECRET_WARNING)
     listener = None
     if settings.listen_fd is not None:
         listener = socket.socket(fileno=settings.listen_fd)
-    secret = (settings.secret or "").encode()
-    socks = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib),
+    conns = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib, settings.integrity),
                       timeout=config.timeout, bind=settings.bind, listener=listener)
-    fabric = Fabric(config.rank, len(peers), socks, config.timeout)
+    fabric = Fabric(config.rank, len(peers), {q: c.sock for q, c in conns.items()}, config.timeout,
+                    keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
+                    payload_integrity=settings.integrity == "payload")
     start = _seq_start()
     world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
                            seq_start=start)
@@ -159,8 +194,9 @@ class SocketsLauncher:
 
     def cleanup_command(self, job: Any) -> str:
         """Run on every host when the job ends: shared memory of a rank that died during
-        start-up (normally the names are removed as soon as every local rank opened them)."""
-        return f"rm -f /dev/shm/meshcomm-{job.job_id}-*"
+        start-up (normally the names are removed as soon as every local rank opened them;
+        each host's segment and FIFOs live in one private directory, hence -r)."""
+        return f"rm -rf /dev/shm/meshcomm-{job.job_id}-*"
 
 
 @hookimpl

@@ -15,8 +15,15 @@ blocks in ``poll`` on its own FIFO (a peer that publishes writes one byte to the
 every sleeping peer) and on the TCP connections of its local peers, which report a dead
 peer (closed connection) or a failure elsewhere (ABORT frame) at once.
 
-The segment and the FIFOs are unlinked as soon as every local rank has opened them, so
-nothing is left in ``/dev/shm`` when the job ends, however it ends. The creator reserves
+The segment and the FIFOs live in one private directory, ``/dev/shm/meshcomm-<job>-<hex>``
+(mode 0700, created by the host's first rank with ``mkdir``, which fails rather than reuse
+a name someone else made), so no other user can create, replace or open a name in it
+first. A name received from a peer is used only if it has exactly that form for this
+job, and the directory and segment only if this user owns them, with the expected mode,
+type and size (:func:`check_name`, :func:`open_dir`). The directory is removed as soon as
+every local rank has opened what it needs, and also (``finally``) when set-up fails, so
+nothing is left in ``/dev/shm`` when the job ends, however it ends (except for a rank
+killed during set-up: then ``meshcomm launch`` removes ``/dev/shm/meshcomm-<job id>-*``). The creator reserves
 the segment's pages (``posix_fallocate``) before anyone maps it: a ``/dev/shm`` too small
 for it is a clear :class:`ShmSpaceError` at start-up (the job then uses TCP), never a
 SIGBUS on the first write to a page the filesystem cannot provide.
@@ -33,9 +40,11 @@ import functools
 import hashlib
 import mmap
 import os
+import re
 import secrets
 import select
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -52,7 +61,8 @@ from meshcomm.errors import (
 
 from .engine import Call, Fabric, _describe
 
-__all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "SEQ_WRAP", "next_piece"]
+__all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "ShmSetupError", "SEQ_WRAP", "next_piece",
+           "new_name", "check_name", "check_piece", "remove_dir", "MIN_PIECE", "MAX_PIECE"]
 
 SHM_DIR = Path("/dev/shm")
 _LINE = 16  # int64 words per rank's control line (two cache lines)
@@ -65,6 +75,76 @@ SEQ_WRAP = 1 << 32
 def next_piece(seq: int) -> int:
     """The piece number after ``seq`` (1, 2, ..., SEQ_WRAP, 1, ...)."""
     return seq % SEQ_WRAP + 1
+
+
+#: slot sizes a peer may announce (MESHCOMM_SOCKETS_SHM_PIECE_KIB: 4..65536 KiB)
+MIN_PIECE, MAX_PIECE = 4 << 10, 64 << 20
+_SEGMENT, _FIFO = "segment", "fifo"
+
+
+class ShmSetupError(OSError):
+    """A shared-memory name, size or file is not what this job's set-up makes (the message
+    says what was found); the job uses TCP instead."""
+
+
+def job_tag(job_id: str | None) -> str:
+    """The job's part of a segment directory's name: the launcher's job id when it is a
+    plain word, else a digest of it (never a path), 'nojob' without one."""
+    if not job_id:
+        return "nojob"
+    if re.fullmatch(r"[A-Za-z0-9_]{1,64}", job_id):
+        return job_id
+    return "j" + hashlib.sha256(job_id.encode()).hexdigest()[:16]
+
+
+def new_name(job_id: str | None) -> str:
+    """A fresh directory name the launcher can find and remove if a job dies during start-up."""
+    return f"meshcomm-{job_tag(job_id)}-{secrets.token_hex(6)}"
+
+
+def check_name(name: str, job_id: str | None) -> str:
+    """``name`` if it is exactly a name :func:`new_name` makes for this job (no ``/``, no
+    ``..``, nothing else), else ShmSetupError."""
+    if not re.fullmatch(rf"meshcomm-{re.escape(job_tag(job_id))}-[0-9a-f]{{12}}", name):
+        raise ShmSetupError(f"the host's first rank announced the shared-memory name {name[:80]!r}, which is not "
+                            f"of the form meshcomm-{job_tag(job_id)}-<12 hex digits> (is MESHCOMM_JOB_ID the same "
+                            "on every rank?)")
+    return name
+
+
+def check_piece(text: str) -> int:
+    """The slot size a peer announced, if it is one MESHCOMM_SOCKETS_SHM_PIECE_KIB allows."""
+    if not re.fullmatch(r"[0-9]{1,9}", text) or not MIN_PIECE <= int(text) <= MAX_PIECE or int(text) % 1024:
+        raise ShmSetupError(f"the host's first rank announced a shared-memory slot of {text[:40]!r} bytes; "
+                            f"expected a multiple of 1024 from {MIN_PIECE} to {MAX_PIECE}")
+    return int(text)
+
+
+def open_dir(path: Path) -> None:
+    """Check that ``path`` is a directory (not a link) of this user with mode 0700."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        raise ShmSetupError(f"{path} is not a private directory of this user (type {stat.filemode(st.st_mode)}, "
+                            f"owner uid {st.st_uid}, this process runs as uid {os.geteuid()}); not using it")
+
+
+def remove_dir(path: Path) -> None:
+    """Remove a segment directory and what is in it (only if it is this user's directory)."""
+    try:
+        open_dir(path)
+    except OSError:
+        return
+    try:
+        for entry in os.scandir(path):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
 
 
 class ShmSpaceError(OSError):
@@ -145,54 +225,73 @@ class ShmGroup:
         #: the last piece this rank published, and the one before (what laggards still show)
         self.seq = self.prev = seq_start % SEQ_WRAP
         size = segment_size(self.n, piece)
-        path = SHM_DIR / name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        self.dir = SHM_DIR / name
+        path = self.dir / _SEGMENT
+        self.peer_fifos: dict[int, int] = {}
+        self.fifo = -1
         try:
             if create:
-                reserve(fd, size, path, self.n)
-            self.map = mmap.mmap(fd, size)
+                os.mkdir(self.dir, 0o700)  # fails if the name exists: never someone else's
+                os.chmod(self.dir, 0o700)  # whatever the umask
+            else:
+                open_dir(self.dir)
+            flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+            fd = os.open(path, flags, 0o600)
+            try:
+                if create:
+                    reserve(fd, size, path, self.n)
+                else:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+                        raise ShmSetupError(
+                            f"{path} is not this job's segment: {st.st_size} bytes where {self.n} local ranks with "
+                            f"{piece}-byte slots need {size}, owner uid {st.st_uid}; not using it")
+                self.map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=_LINE * self.n).reshape(self.n, _LINE)
+            self.ctrl[self.me, _SEQ] = self.seq  # every rank does before the start-up barrier
+            self.data = np.frombuffer(self.map, dtype=np.uint8, offset=8 * _LINE * self.n)
+            # my wake-up FIFO; peers' FIFOs are opened in connect_fifos()
+            fifo_path = self.dir / f"{_FIFO}{self.me}"
+            os.mkfifo(fifo_path, 0o600)
+            self.fifo = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
         except BaseException:
             if create:
-                path.unlink(missing_ok=True)
+                remove_dir(self.dir)
+            self.close()
             raise
-        finally:
-            os.close(fd)
-        self.path = path
-        self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=_LINE * self.n).reshape(self.n, _LINE)
-        self.ctrl[self.me, _SEQ] = self.seq  # every rank does before the start-up barrier
-        self.data = np.frombuffer(self.map, dtype=np.uint8, offset=8 * _LINE * self.n)
-        # my wake-up FIFO; peers' FIFOs are opened in connect_fifos()
-        self.fifo_path = SHM_DIR / f"{name}.fifo{self.me}"
-        os.mkfifo(self.fifo_path, 0o600)
-        self.fifo = os.open(self.fifo_path, os.O_RDWR | os.O_NONBLOCK)
-        self.peer_fifos: dict[int, int] = {}
         self.links = [fabric.links[q] for q in local if q != fabric.rank]
 
-    def connect_fifos(self, name: str) -> None:
+    def connect_fifos(self) -> None:
         """Open every local peer's FIFO (after all created theirs)."""
         for i in range(self.n):
             if i != self.me:
-                self.peer_fifos[i] = os.open(SHM_DIR / f"{name}.fifo{i}", os.O_WRONLY | os.O_NONBLOCK)
+                path = self.dir / f"{_FIFO}{i}"
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                self.peer_fifos[i] = fd
+                if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    raise ShmSetupError(f"{path} is not a FIFO; not using it")
 
-    def unlink(self, leader: bool) -> None:
-        """Remove the names (after everyone opened them); the mappings stay valid."""
-        for p in ([self.path] if leader else []) + [self.fifo_path]:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+    def unlink(self) -> None:
+        """Remove the directory and its names (after everyone opened them; the host's first
+        rank does it); the mappings and open FIFOs stay valid."""
+        remove_dir(self.dir)
 
     def close(self) -> None:
         for fd in [self.fifo, *self.peer_fifos.values()]:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self.fifo = -1
         self.peer_fifos.clear()
         try:
             self.ctrl = self.data = np.zeros(0)  # drop views before closing the map
-            self.map.close()
+            if hasattr(self, "map"):
+                self.map.close()
         except (BufferError, ValueError):
             pass
 
@@ -394,9 +493,5 @@ def segment_size(ranks: int, piece: int) -> int:
     """Bytes of the segment of ``ranks`` local ranks with slots of ``piece`` bytes."""
     return 8 * _LINE * ranks + 2 * ranks * piece
 
-
-def new_name(job_id: str | None) -> str:
-    """A segment name the launcher can find and remove if a job dies during start-up."""
-    return f"meshcomm-{job_id or 'nojob'}-{secrets.token_hex(6)}"
 
 

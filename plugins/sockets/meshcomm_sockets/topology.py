@@ -14,6 +14,9 @@ agree on the path each operation takes:
 A host whose ``/dev/shm`` cannot hold its segment (the host's first rank reserves it with
 ``posix_fallocate`` and sends the other local ranks an empty name) makes the whole job use
 TCP, with one warning naming the size needed and the fix, rather than a SIGBUS later.
+Every other reason to fall back to TCP is logged too: by the rank that hit it, and by
+rank 0 for the job as a whole. The name and slot size the first rank sends are checked
+(form, range; then owner, mode, type and size of the files) before anything is opened.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 
 import numpy as np
 
-from .shm import SHM_DIR, ShmGroup, host_key, new_name
+from .shm import SHM_DIR, ShmGroup, check_name, check_piece, host_key, new_name, remove_dir
 
 log = logging.getLogger("meshcomm.sockets")
 
@@ -51,7 +54,29 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
 
 def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: str | None,  # noqa: ANN001
                          job_id: str | None, spin_us: int = 200, seq_start: int = 0) -> None:
-    """Decide how ranks wait and the path of the world's collectives; map the host's segment."""
+    """Decide how ranks wait and the path of the world's collectives; map the host's segment.
+
+    Every frame of this exchange carries a payload tag whatever MESHCOMM_SOCKETS_INTEGRITY
+    says (it steers the job: who shares memory, and which file to map)."""
+    with world.fabric.sealed():
+        _attach(world, enabled=enabled, piece=piece, host_id=host_id, job_id=job_id, spin_us=spin_us,
+                seq_start=seq_start)
+
+
+def _create(world, local: list[int], job_id: str | None, size: int, seq_start: int) -> ShmGroup:  # noqa: ANN001
+    """The host's first rank: a new private directory with the segment (a fresh name if one
+    happens to exist already)."""
+    for attempt in range(3):
+        try:
+            return ShmGroup(world.fabric, local, new_name(job_id), size, create=True, seq_start=seq_start)
+        except FileExistsError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _attach(world, *, enabled: bool, piece: int | None, host_id: str | None,  # noqa: ANN001
+            job_id: str | None, spin_us: int, seq_start: int) -> None:
     from .backend import SocketsBackend
 
     n, r = world.size(), world.rank()
@@ -68,49 +93,68 @@ def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: st
     local = hosts[keys[r]]
     world.fabric.spin, world.fabric.yielding = wait_policy(len(local), spin_us)
     if not table[:, 16].all():
+        if enabled and r == 0:
+            off = [q for q in range(n) if not table[q, 16]]
+            log.warning("meshcomm sockets rank 0: shared memory is off for this job (collectives use TCP): "
+                        "ranks %s have MESHCOMM_SOCKETS_SHM=0 or no /dev/shm", off)
         return
     if max(len(v) for v in hosts.values()) < 2:
         return  # one rank per host: nothing to share
     shm: ShmGroup | None = None
     ok = np.ones(1, np.uint8)
-    name = ""
-    if len(local) > 1:
-        raw = np.zeros(_NAME_BYTES, np.uint8)
-        if r == local[0]:
-            try:
-                name = new_name(job_id)
-                size = piece or default_piece(len(local))
-                shm = ShmGroup(world.fabric, local, name, size, create=True, seq_start=seq_start)
-                text = f"{name} {size}".encode()
-                raw[: len(text)] = np.frombuffer(text, np.uint8)
-            except OSError as exc:
-                ok[0] = 0  # peers get an empty name and give up too
-                log.warning("meshcomm sockets rank %d: %s", r, exc.strerror if exc.strerror else exc)
-            for q in local[1:]:
-                world.send(raw, q)
-        else:
-            world.recv(raw, local[0])
-            name, _, size_text = bytes(raw).rstrip(b"\0").decode().partition(" ")
-            try:
-                if not name:
-                    raise OSError("the host's first rank could not create the segment")
-                shm = ShmGroup(world.fabric, local, name, int(size_text), create=False, seq_start=seq_start)
-            except OSError:
-                ok[0] = 0
-    world.barrier()  # every FIFO exists
+    done = False
     try:
-        if shm is not None and ok[0]:
-            shm.connect_fifos(name)
-    except OSError:
-        ok[0] = 0
-    flags = np.empty(n, np.uint8)
-    world.all_gather(ok, flags)
-    if shm is not None:
-        shm.unlink(leader=(r == local[0]))
-    world.barrier()
+        if len(local) > 1:
+            raw = np.zeros(_NAME_BYTES, np.uint8)
+            if r == local[0]:
+                try:
+                    size = piece or default_piece(len(local))
+                    shm = _create(world, local, job_id, size, seq_start)
+                    text = f"{shm.dir.name} {size}".encode()
+                    raw[: len(text)] = np.frombuffer(text, np.uint8)
+                except OSError as exc:
+                    ok[0] = 0  # peers get an empty name and give up too
+                    log.warning("meshcomm sockets rank %d: %s", r, exc.strerror if exc.strerror else exc)
+                for q in local[1:]:
+                    world.send(raw, q)
+            else:
+                world.recv(raw, local[0])
+                name, _, size_text = bytes(raw).rstrip(b"\0").decode("ascii", "replace").partition(" ")
+                if name:
+                    try:
+                        shm = ShmGroup(world.fabric, local, check_name(name, job_id), check_piece(size_text),
+                                       create=False, seq_start=seq_start)
+                    except OSError as exc:
+                        ok[0] = 0
+                        log.warning("meshcomm sockets rank %d: cannot use the shared memory of rank %d: %s; "
+                                    "using TCP", r, local[0], exc.strerror if exc.strerror else exc)
+                else:  # the host's first rank said why
+                    ok[0] = 0
+        world.barrier()  # every FIFO exists
+        try:
+            if shm is not None and ok[0]:
+                shm.connect_fifos()
+        except OSError as exc:
+            ok[0] = 0
+            log.warning("meshcomm sockets rank %d: cannot open the local ranks' FIFOs: %s; using TCP", r,
+                        exc.strerror if exc.strerror else exc)
+        flags = np.empty(n, np.uint8)
+        world.all_gather(ok, flags)
+        if shm is not None and r == local[0]:
+            shm.unlink()  # every local rank opened everything (or gave up)
+        world.barrier()
+        done = True
+    finally:
+        if not done and shm is not None:  # set-up failed on this or another rank: leave nothing
+            remove_dir(shm.dir)
+            shm.close()
     if not flags.all():
         if shm is not None:
             shm.close()
+        if r == 0:
+            bad = [q for q in range(n) if not flags[q]]
+            log.warning("meshcomm sockets rank 0: shared memory is off for this job, collectives use TCP: "
+                        "ranks %s could not set it up (their warnings say why)", bad)
         return
     world.shm = shm
     if len(hosts) == 1:
@@ -123,5 +167,3 @@ def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: st
                        chunk_bytes=world.chunk_bytes, seq_start=seq_start)
         if r in leaders else None
     )
-
-

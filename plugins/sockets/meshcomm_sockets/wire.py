@@ -1,4 +1,4 @@
-"""Bytes on the wire: the start-up handshake and the header of every data frame.
+"""Bytes on the wire: the start-up handshake, the per-connection keys, and the frames.
 
 Handshake (per connection, the higher rank connects to the lower one)::
 
@@ -9,12 +9,24 @@ Handshake (per connection, the higher rank connects to the lower one)::
                                         HMAC(secret, nonce_c || welcome)
 
 The HMAC key is the per-job secret (``MESHCOMM_JOB_SECRET``, empty when there is none),
-so a stranger without it is rejected, and garbage fails on the magic first.
+so a stranger without it is rejected, and garbage fails on the magic first. The WELCOME
+names the acceptor's versions only to a peer that proved a non-empty secret.
 
-Every data frame starts with a 28-byte header naming the group, the call's sequence
-number (modulo 2**32, see :func:`next_seq`), the operation, the dtype, the payload size,
-the call's argument (the root of a rooted operation, else 0) and the call's element count,
-so a receiver detects any disagreement between ranks before it uses a byte of payload.
+After the handshake both sides derive two keys from the secret and both nonces
+(HKDF-SHA256, :func:`derive_keys`): one per direction. Every frame then is::
+
+    header (28 bytes) | tag (16) | payload (nbytes) | payload tag (16, see below)
+
+The header names the group, the call's sequence number (modulo 2**32, see
+:func:`next_seq`), the operation, the dtype, the payload size, the call's argument (the
+root of a rooted operation, else 0) and the call's element count, so a receiver detects
+any disagreement between ranks before it uses a byte of payload. The tag is
+HMAC-SHA256(direction key, "H" || frame counter || header) truncated to 16 bytes: the
+counter (frames sent so far on this connection in this direction, never on the wire)
+makes a replayed, dropped or reordered frame fail too. The payload tag is
+HMAC-SHA256(key, "P" || counter || payload)[:16]; ABORT frames and the frames of start-up
+control exchanges (shared-memory set-up) always carry it, data frames when payload
+integrity is on (``MESHCOMM_SOCKETS_INTEGRITY``, see :data:`INTEGRITY_MODES`).
 """
 
 from __future__ import annotations
@@ -29,15 +41,23 @@ __all__ = [
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
     "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
     "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
+    "TAG", "FRAME_HEAD", "Mac", "derive_keys", "INTEGRITY_MODES",
 ]
 
 MAGIC = b"MESHCOMM"
-PROTOCOL = 2  # 2: the header carries the call's argument (root)
+PROTOCOL = 3  # 2: the header carries the call's argument (root); 3: authenticated frames
 MAX_VERSION = 256
 
 #: group u32, seq u32, op u16, dtype u16, nbytes u32, arg u32 (root), total u64
 HEADER = struct.Struct("<IIHHIIQ")
 HEADER_SIZE = HEADER.size
+#: bytes of a frame's header tag and of its payload tag
+TAG = 16
+#: a frame's header with its tag
+FRAME_HEAD = HEADER_SIZE + TAG
+#: MESHCOMM_SOCKETS_INTEGRITY: "payload" (every data frame's payload authenticated) or
+#: "header" (headers and control frames only; array payloads are not checked)
+INTEGRITY_MODES = ("payload", "header")
 #: sequence numbers live in the header's 32 bits and wrap around
 SEQ_MASK = 0xFFFFFFFF
 
@@ -176,3 +196,38 @@ def parse_welcome(secret: bytes, nonce_c: bytes, data: bytes) -> Welcome:
                                      "peer failed the job secret check (MESHCOMM_JOB_SECRET differs)")
     _magic, _proto, status, rank, _vlen = fields
     return Welcome(status, rank, version)
+
+
+def derive_keys(secret: bytes, nonce_a: bytes, nonce_c: bytes) -> tuple[bytes, bytes]:
+    """(connector -> acceptor key, acceptor -> connector key) of one connection: HKDF-SHA256
+    (RFC 5869) with the job secret as input key material and both handshake nonces as salt,
+    so every connection (and every direction) has its own keys even with one job secret."""
+    prk = hmac.new(nonce_a + nonce_c, secret, hashlib.sha256).digest()
+    c2a = hmac.new(prk, b"meshcomm sockets 3 connector->acceptor\x01", hashlib.sha256).digest()
+    a2c = hmac.new(prk, b"meshcomm sockets 3 acceptor->connector\x01", hashlib.sha256).digest()
+    return c2a, a2c
+
+
+class Mac:
+    """HMAC-SHA256 under one direction key, with the key's pads hashed once (a frame tag
+    then costs two hash-state copies, not a key schedule)."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        block = key.ljust(64, b"\0") if len(key) <= 64 else hashlib.sha256(key).digest().ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
+
+    def tag(self, kind: bytes, counter: int, data: bytes | memoryview) -> bytes:
+        """The 16-byte tag of ``data`` (``kind``: b"H" header, b"P" payload) as frame ``counter``."""
+        inner = self._inner.copy()
+        inner.update(kind + counter.to_bytes(8, "little"))
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()[:TAG]
+
+    def seal(self, counter: int, header: bytes) -> bytes:
+        """``header`` followed by its tag (what goes on the wire)."""
+        return header + self.tag(b"H", counter, header)
