@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import signal
 import stat
 import subprocess
@@ -325,29 +326,48 @@ def _environ(pid: int) -> dict[bytes, bytes]:
     return dict(item.partition(b"=")[::2] for item in data.split(b"\0") if item)
 
 
+def _mpiexec_over_ssh(kind: str, server: LoopbackSshd, folder: Path) -> str:
+    """MESHCOMM_MPIEXEC_ARGS that make mpiexec start its daemons (Open MPI's prted, Hydra's
+    proxies) through the test sshd."""
+    if kind == "mpi-ssh":
+        return f"--prtemca plm_ssh_agent {shlex.quote(server.ssh_command)} --prefix {shlex.quote(sys.prefix)}"
+    wrapper = folder / "hydra-ssh"
+    wrapper.write_text(f'#!/bin/sh\nexec {server.ssh_command} "$@"\n')
+    wrapper.chmod(0o755)
+    return f"-launcher ssh -launcher-exec {wrapper}"
+
+
 @pytest.mark.parametrize("kind", [_param("sockets", "sockets"), _param("sockets-ssh", "sockets"),
-                                  _param("gloo", "gloo"), _param("mpi", "mpi"), _param("mpich", "mpich")])
+                                  _param("gloo", "gloo"), _param("mpi", "mpi"), _param("mpi-ssh", "mpi"),
+                                  _param("mpich", "mpich"), _param("mpich-ssh", "mpich")])
 def test_no_secret_on_any_command_line(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    backend = {"sockets-ssh": "sockets", "mpich": "mpi"}.get(kind, kind)
-    python = str(MPICH_PY) if kind == "mpich" else sys.executable
+    """While a 2-rank job runs (every rank past mc.init()), no process of this machine has the
+    job secret or a hostfile variable's value on its command line. The "-ssh" kinds start the
+    ranks on 127.0.0.2 through the test sshd (mpiexec's daemons too)."""
+    backend = kind.removesuffix("-ssh").replace("mpich", "mpi")
+    python = str(MPICH_PY) if kind.startswith("mpich") else sys.executable
     token = secrets.token_hex(12)  # a user's secret from the hostfile: not on a command line either
     hf = tmp_path / "hosts.json"
-    host = SSH_ADDR if kind == "sockets-ssh" else "localhost"
-    hf.write_text(json.dumps({"hosts": [host], "envs": [f"MC_TEST_TOKEN={token}"]}))
+    over_ssh = kind.endswith("-ssh")
+    hf.write_text(json.dumps({"hosts": [{"ssh": SSH_ADDR if over_ssh else "localhost"}], "envs": [f"MC_TEST_TOKEN={token}"]}))
     args = ["-n", "2", "--backend", backend, "--verbose", "--timeout", "120", "--hostfile", str(hf),
             "--env", f"MC_TEST_PIDDIR={tmp_path}"]
-    if kind == "sockets-ssh":
-        args += ["--ssh", request.getfixturevalue("sshd").ssh_command]
+    env = job_env()
+    if over_ssh:
+        server = request.getfixturevalue("sshd")
+        args += ["--ssh", server.ssh_command]
+        if backend == "mpi":
+            env["MESHCOMM_MPIEXEC_ARGS"] = _mpiexec_over_ssh(kind, server, tmp_path)
     proc = subprocess.Popen([python, "-m", "meshcomm", "launch", *args, rank_prog(tmp_path), "wait", "init"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env=job_env(), cwd=REPO)
+                            env=env, cwd=REPO)
     err: list[bytes] = []
     t = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]
     t.start()
     out = b""
     try:
         assert proc.stdout is not None
-        while out.count(b"] ready") < 2:
+        while out.count(b" ready") < 2:  # Hydra may glue the ranks' lines: "[0] ready[1] ready"
             line = proc.stdout.readline()
             if not line:
                 proc.wait(30)
@@ -361,7 +381,9 @@ def test_no_secret_on_any_command_line(kind: str, request: pytest.FixtureRequest
         assert _environ(ranks[0]).get(b"MC_TEST_TOKEN") == token.encode()
         job = _children(proc.pid)
         lines = _cmdlines()
-        assert all(r in job for r in ranks) or kind == "sockets-ssh", (ranks, job)
+        assert all(r in job for r in ranks) or over_ssh, (ranks, job)
+        if over_ssh:
+            assert all(_environ(r).get(b"SSH_CONNECTION") for r in ranks), "a rank did not run over ssh"
         names = [lines.get(pid, b"").split(b"\0")[0].rsplit(b"/", 1)[-1] for pid in job]
         if backend == "mpi":
             assert any(b"mpiexec" in n or b"prterun" in n for n in names), names
@@ -422,3 +444,21 @@ def test_local_job_dir_is_private(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert list(tmpdir.iterdir()) == []
+
+
+@pytest.mark.skipif(bool(_mpi_reason("mpi")), reason=str(_mpi_reason("mpi")))
+def test_mpiexec_command_takes_secrets_by_name_only() -> None:
+    """mpiexec_command refuses a secret's value (it would be on the command line) and passes
+    ``forward`` names without values (Open MPI ``-x NAME``; Hydra passes its environment)."""
+    from meshcomm_mpi.launcher import mpiexec_command, resolve_mpiexec
+
+    for name in ("MESHCOMM_JOB_SECRET", "WANDB_API_KEY", "HF_TOKEN"):
+        with pytest.raises(ValueError, match=f"{name}.*forward="):
+            mpiexec_command(2, ["prog"], {name: "s3cr3tvalue"})
+    with pytest.raises(Exception, match="shell identifier"):
+        mpiexec_command(2, ["prog"], forward=["$(id)X"])
+    cmd = mpiexec_command(2, ["prog"], {"MLX_BACKEND": "mpi"}, forward=["MESHCOMM_JOB_SECRET"])
+    if resolve_mpiexec()[1] == "openmpi":
+        assert cmd[cmd.index("MESHCOMM_JOB_SECRET") - 1] == "-x", cmd
+    else:
+        assert "MESHCOMM_JOB_SECRET" not in cmd, cmd

@@ -8,6 +8,9 @@ A backend plugin that wants ``meshcomm launch -n N --backend NAME`` to work pass
 * ``external_command(job: JobSpec, argv: list[str], env: dict[str, str]) -> list[str]``:
   one command that starts the whole job through another launcher (MPI's ``mpiexec``);
   meshcomm then runs that single command and forwards its output and exit status.
+  meshcomm runs the command with ``env`` in its environment: pass secrets (the job secret,
+  user variables) by name (Open MPI ``-x NAME``), never with their values on the command
+  line, where every local user can read them (``ps``); ``--verbose`` prints the command.
 
 A ``rank_env`` launcher may also have ``cleanup_command(job) -> str | None``: a shell
 command the launcher runs on every host when the job ends, however it ended.
