@@ -276,11 +276,12 @@ def test_relay_rewriting_the_shared_memory_name_opens_nothing_outside_dev_shm(tm
     decoy.mkdir(mode=0o700)
     try:
         target = "../.." + str(decoy)
-        (decoy / "segment").write_bytes(bytes(8 * 16 * 2 + 4 * 512 * 1024))
+        sentinel = b"\xab" * (8 * 16 * 2 + 4 * 512 * 1024)  # the size of 2 ranks' segment, not zeros
+        (decoy / "segment").write_bytes(sentinel)
         results, relay = _relayed_job(tmp_path, "rename", shm=True, decoy=target, size=8)
         assert "renamed" in relay, relay
         assert sorted(p.name for p in decoy.iterdir()) == ["segment"], "something was created next to the decoy"
-        assert not any((decoy / "segment").read_bytes()), "the decoy was written to"
+        assert (decoy / "segment").read_bytes() == sentinel, "the decoy was opened and written to"
         for r in range(2):
             rep = _last(results, r)
             assert rep["error"] is None and rep["ok"] or "failed authentication" in rep.get("message", ""), (r, rep)
