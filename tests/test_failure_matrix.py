@@ -80,6 +80,17 @@ def _processes(marker: str) -> list[str]:
     return [line for line in out.splitlines() if line.strip() and "pgrep" not in line]
 
 
+def _mpich() -> bool:
+    """True when the mpi backend runs on MPICH (this venv has the ``mpich`` wheel)."""
+    import importlib.metadata as md
+
+    try:
+        md.distribution("mpich")
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
 def _kill_all(marker: str) -> None:
     """SIGCONT and SIGKILL every process of the job (a stopped rank too)."""
     for line in _processes(marker):
@@ -137,6 +148,12 @@ def test_failure(backend: str, kind: str) -> None:
             problems.append(f"rank {r} printed a result: {results}")
     # a send may return at once (buffered) and the sender's program then ends: it need not raise
     survivors = (0, 2) if kind in (*DEATHS, "send") else (0, 1, 2)
+    want_rc = EXIT[kind]
+    if backend == "mpi" and kind == "sigkill" and _mpich():
+        # MPICH's mpiexec (Hydra) ends the job itself the moment a rank is killed: it kills
+        # the survivors at once (they get no chance to print) and exits with the signal
+        # number, 9 (documented in docs/backends/mpi.md and the README).
+        survivors, want_rc = (), 9
     for r in survivors:
         errs = job.errors(r)
         if not errs:
@@ -150,7 +167,6 @@ def test_failure(backend: str, kind: str) -> None:
         elif kind in MISMATCHES:
             if name != "CollectiveMismatchError":
                 problems.append(f"rank {r} raised {name} peer={peer}; want CollectiveMismatchError")
-    want_rc = EXIT[kind]
     if want_rc is None and job.rc in (0, None):
         problems.append(f"exit status {job.rc}; want non-zero")
     elif want_rc is not None and job.rc != want_rc:
