@@ -392,6 +392,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.xfail(reason="not done: with the listen backlog of 8 the kernel throttles the flood, so rank 0 never "
+                   "has 64 handshakes pending here and the cap is not exercised (the old code passes the same flood)",
+                   strict=False)
 def test_a_flood_of_silent_connections_during_start_up_does_not_stop_the_job(tmp_path):
     """Rank 0 runs with the common open-file limit of 1024; 1000 connections that never say
     anything arrive before rank 1 starts."""
@@ -408,7 +411,14 @@ def test_a_flood_of_silent_connections_during_start_up_does_not_stop_the_job(tmp
     procs = start_ranks(2, [str(limited), "1024", prog], hf, ranks=[0], env=env)
     flood: list[socket.socket] = []
     try:
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60
+        while True:  # rank 0 listens
+            try:
+                socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "rank 0 never listened"
+                time.sleep(0.1)
         poller = select.poll()
         for _ in range(1000):
             s = socket.socket()
@@ -419,7 +429,10 @@ def test_a_flood_of_silent_connections_during_start_up_does_not_stop_the_job(tmp
         done: set[int] = set()  # connected (rank 0 accepted them; SYNs beyond its backlog are retried)
         deadline = time.monotonic() + 40
         while len(done) < 990 and time.monotonic() < deadline:
-            done.update(fd for fd, _ev in poller.poll(500))
+            for fd, _ev in poller.poll(500):
+                poller.unregister(fd)
+                if socket.socket(fileno=os.dup(fd)).getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    done.add(fd)
         print(f"\nflood: {len(done)} of 1000 connections reached rank 0")
         assert len(done) >= 990, f"only {len(done)} connections got through"
         procs.update(start_ranks(2, [prog], hf, ranks=[1], env=env))

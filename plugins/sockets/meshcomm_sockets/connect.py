@@ -319,6 +319,9 @@ def _accept_all(listener: socket.socket, peers: list[Peer], rank: int, secret: b
         for c in conns.values():
             c.sock.close()
         raise
+    if turned_away:
+        log.warning("meshcomm sockets rank %d: closed %d connections at once: %d handshakes were already pending "
+                    "(a flood of connections to this rank's port?)", rank, turned_away, MAX_PENDING)
     return conns
 
 
