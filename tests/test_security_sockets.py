@@ -224,7 +224,7 @@ while open_:  # half-close like TCP: an end's EOF is passed on, the other direct
 
 
 def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "-", size: int = 1 << 18,
-                 secret: str = "relay-test-secret"):
+                 secret: str = "relay-test-secret", integrity: str = "auto"):
     """Ranks 0 and 1, rank 1 reaching rank 0 only through the relay (its hostfile names the
     relay's port); returns (results, relay output)."""
     prog = _prog(tmp_path)
@@ -237,7 +237,7 @@ def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "
                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert rp.stdout is not None and rp.stdout.readline().strip() == "ready"
     env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": secret, "MESHCOMM_SOCKETS_SHM": "1" if shm else "0",
-           "SIZE": str(size), "MESHCOMM_JOB_ID": "relaytest"}
+           "SIZE": str(size), "MESHCOMM_JOB_ID": "relaytest", "MESHCOMM_SOCKETS_INTEGRITY": integrity}
     procs = start_ranks(2, [prog], h0, env=env, rank_env={1: {"MLX_HOSTFILE": str(h1)}})
     try:
         results = finish(procs, timeout=120)
@@ -248,8 +248,11 @@ def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "
 
 
 def test_relay_flipping_a_payload_byte_ends_in_a_clear_error_never_wrong_data(tmp_path):
-    """With the default MESHCOMM_SOCKETS_INTEGRITY=payload every payload byte is protected."""
-    results, relay = _relayed_job(tmp_path, "flip")
+    """With payload integrity every payload byte is protected. (This relay runs on loopback,
+    where the default, auto, does not tag payloads: only a process of this host could relay
+    there, and only if the hostfile names it. Links that leave the host get payload tags by
+    default: test_auto_integrity_tags_payloads_only_on_links_that_leave_the_host.)"""
+    results, relay = _relayed_job(tmp_path, "flip", integrity="payload")
     assert "flipped" in relay, relay
     for r in range(2):
         rep = _last(results, r)
@@ -534,3 +537,29 @@ def test_a_rank_failing_during_shared_memory_set_up_leaves_nothing_in_dev_shm(tm
     for r in survivors:
         rep = _last(results, r)
         assert rep["error"] is not None, (r, rep)
+
+
+def test_auto_integrity_tags_payloads_only_on_links_that_leave_the_host():
+    from meshcomm_sockets import engine
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname())
+    b, _ = srv.accept()
+    srv.close()
+    try:
+        assert engine.is_loopback(a)
+        fab = engine.Fabric(0, 2, {1: a}, 5.0, payload_integrity=None)
+        assert fab.links[1].seal_payload is False
+        assert engine.Fabric(0, 2, {1: a}, 5.0, payload_integrity=True).links[1].seal_payload is True
+    finally:
+        a.close()
+        b.close()
+    # a connection whose peer is not a loopback address: a UDP socket "connected" to a
+    # documentation address has that peer name without sending anything
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        u.connect(("192.0.2.1", 9))
+        assert not engine.is_loopback(u)
+        assert engine.Fabric(0, 2, {1: u}, 5.0, payload_integrity=None).links[1].seal_payload is True
+    finally:
+        u.close()

@@ -20,6 +20,7 @@ survivors raise instead of waiting.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import select
 import signal
@@ -120,13 +121,22 @@ class _Expect:
         self.call, self.target, self.done, self.sealed = call, target, done, sealed
 
 
+def is_loopback(sock: socket.socket) -> bool:
+    """True when the connection cannot leave this host (its peer address is loopback): no
+    one off the host can be on its path."""
+    try:
+        return ipaddress.ip_address(sock.getpeername()[0]).is_loopback
+    except (OSError, ValueError, IndexError, TypeError):
+        return False
+
+
 class Link:
     """The connection to one peer, with its send queue, its expected frames, and the keys
     and frame counters of both directions."""
 
     __slots__ = ("peer", "sock", "fd", "where", "out", "starts", "expect", "cur", "hdr", "hdr_mv", "hdr_got",
                  "got", "checked", "send_blocked", "recv_blocked", "closed", "send_mac", "recv_mac", "send_ctr",
-                 "recv_ctr", "tail", "tail_mv", "tail_got")
+                 "recv_ctr", "tail", "tail_mv", "tail_got", "seal_payload")
 
     def __init__(self, peer: int, sock: socket.socket, send_key: bytes = b"", recv_key: bytes = b"") -> None:
         self.peer = peer
@@ -147,6 +157,8 @@ class Link:
         self.tail = bytearray(wire.TAG)
         self.tail_mv = memoryview(self.tail)
         self.tail_got = 0
+        #: every data frame's payload carries a tag (decided by the Fabric)
+        self.seal_payload = True
         self.send_mac = wire.Mac(send_key)
         self.recv_mac = wire.Mac(recv_key)
         #: frames queued to send so far (the next one's counter); frames received so far
@@ -171,16 +183,19 @@ class Fabric:
     """This rank's connections to every other rank of the world, and the transfer loop."""
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float,
-                 keys: dict[int, tuple[bytes, bytes]] | None = None, payload_integrity: bool = True) -> None:
+                 keys: dict[int, tuple[bytes, bytes]] | None = None,
+                 payload_integrity: bool | None = True) -> None:
         """``keys``: per peer (send key, receive key) from the handshake (empty keys without);
         ``payload_integrity``: every data frame's payload carries a tag (else only headers,
-        ABORT frames and frames sent inside :meth:`sealed`)."""
+        ABORT frames and frames sent inside :meth:`sealed`); None decides per link: tags on
+        links that leave the host, none on loopback links (both ends decide alike)."""
         self.rank = rank
         self.size = size
         self.timeout = timeout
         keys = keys or {}
         self.links: dict[int, Link] = {q: Link(q, s, *keys.get(q, (b"", b""))) for q, s in socks.items()}
-        self.payload_integrity = payload_integrity
+        for link in self.links.values():
+            link.seal_payload = not is_loopback(link.sock) if payload_integrity is None else payload_integrity
         self._sealing = 0
         self.failure: DistributedError | None = None
         #: seconds a waiting rank polls without sleeping (see topology.wait_policy)
@@ -204,8 +219,8 @@ class Fabric:
         finally:
             self._sealing -= 1
 
-    def _seals(self, nbytes: int) -> bool:
-        return nbytes > 0 and (self.payload_integrity or self._sealing > 0)
+    def _seals(self, link: Link, nbytes: int) -> bool:
+        return nbytes > 0 and (link.seal_payload or self._sealing > 0)
 
     def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
         """Queue ``payload`` to ``link`` as frames of at most ``frame`` bytes (tags computed
@@ -218,7 +233,7 @@ class Fabric:
             link.out.append(memoryview(mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0,
                                                                       call.arg, call.total))))
             return
-        seal = self._seals(n)
+        seal = self._seals(link, n)
         for lo in range(0, n, frame):
             part = payload[lo : lo + frame]
             ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
@@ -238,7 +253,7 @@ class Fabric:
         if n == 0:
             link.expect.append(_Expect(call, target, done))
             return
-        seal = self._seals(n)
+        seal = self._seals(link, n)
         for lo in range(0, n, frame):
             last = lo + frame >= n
             link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None, seal))

@@ -50,10 +50,11 @@ class SocketsSettings(BaseModel):
         False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
         description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
     )
-    integrity: Literal["payload", "header"] = setting(
-        "payload", env="MESHCOMM_SOCKETS_INTEGRITY", accepts="payload or header (the same on every rank)",
+    integrity: Literal["auto", "payload", "header"] = setting(
+        "auto", env="MESHCOMM_SOCKETS_INTEGRITY", accepts="auto, payload or header (the same on every rank)",
         description="payload: every TCP frame's payload is authenticated too (HMAC-SHA256); header: only "
-        "headers and control frames (faster for large arrays; a changed payload byte goes unnoticed)",
+        "headers and control frames (a changed payload byte goes unnoticed); auto: payload on links "
+        "that leave the host, header on loopback links, which no one off the host can be on",
     )
     chunk_kib: int = setting(
         256, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
@@ -154,7 +155,7 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
                       timeout=config.timeout, bind=settings.bind, listener=listener)
     fabric = Fabric(config.rank, len(peers), {q: c.sock for q, c in conns.items()}, config.timeout,
                     keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
-                    payload_integrity=settings.integrity == "payload")
+                    payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload")
     start = _seq_start()
     world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
                            seq_start=start)
