@@ -31,10 +31,18 @@ import threading
 import time
 
 
+def env_rank() -> int:
+    """This rank, from meshcomm's launcher or an MPI launcher's variables (no meshcomm import)."""
+    for var in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    raise SystemExit("no rank variable set: run under meshcomm launch")
+
+
 def record_pid(pid: int, what: str = "rank") -> None:
     d = os.environ.get("MC_TEST_PIDDIR")
     if d:
-        with open(os.path.join(d, f"{what}-{os.environ.get('MLX_RANK', 'x')}-{pid}.pid"), "w") as f:
+        with open(os.path.join(d, f"{what}-{env_rank()}-{pid}.pid"), "w") as f:
             f.write(str(pid))
 
 
@@ -45,7 +53,7 @@ def spam_line(rank: int, stream: str, i: int) -> str:
 
 
 def spam(lines: int) -> None:
-    rank = int(os.environ["MLX_RANK"])
+    rank = env_rank()
 
     def run(stream: str) -> None:
         out = sys.stdout if stream == "out" else sys.stderr
