@@ -218,8 +218,11 @@ while open_:  # half-close like TCP: an end's EOF is passed on, the other direct
                 flipped = True
                 print("renamed", old, new, flush=True)
         seen[s] += len(data)
-        if data:
-            peer[s].sendall(data)
+        if data and peer[s] in open_:
+            try:
+                peer[s].sendall(data)
+            except OSError:  # that end is gone: drop what it can no longer take, keep relaying
+                pass         # the other way (crashing here would reset the survivor's link)
 """
 
 

@@ -34,9 +34,9 @@ class Verdict:
     rank: int
     code: int  #: the exit code ``meshcomm launch`` returns
     text: str  #: what happened to ``rank``, e.g. ``exited with code 3``
-    #: False when ``rank`` left no record of its own and is named by its peers' records
-    #: (killed, stopped, silent): ``code`` is then only a survivor's
-    own: bool = True
+    #: True when ``rank`` left no record of its own and its peers' records say it was lost
+    #: (killed): ``code`` is then only a survivor's, and the MPI launcher's status tells more
+    lost: bool = False
 
 
 def exit_code(status: int) -> int:
@@ -82,13 +82,14 @@ def blame(failures: list[Failure], records: list[dict[str, Any]], running: Seque
         first = peers[0]
         verb = "did not answer in time" if first.get("type") == "CommTimeoutError" else "was lost"
         text = f"{verb} (rank {first.get('rank')} raised {first.get('type')}: {first.get('message')})"
-        return Verdict(int(first["peer"]), int(first.get("code", 1)) or 1, text, own=False)
+        return Verdict(int(first["peer"]), int(first.get("code", 1)) or 1, text,
+                       lost=first.get("type") == "PeerLostError")
     silent = [r for r in running if r not in recorded]
     if records and silent:
         first = records[0]
         text = (f"did not answer in time (still running when rank {first.get('rank')} raised "
                 f"{first.get('type')}: {first.get('message')})")
-        return Verdict(silent[0], int(first.get("code", 1)) or 1, text, own=False)
+        return Verdict(silent[0], int(first.get("code", 1)) or 1, text)
     for f in failures:  # no records at all: status 1 is how ranks that lost a peer end
         if f.status != 1:
             return Verdict(f.rank, exit_code(f.status), describe_status(f.status))

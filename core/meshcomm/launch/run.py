@@ -386,9 +386,10 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
     verdict = blame([], watch.records) if watch.records else None
     if verdict is not None:
         sys.stderr.write(f"meshcomm launch: rank {verdict.rank} {verdict.text}\n")
-        # A rank named only by its peers (killed: no record of its own) ended the job with
-        # the status mpiexec reports for it, not with the survivors' code 1.
-        return verdict.code if verdict.own or rc == 0 else exit_code(rc)
+        # A rank its peers say was lost (killed: no record of its own) ended the job with the
+        # status mpiexec reports for it, not with the survivors' code 1 -- unless that status
+        # is only our own stopping of mpiexec.
+        return exit_code(rc) if verdict.lost and rc != 0 and not stopped else verdict.code
     if rc != 0:
         sys.stderr.write(f"meshcomm launch: {cmd[0]} {describe_status(rc)}\n")
     return exit_code(rc)
