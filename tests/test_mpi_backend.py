@@ -363,8 +363,10 @@ def test_mpi_specific(n: int) -> None:
 def test_meshcomm_launch_uses_mpiexec() -> None:
     """`meshcomm launch --backend mpi` runs the job through this MPI's mpiexec, output tagged by rank."""
     code = "import meshcomm as mc; g = mc.init(strict=True); print('GROUP', g.backend, g.rank(), g.size())"
+    # `-c CODE` (not `python -c CODE`): the launcher runs it with its rank runner, which keeps
+    # lines whole and prefixed on every MPI flavour (MPICH's Hydra prefixes each write)
     res = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", "mpi", "--",
-                          sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
+                          "-c", code], env=_clean_env(), capture_output=True, text=True,
                          timeout=120, cwd=HERE.parent.parent)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]

@@ -329,7 +329,9 @@ def _environ(pid: int) -> dict[bytes, bytes]:
 def _mpiexec_over_ssh(kind: str, server: LoopbackSshd, folder: Path) -> str:
     """MESHCOMM_MPIEXEC_ARGS that make mpiexec start its daemons (Open MPI's prted, Hydra's
     proxies) through the test sshd."""
-    if kind == "mpi-ssh":
+    # "mpi" is Open MPI in the main venv, MPICH when this suite runs in .venv-mpich
+    running_mpich = Path(sys.prefix).resolve() == MPICH_PY.parent.parent.resolve()
+    if kind == "mpi-ssh" and not running_mpich:
         return f"--prtemca plm_ssh_agent {shlex.quote(server.ssh_command)} --prefix {shlex.quote(sys.prefix)}"
     wrapper = folder / "hydra-ssh"
     wrapper.write_text(f'#!/bin/sh\nexec {server.ssh_command} "$@"\n')
