@@ -73,7 +73,7 @@ class Job:
         s = socket.socket(_family(place.ip), socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((place.ip, 0))
-        s.listen(max(8, self.nranks))
+        s.listen(max(512, self.nranks))
         s.set_inheritable(True)
         self._keep.append(s)
         self._fds.setdefault(place.rank, []).append(s.fileno())

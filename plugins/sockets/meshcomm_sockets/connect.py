@@ -42,6 +42,9 @@ log = logging.getLogger("meshcomm.sockets")
 _HANDSHAKE_LIMIT = 5.0  # seconds a connecting stranger gets to complete the handshake
 #: handshakes in progress at once on a listening rank; more connections are closed at once
 MAX_PENDING = 64
+# the kernel queues this many connections before dropping SYNs (a dropped SYN costs its sender
+# a 1 s retry): enough for every rank of a large job connecting at once
+_BACKLOG = 512
 #: errors of a process or system out of descriptors or memory for sockets
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -102,7 +105,7 @@ def open_listener(rank: int, me: Peer, bind: str | None, backlog: int) -> socket
                 "on a local address while peers use the advertised one."
             ) from None
         raise DistributedError(f"rank {rank}: cannot listen on {where}: {exc.strerror}") from None
-    sock.listen(max(backlog, 8))
+    sock.listen(max(backlog, _BACKLOG))
     return sock
 
 

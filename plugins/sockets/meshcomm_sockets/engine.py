@@ -60,6 +60,9 @@ WAIT_SLICE = 3600.0
 _STALL = 1.0
 #: seconds to finish a half-sent frame (so an ABORT after it is read as one) when failing
 _FINISH_FRAME = 2.0
+# after a failure, how long close() reads what peers still send before closing: closing with
+# unread data makes the kernel send a reset, which can destroy the ABORT still in flight
+_LINGER = 0.5
 #: monotonic time this process was last resumed after a stop (SIGCONT), 0 if never
 _resumed = [0.0]
 #: ``Link.starts`` entry of a buffer that continues a frame (frame starts hold their counter)
@@ -684,12 +687,41 @@ class Fabric:
         ))
 
     def close(self) -> None:
+        if self.failure is not None:
+            self._linger()
         for link in self.links.values():
             try:
                 link.sock.close()
             except OSError:
                 pass
         self.links.clear()
+
+    def _linger(self) -> None:
+        """Half-close every link and discard what peers still send, until each closes its end
+        or _LINGER passes, so that the ABORT this rank sent is read rather than reset away."""
+        open_links = {}
+        for link in self.links.values():
+            try:
+                link.sock.shutdown(socket.SHUT_WR)
+                link.sock.setblocking(False)
+                open_links[link.sock.fileno()] = link.sock
+            except OSError:
+                pass
+        end = time.monotonic() + _LINGER
+        poller = select.poll()
+        for fd in open_links:
+            poller.register(fd, _POLLIN)
+        while open_links and (left := end - time.monotonic()) > 0:
+            for fd, _ev in poller.poll(left * 1000):
+                try:
+                    if open_links[fd].recv(1 << 16):
+                        continue
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                poller.unregister(fd)
+                del open_links[fd]
 
 
 def _again(first: DistributedError) -> DistributedError:
