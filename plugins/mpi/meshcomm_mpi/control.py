@@ -25,7 +25,9 @@ Notices carry the sender's counts on every communicator, pickled (small, rare me
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -434,6 +436,7 @@ class Control:
             code = int(first.get("code") or code)
             self.linger(4.0, lambda: False)
         _flush_std()
+        _exit_if_abort_hangs(code)
         MPI.COMM_WORLD.Abort(code)
 
     def acknowledge(self) -> None:
@@ -481,3 +484,19 @@ def _flush_std() -> None:
             s.flush()
         except Exception:
             pass
+
+
+def _exit_if_abort_hangs(code: int, after: float = 5.0) -> None:
+    """MPI_Abort should end the job at once; once in many runs Open MPI's did not return or
+    kill this process (a peer already in MPI_Finalize). End the process ourselves then: with
+    ``code`` from a thread, and by SIGALRM's default action if the thread cannot run."""
+    def _exit() -> None:
+        time.sleep(after)
+        os._exit(code)
+
+    threading.Thread(target=_exit, name="meshcomm-abort-watchdog", daemon=True).start()
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, after + 3.0)
+    except ValueError:  # not the main thread: the thread above is the only guard
+        pass
