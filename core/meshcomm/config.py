@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
+from .placement import Coordinator, coordinator, parse_coordinator, placement
 
 __all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_TIMEOUT"]
 
@@ -116,6 +117,34 @@ class Settings(BaseModel):
             raise _config_error(type(self), exc, values, origin) from None
 
 
+def _from_starter(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Rank, world size and coordinator from whatever started the process (Slurm, mpirun,
+    torchrun; see :mod:`meshcomm.placement`) where neither an argument nor meshcomm's own
+    variable gives them."""
+    out = dict(data)
+
+    def unset(field: str, var: str) -> bool:
+        return out.get(field) is None and not env.get(var, "").strip()
+
+    if unset("rank", "MLX_RANK"):
+        found = placement(env)
+        if found is not None:
+            out["rank"] = found.rank
+            if unset("world_size", "MLX_WORLD_SIZE") and found.size is not None:
+                out["world_size"] = found.size
+            out.setdefault("placement_source", found.source)
+    elif out.get("placement_source") is None:
+        out["placement_source"] = "argument rank" if out.get("rank") is not None else "MLX_RANK"
+    if unset("coordinator", "MLX_COORDINATOR"):
+        coord = coordinator(env)
+        if coord is not None:
+            out["coordinator"] = str(coord)
+            out.setdefault("coordinator_source", coord.source)
+    elif out.get("coordinator_source") is None:
+        out["coordinator_source"] = "argument coordinator" if out.get("coordinator") is not None else "MLX_COORDINATOR"
+    return out
+
+
 class Config(Settings):
     """meshcomm's core settings (plugins add their own sections, see the README).
 
@@ -131,6 +160,20 @@ class Config(Settings):
     rank: int | None = setting(
         None, env="MLX_RANK", accepts="an integer >= 0", description="this process's rank", ge=0
     )
+    world_size: int | None = setting(
+        None, env="MLX_WORLD_SIZE", accepts="an integer >= 1, the same on every rank",
+        description="number of ranks (when unset: from Slurm's, Open MPI's, MPICH's or torchrun's variables)",
+        ge=1,
+    )
+    coordinator: str | None = setting(
+        None, env="MLX_COORDINATOR", accepts="host:port, e.g. node1:29500 or [fe80::1]:29500",
+        description="where rank 0 serves the rendezvous of a job started without a hostfile (when unset: "
+        "MASTER_ADDR with MASTER_PORT + 1, or derived from the Slurm step)",
+    )
+    placement_source: str | None = Field(
+        None, description="whose variables gave rank and world size (meshcomm, Slurm, Open MPI, torchrun ...)")
+    coordinator_source: str | None = Field(
+        None, description="which variables named the coordinator")
     hostfile: Path | None = setting(
         None,
         env="MLX_HOSTFILE",
@@ -166,6 +209,38 @@ class Config(Settings):
         env="MESHCOMM_KEEP_MEMORY",
         accepts="1/0, true/false, yes/no, on/off",
         description="keep freed blocks up to 1 GiB in the process so result arrays do not page-fault",
+    )
+
+    def __init__(self, _environ: Mapping[str, str] | None = None, **data: Any) -> None:
+        env = os.environ if _environ is None else _environ
+        super().__init__(_environ=env, **_from_starter(data, env))
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            where = self.placement_source or "MLX_RANK/MLX_WORLD_SIZE"
+            raise ConfigError(
+                f"rank {self.rank} is not below the world size {self.world_size} (from {where}): ranks run from 0 "
+                f"to {self.world_size - 1}; check how the job was started"
+            )
+
+    def coordinator_address(self) -> Coordinator | None:
+        """The coordinator as host, port and the variables that named it (None when unset)."""
+        if self.coordinator is None:
+            return None
+        return parse_coordinator(self.coordinator, self.coordinator_source or "MLX_COORDINATOR")
+
+    @field_validator("coordinator")
+    @classmethod
+    def _check_coordinator(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        return str(parse_coordinator(v))
+
+    max_object_bytes: int = setting(
+        1 << 30,
+        env="MESHCOMM_MAX_OBJECT_BYTES",
+        accepts="a number of bytes >= 1",
+        description="largest pickled object all_gather_object/broadcast_object move (the smallest "
+        "setting of any rank applies); larger ones raise ValueError on every rank",
+        ge=1,
     )
 
     @field_validator("backend")

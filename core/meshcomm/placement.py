@@ -5,7 +5,8 @@ Slurm's ``srun``, Open MPI's and MPICH's ``mpirun``/``mpiexec`` and ``torchrun``
 own. :func:`placement` reads the first family present, rank and sizes from the same family
 (mixing ``SLURM_PROCID`` with torchrun's ``WORLD_SIZE`` would pair numbers from two jobs).
 :func:`coordinator` says where rank 0 serves the rendezvous: ``MLX_COORDINATOR``, else
-``MASTER_ADDR``/``MASTER_PORT``, else one derived from the Slurm step.
+``MASTER_ADDR`` and ``MASTER_PORT + 1`` (``MASTER_PORT`` itself is torch's: torchrun's agent
+serves its store there), else one derived from the Slurm step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Placement", "Coordinator", "placement", "coordinator", "expand_hostlist", "FAMILIES"]
+__all__ = ["Placement", "Coordinator", "placement", "coordinator", "parse_coordinator", "expand_hostlist",
+           "FAMILIES"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,12 @@ def _split_address(text: str, name: str) -> tuple[str, int]:
     return host, port
 
 
+def parse_coordinator(text: str, source: str = "MLX_COORDINATOR") -> Coordinator:
+    """``"host:port"`` / ``"[v6]:port"`` as a Coordinator; ConfigError naming ``source`` if malformed."""
+    host, port = _split_address(text, source)
+    return Coordinator(host, port, source)
+
+
 def expand_hostlist(text: str) -> list[str]:
     """Slurm's compressed host list ("node[1-3,7],gpu-a[01-02]") as host names, in order."""
     hosts: list[str] = []
@@ -154,8 +162,8 @@ _SLURM_PORT_SPAN = 10000
 
 
 def coordinator(environ: Mapping[str, str] | None = None) -> Coordinator | None:
-    """Where rank 0 serves the rendezvous: MLX_COORDINATOR, else MASTER_ADDR + MASTER_PORT,
-    else, inside a Slurm step, the step's first node and a port derived from the job and step
+    """Where rank 0 serves the rendezvous: MLX_COORDINATOR, else MASTER_ADDR and the port
+    after MASTER_PORT (MASTER_PORT is torch's: torchrun's agent store listens there), else, inside a Slurm step, the step's first node and a port derived from the job and step
     ids (the same on every task). None when nothing says."""
     env = os.environ if environ is None else environ
     text = env.get("MLX_COORDINATOR", "").strip()
@@ -169,7 +177,11 @@ def coordinator(environ: Mapping[str, str] | None = None) -> Coordinator | None:
             raise ConfigError(f"MASTER_ADDR and MASTER_PORT go together but {missing} is not set; set both "
                               "(or MLX_COORDINATOR=host:port)")
         host, port = _split_address(f"[{addr}]:{port_text}" if ":" in addr else f"{addr}:{port_text}", "MASTER_PORT")
-        return Coordinator(host, port, "MASTER_ADDR/MASTER_PORT")
+        # MASTER_PORT itself belongs to torch: torchrun's agent serves its TCPStore there, and a
+        # program's own init_process_group() opens one there; meshcomm takes the port above it
+        if port == 65535:
+            return Coordinator(host, port - 1, "MASTER_ADDR/MASTER_PORT-1 (MASTER_PORT itself is torch's)")
+        return Coordinator(host, port + 1, "MASTER_ADDR/MASTER_PORT+1 (MASTER_PORT itself is torch's)")
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     job = _int(env, "SLURM_JOB_ID")
     if nodes and job is not None and _int(env, "SLURM_PROCID") is not None:

@@ -264,6 +264,15 @@ class Registry:
                 return self._start_spec(spec, config), spec.name
             why.append(f"  {spec.name}: {reason}")
         why += [f"  {b.plugin}: {b.error}" for b in self.broken]
+        job = _job_environment(config)
+        if job is not None and not strict:
+            listing = "\n".join(why) or "  (no multi-process backend is installed)"
+            raise BackendUnavailableError(
+                f"{job}, but no backend could start, and running it alone would give wrong results. "
+                "Installed backends and why each is unusable:\n" + listing + "\nSet MLX_BACKEND and that "
+                "backend's variables (for sockets without a hostfile: MLX_COORDINATOR=host:port of rank 0's "
+                "machine), or start the program with `meshcomm launch`."
+            )
         if strict:
             listing = "\n".join(why) or "  (no multi-process backend is installed)"
             raise BackendUnavailableError(
@@ -283,6 +292,21 @@ class Registry:
                 "which is not a meshcomm.backend.Backend"
             )
         return backend
+
+
+def _job_environment(config: Config) -> str | None:
+    """What says this process is one rank of a multi-process job (None when nothing does):
+    a world size above 1 (meshcomm's, a scheduler's or a launcher's variables), or a
+    coordinator together with a rank. ``any`` then must not fall back to size 1."""
+    where = config.placement_source or "MLX_RANK"
+    if config.world_size is not None and config.world_size > 1:
+        source = "MLX_WORLD_SIZE says so" if where in ("MLX_RANK", "argument rank") else f"{where}'s variables say so"
+        rank = "" if config.rank is None else f"rank {config.rank} "
+        return f"this process is {rank}of a job of {config.world_size} ranks ({source})"
+    if config.coordinator is not None and config.rank is not None and config.world_size != 1:
+        return (f"this process is rank {config.rank} ({where}) of a job meeting at the coordinator "
+                f"{config.coordinator} ({config.coordinator_source or 'MLX_COORDINATOR'})")
+    return None
 
 
 def _environment_reason(spec: BackendSpec, config: Config) -> str | None:

@@ -99,13 +99,18 @@ def _version(chunk_kib: int, integrity: str = "payload") -> str:
 
 
 def _environment(config: Config, settings: SocketsSettings) -> str | None:
-    if config.hostfile is None or config.rank is None:
-        return (
-            "needs both MLX_HOSTFILE and MLX_RANK "
-            f"(MLX_HOSTFILE={str(config.hostfile) if config.hostfile else ''!r}, "
-            f"MLX_RANK={'' if config.rank is None else config.rank!r})"
-        )
-    return None
+    if config.rank is not None and config.hostfile is not None:
+        return None
+    if config.rank is not None and config.coordinator is not None and config.world_size is not None:
+        return None
+    return (
+        "needs MLX_RANK with MLX_HOSTFILE, or a rank, a world size and a coordinator (MLX_COORDINATOR, "
+        "MASTER_ADDR/MASTER_PORT or a Slurm step) "
+        f"(MLX_HOSTFILE={str(config.hostfile) if config.hostfile else ''!r}, "
+        f"rank={'' if config.rank is None else config.rank!r}, "
+        f"world size={'' if config.world_size is None else config.world_size!r}, "
+        f"coordinator={config.coordinator or ''!r})"
+    )
 
 
 #: for tests only: where every sequence counter starts (the same on every rank), so a short
@@ -124,35 +129,50 @@ def _seq_start() -> int:
     return value
 
 
+def _check_secret(rank: int, secret: bytes, settings: SocketsSettings, size: int) -> None:
+    """A job of several ranks without a secret: an error under MESHCOMM_REQUIRE_SECRET, else
+    a warning from rank 0."""
+    if secret or size < 2:
+        return
+    if settings.require_secret:
+        raise ConfigError(
+            f"rank {rank}: MESHCOMM_REQUIRE_SECRET is set but MESHCOMM_JOB_SECRET is not: give every "
+            "rank the same secret, e.g. export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;"
+            "print(secrets.token_hex(16))') once and pass it to every rank (meshcomm launch sets one itself)"
+        )
+    if rank == 0:
+        log.warning(NO_SECRET_WARNING)
+
+
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
     from .backend import SocketsBackend
     from .connect import establish
     from .engine import Fabric
     from .hostfile import read_hostfile
 
-    if config.hostfile is None or config.rank is None:
-        raise ConfigError(_environment(config, settings) or "")
-    peers = read_hostfile(config.hostfile)
-    if config.rank >= len(peers):
-        raise ConfigError(
-            f"MLX_RANK={config.rank} but MLX_HOSTFILE={str(config.hostfile)!r} lists {len(peers)} "
-            f"ranks; expected 0 <= MLX_RANK < {len(peers)}"
-        )
+    reason = _environment(config, settings)
+    if reason is not None or config.rank is None:
+        raise ConfigError(reason or "no rank")
     secret = (settings.secret or "").encode()
-    if not secret and len(peers) > 1:
-        if settings.require_secret:
-            raise ConfigError(
-                f"rank {config.rank}: MESHCOMM_REQUIRE_SECRET is set but MESHCOMM_JOB_SECRET is not: give every "
-                "rank the same secret, e.g. export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;"
-                "print(secrets.token_hex(16))') once and pass it to every rank (meshcomm launch sets one itself)"
-            )
-        if config.rank == 0:
-            log.warning(NO_SECRET_WARNING)
     listener = None
-    if settings.listen_fd is not None:
-        listener = socket.socket(fileno=settings.listen_fd)
+    startup = config.timeout
+    if config.hostfile is not None:
+        peers = read_hostfile(config.hostfile)
+        if config.rank >= len(peers):
+            raise ConfigError(
+                f"MLX_RANK={config.rank} but MLX_HOSTFILE={str(config.hostfile)!r} lists {len(peers)} "
+                f"ranks; expected 0 <= MLX_RANK < {len(peers)}"
+            )
+        _check_secret(config.rank, secret, settings, len(peers))
+        if settings.listen_fd is not None:
+            listener = socket.socket(fileno=settings.listen_fd)
+    else:
+        from .rendezvous import peers_from_coordinator
+
+        _check_secret(config.rank, secret, settings, config.world_size or 1)
+        peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
     conns = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib, settings.integrity),
-                      timeout=config.timeout, bind=settings.bind, listener=listener)
+                      timeout=startup, bind=settings.bind, listener=listener)
     fabric = Fabric(config.rank, len(peers), {q: c.sock for q, c in conns.items()}, config.timeout,
                     keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
                     payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload")
