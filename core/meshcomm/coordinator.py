@@ -239,6 +239,7 @@ class _Server:
         self.coord, self.size, self.entry, self.secret, self.timeout = coord, size, entry, secret, timeout
         self.deadline = time.monotonic() + timeout
         self.members: dict[int, _Member] = {}
+        self.seen: set[int] = set()  # ranks that registered at some point
         self.pending: dict[socket.socket, _Pending] = {}
         self.refused: list[str] = []
         self.turned_away = 0
@@ -307,13 +308,19 @@ class _Server:
 
     def _timeout(self) -> CommTimeoutError:
         missing = self._missing()
+        never = [q for q in missing if q not in self.seen]
+        left = [q for q in missing if q in self.seen]
         also = f" Meanwhile: {'; '.join(self.refused[-3:])}." if self.refused else ""
+        if left:
+            also = (f" Ranks {_ranks(left)} registered but closed their connection (they gave up or died)."
+                    + also)
+        what = (f"ranks {_ranks(never)} of {self.size}; they never registered. Did they start, do they reach "
+                f"{self.coord}, and do they have the same MESHCOMM_JOB_SECRET?" if never
+                else f"ranks {_ranks(missing)} of {self.size} to come back.")
         exc = CommTimeoutError(
             f"rank 0: waited {self.timeout:g} s (MLX_TIMEOUT) at the coordinator {self.coord} (from "
-            f"{self.coord.source}) for ranks {_ranks(missing)} of {self.size}; they never registered. Did they "
-            f"start, do they reach {self.coord}, and do they have the same MESHCOMM_JOB_SECRET?{also}",
-            peer=missing[0])
-        return self._fail(exc, "timeout", missing)  # type: ignore[return-value]
+            f"{self.coord.source}) for {what}{also}", peer=(never or missing)[0])
+        return self._fail(exc, "timeout", never or missing)  # type: ignore[return-value]
 
     def _broadcast_waiting(self) -> None:
         missing = self._missing()
@@ -437,6 +444,7 @@ class _Server:
             if old is not None:  # the same process again (its first connection broke)
                 self._close(old.sock)
             self.members[rank] = m  # its socket stays registered: readable now means it closed
+            self.seen.add(rank)
             self._send(m, WAITING, {"missing": self._missing()})
             self.changed = True
             return

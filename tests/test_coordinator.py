@@ -1,0 +1,227 @@
+"""Issue 15: the coordinator rendezvous (meshcomm.coordinator) on its own, with real processes.
+
+* 1-4 hand-started ranks all get the same table, in rank order;
+* a stranger without the secret is rejected (and learns nothing) while the job completes;
+  a fake coordinator cannot feed a rank addresses (its replies fail the MAC);
+* a missing rank is a CommTimeoutError naming it, on rank 0 and on the ranks that came;
+* a wrong world size and a rank registered twice are clear errors; an unreachable
+  coordinator is a CommTimeoutError naming the address and the fix;
+* no secret: it works and rank 0 warns once;
+* Config takes rank, world size and coordinator from other starters' variables, and
+  ``any`` refuses to run a rank of a bigger job alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from jobs import ROOT, finish, free_ports
+from meshcomm import BackendUnavailableError, Config
+from meshcomm import coordinator as rdv
+from meshcomm.registry import Registry
+
+PROG = ROOT / "tests" / "programs" / "coordinator_rank.py"
+SECRET = "test-coordinator-secret"
+
+
+def _start(addr: str, rank: int, size: int, timeout: float = 60, secret: str | None = SECRET,
+           **env: str) -> subprocess.Popen[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
+    e.update(PYTHONUNBUFFERED="1", **env)
+    if secret is not None:
+        e["MESHCOMM_JOB_SECRET"] = secret
+    return subprocess.Popen([sys.executable, str(PROG), addr, str(rank), str(size), str(timeout)], env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _report(result: tuple[int, str, str]) -> dict:
+    lines = [ln for ln in result[1].splitlines() if ln.startswith("{")]
+    assert lines, f"no report (exit {result[0]}):\n{result[1]}\n{result[2][-3000:]}"
+    return json.loads(lines[-1])
+
+
+class _Procs(dict):
+    """Rank -> process; every one still running is killed when the test ends."""
+
+    def stop(self) -> None:
+        for p in self.values():
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+@pytest.fixture
+def procs():
+    ps = _Procs()
+    try:
+        yield ps
+    finally:
+        ps.stop()
+
+
+def _addr() -> str:
+    return f"127.0.0.1:{free_ports(1)[0]}"
+
+
+def _connect_when_up(addr: str, deadline_s: float = 60) -> socket.socket:
+    host, port = addr.rsplit(":", 1)
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return socket.create_connection((host, int(port)), timeout=5)
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_rank_gets_the_same_table_in_rank_order(procs, n):
+    addr = _addr()
+    for r in reversed(range(n)):  # rank 0 last: the others retry until it serves
+        procs[r] = _start(addr, r, n)
+    results = finish(procs, timeout=120)
+    reports = {r: _report(res) for r, res in results.items()}
+    tables = [reports[r].get("table") for r in range(n)]
+    assert all(t == tables[0] for t in tables), reports
+    assert [e["rank"] for e in tables[0]] == list(range(n))
+    assert [e["pid"] for e in tables[0]] == [procs[r].pid for r in range(n)]
+    assert all(res[0] == 0 for res in results.values()), results
+
+
+def test_a_stranger_without_the_secret_is_rejected_and_the_job_completes(procs):
+    addr = _addr()
+    procs[0] = _start(addr, 0, 3)
+    with _connect_when_up(addr) as s:
+        s.settimeout(30)
+        challenge = b""
+        while len(challenge) < rdv._CHALLENGE.size:
+            challenge += s.recv(rdv._CHALLENGE.size - len(challenge))
+        _magic, nonce_s = rdv._CHALLENGE.unpack(challenge)
+        data = json.dumps({"ip": "203.0.113.9", "port": 1}).encode()
+        body = rdv._HELLO.pack(rdv.MAGIC, os.urandom(16), os.urandom(16), 1, 3, len(data)) + data
+        s.sendall(body + rdv._mac(b"not the secret", b"meshcomm rendezvous hello", nonce_s, 0, body))
+        assert s.recv(4096) == b""  # closed without a word: the stranger learns nothing
+    procs[1] = _start(addr, 1, 3)
+    procs[2] = _start(addr, 2, 3)
+    results = finish(procs, timeout=120)
+    reports = {r: _report(res) for r, res in results.items()}
+    assert all("table" in rep for rep in reports.values()), reports
+    assert [e["rank"] for e in reports[0]["table"]] == [0, 1, 2]
+    assert "203.0.113.9" not in json.dumps(reports)
+    assert "rejected a connection" in results[0][2] and "wrong job secret" in results[0][2], results[0][2]
+
+
+def test_a_fake_coordinator_cannot_feed_a_rank_addresses(procs):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = f"127.0.0.1:{server.getsockname()[1]}"
+        procs[1] = _start(addr, 1, 2)
+        server.settimeout(60)
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(30)
+            conn.sendall(rdv._CHALLENGE.pack(rdv.MAGIC, os.urandom(16)))
+            head = b""
+            while len(head) < rdv._HELLO.size:
+                head += conn.recv(rdv._HELLO.size - len(head))
+            _m, nonce_c, _cid, rank, size, _n = rdv._HELLO.unpack(head)
+            assert (rank, size) == (1, 2)
+            table = json.dumps([{"ip": "203.0.113.66", "port": 6666}, {"rank": 1}]).encode()
+            reply = rdv._REPLY.pack(rdv.TABLE, len(table)) + table
+            conn.sendall(reply + rdv._mac(b"guessed", b"meshcomm rendezvous reply", nonce_c, 0, reply))
+            rep = _report(finish(procs, timeout=60)[1])
+    assert rep["error"] == "RendezvousError", rep
+    assert "fails the job secret check" in rep["message"] and "Nothing it sent was used" in rep["message"]
+
+
+def test_a_missing_rank_is_a_timeout_naming_it(procs):
+    addr = _addr()
+    procs[0] = _start(addr, 0, 3, timeout=3)
+    procs[1] = _start(addr, 1, 3, timeout=3)
+    reports = {r: _report(res) for r, res in finish(procs, timeout=120).items()}
+    for r in (0, 1):
+        assert reports[r]["error"] == "CommTimeoutError", reports
+        assert reports[r]["peer"] == 2, reports
+    assert "ranks 2 of 3" in reports[0]["message"] and "never registered" in reports[0]["message"]
+    assert "2" in reports[1]["message"].split("ranks", 1)[1], reports[1]
+
+
+def test_a_wrong_world_size_is_a_clear_error(procs):
+    addr = _addr()
+    procs[0] = _start(addr, 0, 3, timeout=20)
+    procs[2] = _start(addr, 2, 4, timeout=20)
+    reports = {r: _report(res) for r, res in finish(procs, timeout=120).items()}
+    for r in (0, 2):
+        assert reports[r]["error"] == "RendezvousError", reports
+        assert "says the job has 4 ranks, rank 0 says 3" in reports[r]["message"], reports
+        assert "same world size" in reports[r]["message"]
+
+
+def test_a_rank_registered_twice_is_a_clear_error(procs):
+    addr = _addr()
+    procs[0] = _start(addr, 0, 3, timeout=20)
+    procs[1] = _start(addr, 1, 3, timeout=20)
+    procs[11] = _start(addr, 1, 3, timeout=20)
+    reports = {r: _report(res) for r, res in finish(procs, timeout=120).items()}
+    assert reports[0]["error"] == "RendezvousError", reports
+    assert "rank 1 registered twice" in reports[0]["message"] and "same rank" in reports[0]["message"]
+    assert {reports[1].get("error"), reports[11].get("error")} == {"RendezvousError"}, reports
+
+
+def test_an_unreachable_coordinator_is_a_timeout_naming_it(procs):
+    addr = _addr()
+    procs[1] = _start(addr, 1, 2, timeout=1.5)
+    rep = _report(finish(procs, timeout=60)[1])
+    assert rep["error"] == "CommTimeoutError", rep
+    assert f"could not reach the coordinator at {addr}" in rep["message"] and "MLX_COORDINATOR" in rep["message"]
+
+
+def test_without_a_secret_it_works_and_rank_0_warns_once(procs):
+    addr = _addr()
+    for r in range(3):
+        procs[r] = _start(addr, r, 3, secret=None)
+    results = finish(procs, timeout=120)
+    assert all("table" in _report(res) for res in results.values()), results
+    assert results[0][2].count("MESHCOMM_JOB_SECRET is not set") == 1, results[0][2]
+    assert "MESHCOMM_JOB_SECRET is not set" not in results[1][2] + results[2][2]
+
+
+# -- configuration: where rank, size and coordinator come from ---------------------------------
+
+def test_config_reads_torchrun_and_takes_the_port_after_master_port():
+    c = Config.load({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"})
+    assert (c.rank, c.world_size, c.placement_source) == (2, 3, "torchrun")
+    coord = c.coordinator_address()
+    assert coord is not None and (coord.host, coord.port) == ("localhost", 29501)
+    assert "MASTER_PORT+1" in coord.source
+
+
+def test_config_prefers_meshcomm_variables_and_reads_mpirun():
+    c = Config.load({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "MLX_COORDINATOR": "h:5"})
+    assert (c.rank, c.world_size, c.placement_source, c.coordinator) == (1, 4, "Open MPI", "h:5")
+    c = Config.load({"MLX_RANK": "0", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"})
+    assert (c.rank, c.world_size, c.placement_source) == (0, None, "MLX_RANK")
+
+
+def test_any_refuses_to_run_a_rank_of_a_bigger_job_alone():
+    reg = Registry().load(environ={}, entry_points=False)  # only the size-1 backend
+    with pytest.raises(BackendUnavailableError, match="rank 1 of a job of 4 ranks.*Open MPI"):
+        reg.start("any", Config.load({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}), strict=False)
+    with pytest.raises(BackendUnavailableError, match="coordinator"):
+        reg.start("any", Config.load({"MLX_RANK": "1", "MLX_COORDINATOR": "h:5"}), strict=False)
+    assert reg.start("any", Config.load({}), strict=False)[1] == "single"
+    assert reg.start("any", Config.load({"RANK": "0", "WORLD_SIZE": "1"}), strict=False)[1] == "single"
+
+
+def test_sockets_counts_a_coordinator_as_its_environment():
+    plugin = pytest.importorskip("meshcomm_sockets.plugin")
+    settings = plugin.SocketsSettings()
+    assert plugin._environment(Config.load({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
+                                            "SLURM_STEP_NODELIST": "n[1-2]"}), settings) is None
+    assert plugin._environment(Config.load({"RANK": "0", "WORLD_SIZE": "2"}), settings) is not None
