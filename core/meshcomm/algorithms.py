@@ -26,6 +26,10 @@ __all__ = [
     "reduce_scatter",
     "broadcast",
     "barrier",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "reduce",
     "split",
     "block_bounds",
     "recursive_doubling",
@@ -202,6 +206,67 @@ def broadcast(b: Backend, buf: np.ndarray, root: int) -> None:
         if vr + mask < n:
             b.send(buf, (vr + mask + root) % n)
         mask >>= 1
+
+
+# -- all-to-all, gather, scatter, reduce ------------------------------------------------
+def all_to_all(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+    """Block j of ``sendbuf`` to rank j; block i of ``recvbuf`` from rank i (pairwise exchange).
+
+    Step s (1 .. n-1) sends to rank ``r + s`` and receives from rank ``r - s`` at once, so
+    no rank waits on a rank that is itself waiting.
+    """
+    n, r = b.size(), b.rank()
+    m = sendbuf.size // n
+    recvbuf[r * m : (r + 1) * m] = sendbuf[r * m : (r + 1) * m]
+    if n == 1 or m == 0:
+        return
+    for step in range(1, n):
+        dst, src = (r + step) % n, (r - step) % n
+        b.sendrecv(sendbuf[dst * m : (dst + 1) * m], dst, recvbuf[src * m : (src + 1) * m], src)
+
+
+def gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+    """Root's ``recvbuf`` = every rank's ``sendbuf`` in rank order (``recvbuf`` is None elsewhere)."""
+    n, r = b.size(), b.rank()
+    m = sendbuf.size
+    if r != root:
+        if m:
+            b.send(sendbuf, root)
+        return
+    assert recvbuf is not None
+    recvbuf[r * m : (r + 1) * m] = sendbuf
+    if m:
+        for q in range(n):
+            if q != root:
+                b.recv(recvbuf[q * m : (q + 1) * m], q)
+
+
+def scatter(b: Backend, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+    """Block r of root's ``sendbuf`` into rank r's ``recvbuf`` (``sendbuf`` is None off the root)."""
+    n, r = b.size(), b.rank()
+    m = recvbuf.size
+    if r != root:
+        if m:
+            b.recv(recvbuf, root)
+        return
+    assert sendbuf is not None
+    recvbuf[...] = sendbuf[r * m : (r + 1) * m]
+    if m:
+        for q in range(n):
+            if q != root:
+                b.send(sendbuf[q * m : (q + 1) * m], q)
+
+
+def reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: str, root: int) -> None:
+    """Root's ``recvbuf`` = the reduction of every rank's ``sendbuf`` (None elsewhere).
+
+    Runs the backend's own ``all_reduce`` and keeps the result on the root only: the
+    contract wants ``reduce`` bit-identical to ``all_sum`` & co., and a tree reduction
+    would add floats in another order than whatever ``all_reduce`` the backend uses (its
+    ring, or MPI's). The price is the all-gather half of the traffic.
+    """
+    out = recvbuf if recvbuf is not None else np.empty_like(sendbuf)
+    b.all_reduce(sendbuf, out, op)
 
 
 # -- barrier ----------------------------------------------------------------------------

@@ -39,8 +39,18 @@ class Backend(abc.ABC):
 
     #: True when the transport itself compares every collective's op, dtype, length and
     #: root across ranks (raising CollectiveMismatchError). When False the core does it
-    #: with one small all_reduce before each collective (``MESHCOMM_CHECK_CALLS``).
+    #: with one small all_reduce before each collective (``MESHCOMM_CHECK_CALLS``). The
+    #: core checks an operation itself whenever it runs on an inherited default method
+    #: (built from send/recv, which an in-band check cannot tell apart), so a backend
+    #: only vouches for the methods it overrides.
     checks_calls: bool = False
+
+    #: True when receive buffers may be the caller's own ``out=`` array instead of a fresh
+    #: one: written in place, possibly the *same memory* as the send buffer (``all_reduce``
+    #: and ``broadcast`` with ``out=x``), and left undefined if the call fails. When False
+    #: (the default, so existing transports need no change) the core receives into a fresh
+    #: buffer and copies the result into ``out``. The generic algorithms allow it.
+    direct_out: bool = False
 
     # -- required -------------------------------------------------------------------
     @abc.abstractmethod
@@ -102,6 +112,29 @@ class Backend(abc.ABC):
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         """Every rank's ``buf`` becomes root's ``buf`` (written in place on non-roots)."""
         algorithms.broadcast(self, buf, root)
+
+    def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """Block j of ``sendbuf`` goes to rank j; block i of ``recvbuf`` comes from rank i.
+
+        Both have ``size * m`` elements (``m`` may be 0).
+        """
+        algorithms.all_to_all(self, sendbuf, recvbuf)
+
+    def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        """On ``root``, ``recvbuf`` = every rank's ``sendbuf`` in rank order; elsewhere it is None."""
+        algorithms.gather(self, sendbuf, recvbuf, root)
+
+    def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        """``recvbuf`` of rank r = block r of root's ``sendbuf`` (None on other ranks)."""
+        algorithms.scatter(self, sendbuf, recvbuf, root)
+
+    def reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: str, root: int) -> None:
+        """On ``root``, ``recvbuf`` = reduction ``op`` of every rank's ``sendbuf`` (None elsewhere).
+
+        The result must be bit-identical to what :meth:`all_reduce` gives; the default
+        runs ``all_reduce`` and keeps the root's copy.
+        """
+        algorithms.reduce(self, sendbuf, recvbuf, op, root)
 
     def barrier(self) -> None:
         """Return only once every rank has entered the barrier."""

@@ -13,52 +13,70 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import operations
 from .dtypes import dtype_code, dtype_from_code
 from .errors import CollectiveMismatchError
+from .operations import REDUCTIONS
 
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["check_collective", "quick_check", "check_send", "check_recv", "OPS"]
+__all__ = ["check_collective", "quick_check", "check_send", "check_recv"]
 
 _MAGIC = 0x6D657368  # "mesh"
-OPS = ("all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send",
-       "recv", "barrier", "split")
 _WIDTH = 12
 _DIMS = 6
+#: the op slot holds the operation's code plus (reduction index + 1) << 8 for ``reduce``
+_VARIANT = 256
 
 
-def _fingerprint(op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int) -> np.ndarray:
+def _opword(op: str, reduction: str | None) -> int:
+    code = operations.get(op).code
+    return code if reduction is None else code + _VARIANT * (REDUCTIONS.index(reduction) + 1)
+
+
+def _fingerprint(op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
+                 reduction: str | None = None) -> np.ndarray:
     fp = np.zeros(_WIDTH, dtype=np.int64)
     dims = list(shape)[:_DIMS]
-    fp[:6] = [_MAGIC, OPS.index(op), 0 if dtype is None else dtype_code(dtype), len(shape), arg,
+    fp[:6] = [_MAGIC, _opword(op, reduction), 0 if dtype is None else dtype_code(dtype), len(shape), arg,
               zlib.crc32(repr(tuple(shape)).encode())]
     fp[6 : 6 + len(dims)] = dims
     return fp
 
 
 def _describe(fp: np.ndarray) -> str:
-    if int(fp[0]) != _MAGIC or not 0 <= int(fp[1]) < len(OPS):
+    word = int(fp[1])
+    spec = operations.by_code(word % _VARIANT) if word >= 0 else None
+    variant = word // _VARIANT
+    if int(fp[0]) != _MAGIC or spec is None or variant > len(REDUCTIONS):
         return "something that is not a meshcomm call (a message of another kind)"
-    op = OPS[int(fp[1])]
+    op = spec.name
     if op in ("barrier", "split"):
         return f"{op}()"
+    if spec.kind == "object":
+        return f"{op}({'root=' + str(int(fp[4])) if spec.rooted else ''})"
     ndim = int(fp[3])
     shape = tuple(int(d) for d in fp[6 : 6 + min(ndim, _DIMS)])
     shown = str(shape) if ndim <= _DIMS else f"{ndim}-d shape starting {shape}"
     dt = dtype_from_code(int(fp[2]))
-    extra = {"broadcast": f", root={int(fp[4])}", "send": f", dst={int(fp[4])}",
-             "recv": f", src={int(fp[4])}"}.get(op, "")
+    extra = f", root={int(fp[4])}" if spec.rooted else {
+        "send": f", dst={int(fp[4])}", "recv": f", src={int(fp[4])}"}.get(op, "")
+    if variant:
+        extra += f", op={REDUCTIONS[variant - 1]!r}"
     return f"{op}(shape={shown}, dtype={dt}{extra})"
 
 
 def check_collective(
     b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0,
-    *, label: str = "MLX_DEBUG: ",
+    *, label: str = "MLX_DEBUG: ", reduction: str | None = None,
 ) -> None:
-    """All-gather this call's fingerprint; raise the same error on every rank on a mismatch."""
+    """All-gather this call's fingerprint; raise the same error on every rank on a mismatch.
+
+    ``op`` is a name from :mod:`meshcomm.operations`; ``reduction`` the one ``reduce`` applies.
+    """
     n = b.size()
-    mine = _fingerprint(op, shape, dtype, arg)
+    mine = _fingerprint(op, shape, dtype, arg, reduction)
     table = np.empty(n * _WIDTH, dtype=np.int64).reshape(n, _WIDTH)
     b.all_gather(mine, table.reshape(-1))
     if (table == table[0]).all():
@@ -75,7 +93,8 @@ def check_collective(
 
 
 def quick_check(
-    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0
+    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0,
+    *, reduction: str | None = None,
 ) -> None:
     """The default call check: one all-reduce (max) of a 32-bit hash of the call and its negation.
 
@@ -83,13 +102,13 @@ def quick_check(
     Otherwise every rank sees the same result and runs :func:`check_collective`, which
     names what each rank called.
     """
-    h = zlib.crc32(repr((op, None if dtype is None else dtype.str, shape, arg)).encode())
+    h = zlib.crc32(repr((op, None if dtype is None else dtype.str, shape, arg, reduction)).encode())
     mine = np.array([h, -h], dtype=np.int64)
     both = np.empty(2, dtype=np.int64)
     b.all_reduce(mine, both, "max")
     if both[0] == -both[1]:
         return
-    check_collective(b, group_name, op, shape, dtype, arg, label="")
+    check_collective(b, group_name, op, shape, dtype, arg, label="", reduction=reduction)
     raise CollectiveMismatchError(
         f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: their call checks "
         "differ. Every rank must make the same collective calls in the same order with the same "

@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["SUPPORTED", "check_dtype", "reducer", "dtype_code", "dtype_from_code", "bfloat16", "OPS"]
+from .operations import REDUCTIONS
+
+__all__ = ["SUPPORTED", "check_dtype", "reducer", "dtype_code", "dtype_from_code", "bfloat16", "REDUCTIONS"]
 
 try:  # optional: bfloat16 as NumPy sees it
     from ml_dtypes import bfloat16 as _bf16
@@ -24,8 +26,6 @@ SUPPORTED: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in _BASE) + (
 )
 _CODES = {dt: i + 1 for i, dt in enumerate(SUPPORTED)}
 
-#: Reduction names a backend may be asked for.
-OPS = ("sum", "max", "min")
 _UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
@@ -47,7 +47,7 @@ def reducer(op: str) -> Callable[..., np.ndarray]:
     try:
         return _UFUNCS[op]
     except KeyError:
-        raise ValueError(f"unknown reduction {op!r}; expected one of {OPS}") from None
+        raise ValueError(f"unknown reduction {op!r}; expected one of {REDUCTIONS}") from None
 
 
 def dtype_code(dtype: np.dtype) -> int:

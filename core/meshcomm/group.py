@@ -2,25 +2,40 @@
 
 All argument checking, dtype and layout handling, output allocation, debug checks and
 error translation happen here, once; backends only see contiguous 1-D buffers.
+
+Every operation goes the same way: arguments are checked on the caller's thread (a
+ValueError or TypeError before any communication), then the operation is *issued*
+(:meth:`Group._submit`): admitted by the world's one-thread guard, and run either at once
+on the caller's thread or, for ``async_op=True`` and for anything issued behind an
+asynchronous operation, on the world's worker thread in issue order (:mod:`meshcomm.work`).
+Running it means the cross-rank call check (:meth:`Group._check`) and then the backend.
 """
 
 from __future__ import annotations
 
 import operator
+import pickle
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
 from . import debug as _debug
+from . import exits
 from .backend import Backend
 from .dtypes import check_dtype
 from .errors import DistributedError
-from .guard import WorldGuard
+from .guard import Ticket, WorldGuard
+from .operations import REDUCTIONS
+from .work import Work, WorldWorker
 
-__all__ = ["Group", "as_array"]
+__all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
 
 T = TypeVar("T")
+
+#: the object collectives' size limit when neither the config nor the group sets one
+DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 
 
 def as_array(x: Any, what: str = "x") -> np.ndarray:
@@ -49,11 +64,26 @@ def _index(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
+class _World:
+    """What a world shares with every group split from it: the one-thread guard, the
+    worker thread of asynchronous operations, and whether the world was closed."""
+
+    def __init__(self, name: str, guard: WorldGuard | None) -> None:
+        self.guard = guard if guard is not None else WorldGuard()
+        self.worker = WorldWorker(name)
+        self.closed = False
+        self.lock = threading.Lock()
+
+
 class Group:
-    """The ranks that take part in a collective. Get one from ``meshcomm.init()`` or ``split``."""
+    """The ranks that take part in a collective. Get one from ``meshcomm.init()`` or ``split``.
+
+    ``with mc.init() as world: ...`` closes the world at the end (see :meth:`close`).
+    """
 
     def __init__(self, backend: Backend, name: str, *, debug: bool = False, label: str = "world",
-                 check_calls: bool = True, guard: WorldGuard | None = None) -> None:
+                 check_calls: bool = True, guard: WorldGuard | None = None,
+                 max_object_bytes: int | None = None, _world: _World | None = None) -> None:
         self._b = backend
         self._name = name
         self._debug = debug
@@ -63,9 +93,13 @@ class Group:
         # The core compares calls across ranks only where the transport does not (MLX_DEBUG
         # does the full comparison everywhere).
         self._check_calls = check_calls
-        self._quick = check_calls and not debug and not backend.checks_calls
-        self._guard = guard if guard is not None else WorldGuard()
+        self._is_world = _world is None
+        self._world = _world if _world is not None else _World(name, guard)
+        self._guard = self._world.guard
+        self._max_object_bytes = max_object_bytes
+        self._closed = False
         self._who = f"[{name}] rank {self._rank}"
+        self._native: dict[str, bool] = {}
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -86,78 +120,283 @@ class Group:
         """The backend object itself (for plugin authors and tests)."""
         return self._b
 
+    @property
+    def closed(self) -> bool:
+        """True once this group (or the world it was split from) was closed."""
+        return self._closed or self._world.closed
+
     def __repr__(self) -> str:
-        return f"Group(backend={self._name!r}, rank={self._rank}, size={self._size}, {self._label})"
+        state = ", closed" if self.closed else ""
+        return f"Group(backend={self._name!r}, rank={self._rank}, size={self._size}, {self._label}{state})"
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the group's resources; later calls on it raise DistributedError.
+
+        Operations already issued (``async_op=True``) run to completion first (for up to
+        the backend's timeout). Closing the world closes its backend (connections, memory,
+        sub-communicators) and so every group split from it. Closing twice does nothing.
+        """
+        with self._world.lock:
+            if self._closed:
+                return
+            self._closed = True
+            world_was_closed = self._world.closed
+            if self._is_world:
+                self._world.closed = True
+        if world_was_closed:
+            return  # the world's close already released everything split from it
+        # after this rank's program failed (the peers were told), do not wait on them
+        timeout = 0.0 if exits.has_ended() else float(getattr(self._b, "timeout", 300.0))
+        if self._is_world:
+            self._world.worker.stop(timeout)
+        else:
+            self._world.worker.drain(timeout)
+        try:
+            self._b.close()
+        except Exception as exc:
+            raise DistributedError(f"{self._who}: closing {self._where()} failed: {type(exc).__name__}: {exc}") from exc
 
     # -- group operations -------------------------------------------------------------
-    def split(self, color: int, key: int = -1) -> Group:
+    @overload
+    def split(self, color: int, key: int = -1, *, async_op: Literal[False] = False) -> Group: ...
+
+    @overload
+    def split(self, color: int, key: int = -1, *, async_op: Literal[True]) -> Work[Group]: ...
+
+    @overload
+    def split(self, color: int, key: int = -1, *, async_op: bool) -> Group | Work[Group]: ...
+
+    def split(self, color: int, key: int = -1, *, async_op: bool = False) -> Group | Work[Group]:
         """Ranks passing equal ``color`` form a new group, ordered by ``key`` then old rank."""
         color, key = _index(color, "color"), _index(key, "key")
-        sub = cast(Backend, self._collective("split", (), None, 0, self._b.split, color, key))
-        return Group(sub, self._name, debug=self._debug, label=f"split of {self._label} (color={color})",
-                     check_calls=self._check_calls, guard=self._guard)
 
-    def barrier(self) -> None:
+        def run() -> Group:
+            self._check("split", (), None, 0, "split")
+            sub = self._b.split(color, key)
+            return Group(sub, self._name, debug=self._debug, label=f"split of {self._label} (color={color})",
+                         check_calls=self._check_calls, max_object_bytes=self._max_object_bytes,
+                         _world=self._world)
+
+        return self._submit("split", run, async_op)
+
+    @overload
+    def barrier(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def barrier(self, *, async_op: Literal[True]) -> Work[None]: ...
+
+    @overload
+    def barrier(self, *, async_op: bool) -> Work[None] | None: ...
+
+    def barrier(self, *, async_op: bool = False) -> None | Work[None]:
         """Return on each rank only after every rank of the group has entered the barrier."""
-        if self._size == 1:
-            return
-        # The call check is an all-reduce, which no rank leaves before every rank entered it:
-        # when it runs, it is the barrier.
-        self._collective("barrier", (), None, 0, None if self._quick else self._b.barrier)
 
-    # -- used by meshcomm.ops -----------------------------------------------------------
-    def _reduce(self, op: str, x: Any) -> np.ndarray:
+        def run() -> None:
+            if self._size == 1:
+                return
+            # The call check is an all-reduce, which no rank leaves before every rank entered
+            # it: when it runs, it is the barrier.
+            if not self._check("barrier", (), None, 0, "barrier"):
+                self._b.barrier()
+
+        return self._submit("barrier", run, async_op)
+
+    # -- reductions ---------------------------------------------------------------------
+    def all_sum(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
+        return self._all_reduce("sum", x, out, async_op)
+
+    def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Element-wise maximum over ranks."""
+        return self._all_reduce("max", x, out, async_op)
+
+    def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Element-wise minimum over ranks."""
+        return self._all_reduce("min", x, out, async_op)
+
+    def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
+        name = f"all_{op}"
         a = as_array(x)
-        if self._size == 1:
-            return np.array(a, copy=True)
-        out = np.empty(a.shape, a.dtype)
-        self._collective(f"all_{op}", a.shape, a.dtype, 0,
-                         self._b.all_reduce if a.size else None, _flat(a), out.reshape(-1), op)
-        return out
+        o = self._out(name, out, a.shape, a.dtype, x, in_place=True)
+        send = _flat(a)
 
-    def _all_gather(self, x: Any) -> np.ndarray:
-        a = as_array(x)
-        shape = (self._size,) if a.ndim == 0 else (self._size * a.shape[0], *a.shape[1:])
-        if self._size == 1:
-            return np.array(a, copy=True).reshape(shape)
-        out = np.empty(shape, a.dtype)
-        self._collective("all_gather", a.shape, a.dtype, 0,
-                         self._b.all_gather if a.size else None, _flat(a), out.reshape(-1))
-        return out
+        def run() -> np.ndarray:
+            if self._size == 1:
+                return self._local(o, a)
+            self._check(name, a.shape, a.dtype, 0, "all_reduce")
+            return self._into(o, a.shape, a.dtype,
+                              (lambda buf: self._b.all_reduce(send, buf, op)) if a.size else None)
 
-    def _sum_scatter(self, x: Any) -> np.ndarray:
-        a = as_array(x)
-        if a.ndim == 0 or a.shape[0] % self._size:
-            raise ValueError(
-                f"sum_scatter: invalid shape {a.shape} for a group of size {self._size}: "
-                f"axis 0 must be divisible by {self._size}"
-            )
-        if self._size == 1:
-            return np.array(a, copy=True)
-        out = np.empty((a.shape[0] // self._size, *a.shape[1:]), a.dtype)
-        self._collective("sum_scatter", a.shape, a.dtype, 0,
-                         self._b.reduce_scatter if a.size else None, _flat(a), out.reshape(-1), "sum")
-        return out
+        return self._submit(name, run, async_op)
 
-    def _broadcast(self, x: Any, root: Any) -> np.ndarray:
+    def reduce(self, x: Any, root: int = 0, *, op: str = "sum", out: np.ndarray | None = None,
+               async_op: bool = False) -> Any:
+        """The reduction ``op`` ("sum", "max", "min") of every rank's ``x`` on ``root``; None elsewhere.
+
+        Bit-identical to ``all_sum`` & co. on the same inputs (it is the backend's
+        all-reduce unless the backend implements ``reduce`` itself with that guarantee).
+        """
         a = as_array(x)
         root = self._peer(root, "root", allow_self=True)
-        out = np.array(a, copy=True, order="C")
-        if self._size == 1:
-            return out
-        self._collective("broadcast", a.shape, a.dtype, root,
-                         self._b.broadcast if a.size else None, out.reshape(-1), root)
-        return out
+        if op not in REDUCTIONS:
+            raise ValueError(f"reduce: unknown op={op!r} on rank {self._rank}; expected one of {', '.join(REDUCTIONS)}")
+        o = self._out("reduce", out, a.shape, a.dtype, x)
+        send = _flat(a)
+        me = self._rank == root
 
-    def _send(self, x: Any, dst: Any) -> None:
+        def run() -> np.ndarray | None:
+            if self._size == 1:
+                return self._local(o, a)
+            self._check("reduce", a.shape, a.dtype, root, "reduce", reduction=op)
+            if not a.size:
+                return self._into(o, a.shape, a.dtype, None) if me else None
+            if me:
+                return self._into(o, a.shape, a.dtype, lambda buf: self._b.reduce(send, buf, op, root))
+            self._b.reduce(send, None, op, root)
+            return None
+
+        return self._submit("reduce", run, async_op)
+
+    def sum_scatter(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """The sum over ranks split along axis 0; rank r returns block r."""
+        a = as_array(x)
+        self._divisible("sum_scatter", a)
+        shape = (a.shape[0] // self._size, *a.shape[1:])
+        o = self._out("sum_scatter", out, shape, a.dtype, x)
+        send = _flat(a)
+
+        def run() -> np.ndarray:
+            if self._size == 1:
+                return self._local(o, a)
+            self._check("sum_scatter", a.shape, a.dtype, 0, "reduce_scatter")
+            return self._into(o, shape, a.dtype,
+                              (lambda buf: self._b.reduce_scatter(send, buf, "sum")) if a.size else None)
+
+        return self._submit("sum_scatter", run, async_op)
+
+    # -- data movement ------------------------------------------------------------------
+    def all_gather(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Every rank's ``x`` concatenated along axis 0 in rank order (0-d gives shape ``(size,)``)."""
+        a = as_array(x)
+        shape = self._gathered_shape(a)
+        o = self._out("all_gather", out, shape, a.dtype, x)
+        send = _flat(a)
+
+        def run() -> np.ndarray:
+            if self._size == 1:
+                return self._local(o, a, shape)
+            self._check("all_gather", a.shape, a.dtype, 0, "all_gather")
+            return self._into(o, shape, a.dtype, (lambda buf: self._b.all_gather(send, buf)) if a.size else None)
+
+        return self._submit("all_gather", run, async_op)
+
+    def gather(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """On ``root``: every rank's ``x`` concatenated along axis 0 in rank order; elsewhere None."""
+        a = as_array(x)
+        root = self._peer(root, "root", allow_self=True)
+        shape = self._gathered_shape(a)
+        o = self._out("gather", out, shape, a.dtype, x)
+        send = _flat(a)
+        me = self._rank == root
+
+        def run() -> np.ndarray | None:
+            if self._size == 1:
+                return self._local(o, a, shape)
+            self._check("gather", a.shape, a.dtype, root, "gather")
+            if me:
+                return self._into(o, shape, a.dtype,
+                                  (lambda buf: self._b.gather(send, buf, root)) if a.size else None)
+            if a.size:
+                self._b.gather(send, None, root)
+            return None
+
+        return self._submit("gather", run, async_op)
+
+    def scatter(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Root's ``x`` split along axis 0 into ``size`` blocks; rank r returns block r.
+
+        Every rank passes an array of the same shape and dtype; only root's contents matter.
+        """
+        a = as_array(x)
+        root = self._peer(root, "root", allow_self=True)
+        self._divisible("scatter", a)
+        shape = (a.shape[0] // self._size, *a.shape[1:])
+        o = self._out("scatter", out, shape, a.dtype, x)
+        me = self._rank == root
+        send = _flat(a) if me else None
+
+        def run() -> np.ndarray:
+            if self._size == 1:
+                return self._local(o, a)
+            self._check("scatter", a.shape, a.dtype, root, "scatter")
+            return self._into(o, shape, a.dtype, (lambda buf: self._b.scatter(send, buf, root)) if a.size else None)
+
+        return self._submit("scatter", run, async_op)
+
+    def all_to_all(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Block j of this rank's ``x`` (axis 0 in ``size`` blocks) goes to rank j; block i of
+        the result comes from rank i. Same shape and dtype as ``x``."""
+        a = as_array(x)
+        self._divisible("all_to_all", a)
+        o = self._out("all_to_all", out, a.shape, a.dtype, x)
+        send = _flat(a)
+
+        def run() -> np.ndarray:
+            if self._size == 1:
+                return self._local(o, a)
+            self._check("all_to_all", a.shape, a.dtype, 0, "all_to_all")
+            return self._into(o, a.shape, a.dtype, (lambda buf: self._b.all_to_all(send, buf)) if a.size else None)
+
+        return self._submit("all_to_all", run, async_op)
+
+    def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Root's ``x`` on every rank; other ranks pass an array of the same shape and dtype."""
+        a = as_array(x)
+        root = self._peer(root, "root", allow_self=True)
+        o = self._out("broadcast", out, a.shape, a.dtype, x, in_place=True)
+        me = self._rank == root
+
+        def run() -> np.ndarray:
+            if self._size == 1:
+                return self._local(o, a)
+            self._check("broadcast", a.shape, a.dtype, root, "broadcast")
+            direct = o is not None and self._b.direct_out
+            buf = o if direct else np.empty(a.shape, a.dtype)
+            assert buf is not None
+            if me and buf is not a:
+                buf[...] = a
+            if a.size:
+                self._b.broadcast(buf.reshape(-1), root)
+            if o is not None and buf is not o:
+                o[...] = buf
+                return o
+            return buf
+
+        return self._submit("broadcast", run, async_op)
+
+    # -- point-to-point -----------------------------------------------------------------
+    def send(self, x: Any, dst: int, *, async_op: bool = False) -> None | Work[None]:
+        """Send ``x`` to rank ``dst``; received in order by ``recv``/``recv_like`` from this rank."""
         a = as_array(x)
         dst = self._peer(dst, "dst")
-        if self._debug:
-            self._run("send", self._checked_send, _flat(a), a.shape, dst)
-        else:
-            self._run("send", self._b.send, _flat(a), dst)
+        flat = _flat(a)
 
-    def _recv(self, shape: Any, dtype: Any, src: Any) -> np.ndarray:
+        def run() -> None:
+            if self._debug:
+                _debug.check_send(self._b, self._where(), a.shape, flat.dtype, dst)
+            self._b.send(flat, dst)
+
+        return self._submit("send", run, async_op)
+
+    def recv(self, shape: Any, dtype: Any, src: int, *, out: np.ndarray | None = None,
+             async_op: bool = False) -> Any:
+        """Receive a new array of ``shape`` and ``dtype`` from rank ``src`` (or into ``out``)."""
         shp = _shape(shape)
         try:
             dt = np.dtype(dtype)
@@ -165,12 +404,102 @@ class Group:
             raise TypeError(f"recv: dtype {dtype!r} is not a NumPy dtype") from None
         check_dtype(dt, what="recv")
         src = self._peer(src, "src")
-        out = np.empty(shp, dt)
-        if self._debug:
-            self._run("recv", self._checked_recv, out, src)
-        else:
-            self._run("recv", self._b.recv, out.reshape(-1), src)
-        return out
+        o = self._out("recv", out, shp, dt, None)
+
+        def run() -> np.ndarray:
+            if self._debug:
+                _debug.check_recv(self._b, self._where(), shp, dt, src)
+            return self._into(o, shp, dt, lambda buf: self._b.recv(buf, src))
+
+        return self._submit("recv", run, async_op)
+
+    def recv_like(self, x: Any, src: int, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
+        """Receive an array shaped and typed like ``x`` from rank ``src``."""
+        a = np.asarray(x)
+        return self.recv(a.shape, a.dtype, src, out=out, async_op=async_op)
+
+    # -- Python objects -------------------------------------------------------------------
+    def all_gather_object(self, obj: Any, *, async_op: bool = False) -> Any:
+        """Every rank's picklable ``obj``, in rank order (a list of unpickled copies).
+
+        Uses pickle, which runs code when loading: only for ranks of one job that trust
+        each other, over authenticated transports.
+        """
+        data, failure = _pickle(obj)
+        limit = self._object_limit()
+
+        def run() -> list[Any]:
+            if self._size == 1:
+                self._object_sizes("all_gather_object", np.array([[_code(data, failure), limit]]), failure, None)
+                return [_unpickle(data, 0, "all_gather_object", self._who)]
+            self._check("all_gather_object", (), None, 0, None)
+            mine = np.array([_code(data, failure), limit], np.int64)
+            table = np.empty(2 * self._size, np.int64)
+            self._b.all_gather(mine, table)
+            sizes = self._object_sizes("all_gather_object", table.reshape(self._size, 2), failure, None)
+            width = max(sizes)
+            pad = np.zeros(width, np.uint8)
+            pad[: len(data)] = np.frombuffer(data, np.uint8)
+            every = np.empty(width * self._size, np.uint8)
+            self._b.all_gather(pad, every)
+            return [_unpickle(every[q * width : q * width + sizes[q]].tobytes(), q, "all_gather_object", self._who)
+                    for q in range(self._size)]
+
+        return self._submit("all_gather_object", run, async_op)
+
+    def broadcast_object(self, obj: Any, root: int = 0, *, async_op: bool = False) -> Any:
+        """Root's picklable ``obj`` on every rank (other ranks pass anything, e.g. None).
+
+        The root gets its own object back; the others an unpickled copy. Uses pickle,
+        which runs code when loading: only for ranks of one job that trust each other.
+        """
+        root = self._peer(root, "root", allow_self=True)
+        me = self._rank == root
+        data, failure = _pickle(obj) if me else (b"", None)
+        limit = self._object_limit()
+
+        def run() -> Any:
+            if self._size == 1:
+                self._object_sizes("broadcast_object", np.array([[_code(data, failure), limit]]), failure, root)
+                return obj
+            self._check("broadcast_object", (), None, root, None)
+            mine = np.array([_code(data, failure) if me else 0, limit], np.int64)
+            table = np.empty(2 * self._size, np.int64)
+            self._b.all_gather(mine, table)
+            size = self._object_sizes("broadcast_object", table.reshape(self._size, 2), failure, root)[root]
+            buf = np.frombuffer(data, np.uint8).copy() if me else np.empty(size, np.uint8)
+            self._b.broadcast(buf, root)
+            return obj if me else _unpickle(buf.tobytes(), root, "broadcast_object", self._who)
+
+        return self._submit("broadcast_object", run, async_op)
+
+    def _object_limit(self) -> int:
+        if self._max_object_bytes is None:
+            from .config import Config
+
+            self._max_object_bytes = int(getattr(Config(), "max_object_bytes", DEFAULT_MAX_OBJECT_BYTES))
+        return self._max_object_bytes
+
+    def _object_sizes(self, op: str, table: np.ndarray, failure: BaseException | None,
+                      root: int | None) -> list[int]:
+        """Every rank's pickled size from the (size, limit) table, or the same ValueError on
+        every rank when one could not pickle or one object exceeds the smallest limit."""
+        limit = int(table[:, 1].min())
+        ranks = range(len(table)) if root is None else [root]
+        for q in ranks:
+            size = int(table[q, 0])
+            if size == _UNPICKLABLE:
+                if q == self._rank and failure is not None:
+                    raise ValueError(f"{self._who}: {op}: the object cannot be pickled: "
+                                     f"{type(failure).__name__}: {failure}") from failure
+                raise ValueError(f"{self._who}: {op}: rank {q}'s object cannot be pickled (rank {q} raises the details)")
+            if size > limit:
+                raise ValueError(
+                    f"{self._who}: {op}: rank {q}'s object is {size} bytes pickled, more than the limit of "
+                    f"{limit} bytes (MESHCOMM_MAX_OBJECT_BYTES, smallest on any rank); raise the "
+                    "setting, or send large data as arrays"
+                )
+        return [int(s) for s in table[:, 0]]
 
     # -- helpers ------------------------------------------------------------------------
     def _where(self) -> str:
@@ -189,34 +518,110 @@ class Group:
             raise ValueError(f"rank {self._rank} cannot {'send to' if what == 'dst' else 'receive from'} itself")
         return peer
 
-    def _collective(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
-                    fn: Callable[..., T] | None, *args: Any) -> T | None:
-        """Run collective ``op``: the cross-rank call check (when on), then ``fn(*args)``."""
-        return self._run(op, self._checked, op, shape, dtype, arg, fn, args)
+    def _divisible(self, op: str, a: np.ndarray) -> None:
+        if a.ndim == 0 or a.shape[0] % self._size:
+            raise ValueError(
+                f"{op}: invalid shape {a.shape} on rank {self._rank} for a group of size {self._size}: "
+                f"axis 0 must be divisible by {self._size}"
+            )
 
-    def _checked(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
-                 fn: Callable[..., T] | None, args: tuple[Any, ...]) -> T | None:
+    def _gathered_shape(self, a: np.ndarray) -> tuple[int, ...]:
+        return (self._size,) if a.ndim == 0 else (self._size * a.shape[0], *a.shape[1:])
+
+    def _out(self, op: str, out: Any, shape: tuple[int, ...], dtype: np.dtype, x: Any,
+             *, in_place: bool = False) -> np.ndarray | None:
+        """``out`` if it can take the result (exact shape and dtype, C-contiguous, writable,
+        not overlapping ``x`` unless ``in_place`` allows ``out is x``), else a ValueError."""
+        if out is None:
+            return None
+        fix = f"pass out=np.empty({tuple(shape)}, dtype=np.{np.dtype(dtype).name}) or leave out=None"
+        if not isinstance(out, np.ndarray):
+            raise ValueError(f"{op}: out must be a NumPy array on rank {self._rank}, got {type(out).__name__}; {fix}")
+        if out.shape != tuple(shape) or out.dtype != dtype:
+            raise ValueError(f"{op}: out has shape {out.shape} and dtype {out.dtype} on rank {self._rank}, but the "
+                             f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}; {fix}")
+        if not out.flags.c_contiguous:
+            raise ValueError(f"{op}: out is not C-contiguous on rank {self._rank}; {fix}")
+        if not out.flags.writeable:
+            raise ValueError(f"{op}: out is read-only on rank {self._rank}; {fix}")
+        if out is x:
+            if not in_place:
+                raise ValueError(f"{op}: out cannot be x itself (only all_sum, all_max, all_min and broadcast "
+                                 f"work in place); {fix}")
+        elif isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+            raise ValueError(f"{op}: out overlaps x on rank {self._rank}; "
+                             f"{'pass out=x itself or ' if in_place else ''}use a separate array")
+        return out
+
+    def _local(self, o: np.ndarray | None, a: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A size-1 group's result: a copy of ``a`` (reshaped), or written into ``o``."""
+        if o is None:
+            return np.array(a, copy=True).reshape(a.shape if shape is None else shape)
+        if o is not a:
+            o[...] = a.reshape(o.shape)
+        return o
+
+    def _into(self, o: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype,
+              fill: Callable[[np.ndarray], None] | None) -> np.ndarray:
+        """Run ``fill(buf)`` on a flat receive buffer: ``out`` itself when the backend takes
+        callers' buffers (``direct_out``), else a fresh array (copied into ``out`` if given)."""
+        if o is not None and self._b.direct_out:
+            if fill is not None:
+                fill(o.reshape(-1))
+            return o
+        res = np.empty(shape, dtype)
+        if fill is not None:
+            fill(res.reshape(-1))
+        if o is None:
+            return res
+        o[...] = res
+        return o
+
+    def _natively_checked(self, method: str | None) -> bool:
+        """True when the backend itself checks ``method``'s calls (it says so, and overrides it)."""
+        if method is None or not self._b.checks_calls:
+            return False
+        known = self._native.get(method)
+        if known is None:
+            known = self._native[method] = getattr(type(self._b), method, None) is not getattr(Backend, method, None)
+        return known
+
+    def _check(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
+               method: str | None, *, reduction: str | None = None) -> bool:
+        """The cross-rank call check of ``op`` (full under MLX_DEBUG, else the quick one unless
+        the backend checks ``method`` in-band); True if a check ran (a check is a barrier)."""
         if self._debug:
-            _debug.check_collective(self._b, self._where(), op, shape, dtype, arg)
-        elif self._quick:
-            _debug.quick_check(self._b, self._where(), op, shape, dtype, arg)
-        return None if fn is None else fn(*args)
+            _debug.check_collective(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
+            return True
+        if self._check_calls and not self._natively_checked(method):
+            _debug.quick_check(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
+            return True
+        return False
 
-    def _checked_send(self, flat: np.ndarray, shape: tuple[int, ...], dst: int) -> None:
-        _debug.check_send(self._b, self._where(), shape, flat.dtype, dst)
-        self._b.send(flat, dst)
+    def _submit(self, op: str, run: Callable[[], T], async_op: bool) -> Any:
+        """Issue ``op``: refused on a closed group or from a second thread; then ``run()`` here,
+        or on the world's worker when ``async_op`` (a handle is returned) or when earlier
+        asynchronous operations are still queued (the call then waits for its turn)."""
+        if self.closed:
+            raise DistributedError(
+                f"{self._who}: {op} called on {self._where()} after it was closed"
+                f"{'' if self._closed else ' (the world it was split from was closed)'}; "
+                "make every call before close(), or start a new world with meshcomm.init()"
+            )
+        ticket = self._guard.enter(op, self._who)
+        worker = self._world.worker
+        if not async_op and not worker.pending():
+            return self._execute(op, ticket, run)
+        work: Work[T] = Work(op, self._who)
+        worker.submit(work, lambda: self._execute(op, ticket, run))
+        return work if async_op else work.wait()
 
-    def _checked_recv(self, out: np.ndarray, src: int) -> None:
-        _debug.check_recv(self._b, self._where(), out.shape, out.dtype, src)
-        self._b.recv(out.reshape(-1), src)
-
-    def _run(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` as operation ``op``: alone in this world (see :mod:`meshcomm.guard`),
-        with unexpected exceptions turned into DistributedError naming the rank."""
-        self._guard.enter(op, self._who)
+    def _execute(self, op: str, ticket: Ticket, run: Callable[[], T]) -> T:
+        """``run()`` as operation ``op``, with unexpected exceptions turned into a
+        DistributedError naming the rank; then the guard lets the world go."""
         ok = False
         try:
-            result = fn(*args)
+            result = run()
             ok = True
             return result
         except (DistributedError, ValueError, TypeError):
@@ -224,7 +629,29 @@ class Group:
         except Exception as exc:
             raise DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            self._guard.leave(self._who, ok)
+            self._guard.leave(ticket, self._who, ok)
+
+
+_UNPICKLABLE = -1
+
+
+def _pickle(obj: Any) -> tuple[bytes, BaseException | None]:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:  # reported on every rank after the size exchange
+        return b"", exc
+
+
+def _code(data: bytes, failure: BaseException | None) -> int:
+    return _UNPICKLABLE if failure is not None else len(data)
+
+
+def _unpickle(data: bytes, rank: int, op: str, who: str) -> Any:
+    try:
+        return pickle.loads(data)  # noqa: S301 - documented: ranks of one trusted job only
+    except Exception as exc:
+        raise DistributedError(f"{who}: {op}: rank {rank}'s object cannot be unpickled here: "
+                               f"{type(exc).__name__}: {exc} (is its class importable on this rank?)") from exc
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

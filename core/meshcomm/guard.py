@@ -4,8 +4,14 @@ Ranks pair operations by their order on each rank. If two threads of a rank call
 operations on one world at the same time, nothing makes the other ranks pick the same
 order, so calls of different threads could be paired and their data mixed. Instead of
 serialising in an order no rank can know, the guard refuses the second thread at once,
-and the operation already in flight raises when it ends (its peers may have paired it
-with the other thread's call), so neither returns data that may be wrong.
+and the operations already in flight raise when they end (their peers may have paired
+them with the other thread's call), so none returns data that may be wrong.
+
+An operation is *in flight* from the moment a thread issues it until it ends: for a
+blocking call that is the call itself, for ``async_op=True`` it lasts until the
+operation completes on the world's worker thread. The thread that issued the operations
+in flight may issue more (they queue behind them, in order); any other thread is
+refused until they have all ended.
 """
 
 from __future__ import annotations
@@ -14,31 +20,42 @@ import threading
 
 from .errors import DistributedError
 
-__all__ = ["WorldGuard"]
+__all__ = ["WorldGuard", "Ticket"]
+
+
+class Ticket:
+    """One operation in flight: who issued it, and who intruded while it ran (if anyone)."""
+
+    __slots__ = ("op", "thread", "intruder")
+
+    def __init__(self, op: str, thread: str) -> None:
+        self.op = op
+        self.thread = thread
+        self.intruder: str | None = None
 
 
 class WorldGuard:
-    """Admits one operation at a time into a world and every group split from it."""
+    """Admits the operations of one thread at a time into a world and its splits."""
 
-    __slots__ = ("_mutex", "_busy", "_thread", "_op", "_intruder")
+    __slots__ = ("_mutex", "_active")
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
-        self._busy = False
-        self._thread = ""
-        self._op = ""
-        self._intruder: str | None = None
+        self._active: list[Ticket] = []
 
-    def enter(self, op: str, who: str) -> None:
-        """Mark the world busy with ``op``; raise DistributedError if it already is."""
+    def enter(self, op: str, who: str) -> Ticket:
+        """Register ``op`` as in flight; raise DistributedError if another thread's are."""
         me = threading.current_thread().name
         with self._mutex:
-            if not self._busy:
-                self._busy, self._thread, self._op = True, me, op
-                return
-            if self._intruder is None:
-                self._intruder = f"thread {me!r} called {op}"
-            running, holder = self._op, self._thread
+            others = [t for t in self._active if t.thread != me]
+            if not others:
+                ticket = Ticket(op, me)
+                self._active.append(ticket)
+                return ticket
+            for t in self._active:
+                if t.intruder is None:
+                    t.intruder = f"thread {me!r} called {op}"
+            running, holder = others[0].op, others[0].thread
         raise DistributedError(
             f"{who}: {op} was called from thread {me!r} while thread {holder!r} is inside {running} "
             "on the same world. A world (and the groups split from it) runs one operation at a "
@@ -48,15 +65,22 @@ class WorldGuard:
             "every rank."
         )
 
-    def leave(self, who: str, ok: bool) -> None:
-        """Mark the world free; if another thread intruded and ``ok``, raise for this operation."""
+    def leave(self, ticket: Ticket, who: str, ok: bool) -> None:
+        """``ticket``'s operation ended; if another thread intruded and ``ok``, raise for it."""
         with self._mutex:
-            intruder, op, thread = self._intruder, self._op, self._thread
-            self._busy, self._intruder = False, None
-        if intruder is not None and ok:
+            try:
+                self._active.remove(ticket)
+            except ValueError:  # pragma: no cover - left twice
+                pass
+        if ticket.intruder is not None and ok:
             raise DistributedError(
-                f"{who}: the result of {op} (thread {thread!r}) is discarded: {intruder} on the "
-                "same world while it ran, so other ranks may have paired a different call with it. "
-                "Make every call on a world from one thread, or serialise the threads' calls with "
-                "one lock taken in the same order on every rank."
+                f"{who}: the result of {ticket.op} (thread {ticket.thread!r}) is discarded: "
+                f"{ticket.intruder} on the same world while it ran, so other ranks may have paired "
+                "a different call with it. Make every call on a world from one thread, or serialise "
+                "the threads' calls with one lock taken in the same order on every rank."
             )
+
+    def busy(self) -> bool:
+        """True while any operation is in flight."""
+        with self._mutex:
+            return bool(self._active)

@@ -20,6 +20,9 @@ __all__ = ["SingleBackend", "meshcomm_register_backends"]
 class SingleBackend(Backend):
     """A group of one rank: collectives copy, point-to-point has no peer."""
 
+    #: the generic algorithms accept the caller's out= buffers (see Backend.direct_out)
+    direct_out = True
+
     def __init__(self, timeout: float = 300.0) -> None:
         self.timeout = timeout
 

@@ -13,6 +13,9 @@ class SubgroupBackend(Backend):
     """Ranks ``members`` of ``parent`` as a group of their own; collectives come from the
     generic algorithms over the parent's send/recv, with ranks translated."""
 
+    #: the generic algorithms accept the caller's out= buffers (see Backend.direct_out)
+    direct_out = True
+
     def __init__(self, parent: Backend, members: list[int]) -> None:
         self.parent = parent
         self.members = list(members)

@@ -42,7 +42,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         elif backend or settings:
             config = config.model_copy(update={**settings, **({"backend": backend.strip().lower()} if backend else {})})
         name = config.backend
-        if name in _worlds:
+        if name in _worlds and not _worlds[name].closed:
             return _worlds[name]
         registry = get_registry()
         transport, started = registry.start(name, config, strict)
@@ -51,10 +51,12 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             exits.install()
             if config.keep_memory:
                 keep_freed_memory()
-        group = Group(transport, started, debug=config.debug, check_calls=config.check_calls)
+        group = Group(transport, started, debug=config.debug, check_calls=config.check_calls,
+                      max_object_bytes=config.max_object_bytes)
         _worlds[name] = group
-        _worlds.setdefault(started, group)
-        if _default is None or _default.backend == "single":
+        if started not in _worlds or _worlds[started].closed:
+            _worlds[started] = group
+        if _default is None or _default.backend == "single" or _default.closed:
             _default = group
         return group
 
@@ -70,7 +72,7 @@ def started_backends() -> list[tuple[str, Backend]]:
         seen: set[int] = set()
         out = []
         for group in _worlds.values():
-            if group.backend != "single" and id(group) not in seen:
+            if group.backend != "single" and id(group) not in seen and not group.closed:
                 seen.add(id(group))
                 out.append((group.backend, group.transport))
         return out
@@ -91,7 +93,8 @@ def backends() -> list[BackendInfo]:
 
 
 def shutdown() -> None:
-    """Close every world's backend (registered with atexit; safe to call twice)."""
+    """Close every world (registered with atexit; safe to call twice): each first lets its
+    queued asynchronous operations finish, for up to its timeout."""
     global _default
     with _lock:
         seen = set()
@@ -99,7 +102,7 @@ def shutdown() -> None:
             if id(group) not in seen:
                 seen.add(id(group))
                 try:
-                    group.transport.close()
+                    group.close()
                 except Exception:
                     pass
         _worlds.clear()

@@ -38,6 +38,9 @@ class _Fabric:
 class ThreadedBackend(Backend):
     """Rank ``rank`` of an in-process job; messages are copied through queues."""
 
+    #: the generic algorithms accept the caller's out= buffers (see Backend.direct_out)
+    direct_out = True
+
     def __init__(self, fabric: _Fabric, rank: int, timeout: float = 30.0) -> None:
         self._fabric = fabric
         self._rank = rank

@@ -1,0 +1,93 @@
+"""The one table of meshcomm's operations: names, stable codes, and what each needs.
+
+Every part of the core that lists operations reads it from here: the cross-rank call
+checks (:mod:`meshcomm.debug`) put :attr:`Operation.code` in their fingerprints, the
+reductions a backend may be asked for are :data:`REDUCTIONS`, and a transport that tags
+its frames with an operation code should use :func:`wire_names` (index = code), whose
+first ten entries are the codes the sockets wire protocol has always used.
+
+Adding an operation touches: this table (a new, never reused code), the ``Group`` method
+and the function in :mod:`meshcomm.ops` (exported from ``meshcomm``), a default in
+:class:`meshcomm.backend.Backend` built from point-to-point messages (:mod:`meshcomm.algorithms`)
+when a backend may do it natively, and a conformance check in :mod:`meshcomm.testing.contract`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Operation", "OPERATIONS", "REDUCTIONS", "get", "by_code", "wire_names", "names"]
+
+#: reductions a backend may be asked for (``all_reduce``, ``reduce_scatter``, ``reduce``)
+REDUCTIONS: tuple[str, ...] = ("sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation of the public API."""
+
+    #: the public name (``mc.<name>``, ``Group.<name>``)
+    name: str
+    #: a small integer naming the operation on the wire and in call checks; never reused
+    code: int
+    #: "collective" (every rank of the group), "p2p" (two ranks), "object" (pickled
+    #: Python objects, built by the core from array collectives) or "group" (split)
+    kind: str
+    #: the :class:`~meshcomm.backend.Backend` method that carries it (None: composed by the core)
+    backend_method: str | None
+    #: takes a ``root`` (broadcast, gather, scatter, reduce, broadcast_object)
+    rooted: bool = False
+    #: the reduction it applies (all_sum: "sum"); "any" when the caller chooses (reduce)
+    reduction: str | None = None
+    #: returns an array, so it takes ``out=``
+    returns_array: bool = True
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    # codes 1-9: the sockets wire protocol's op codes since protocol 1 (keep them)
+    Operation("all_sum", 1, "collective", "all_reduce", reduction="sum"),
+    Operation("all_max", 2, "collective", "all_reduce", reduction="max"),
+    Operation("all_min", 3, "collective", "all_reduce", reduction="min"),
+    Operation("all_gather", 4, "collective", "all_gather"),
+    Operation("sum_scatter", 5, "collective", "reduce_scatter", reduction="sum"),
+    Operation("broadcast", 6, "collective", "broadcast", rooted=True),
+    Operation("send", 7, "p2p", "send", returns_array=False),
+    Operation("barrier", 8, "collective", "barrier", returns_array=False),
+    Operation("split", 9, "group", "split", returns_array=False),
+    # added later: new codes only
+    Operation("recv", 10, "p2p", "recv"),
+    Operation("all_to_all", 11, "collective", "all_to_all"),
+    Operation("gather", 12, "collective", "gather", rooted=True),
+    Operation("scatter", 13, "collective", "scatter", rooted=True),
+    Operation("reduce", 14, "collective", "reduce", rooted=True, reduction="any"),
+    Operation("all_gather_object", 15, "object", None, returns_array=False),
+    Operation("broadcast_object", 16, "object", None, rooted=True, returns_array=False),
+)
+
+_BY_NAME = {o.name: o for o in OPERATIONS}
+_BY_CODE = {o.code: o for o in OPERATIONS}
+assert len(_BY_NAME) == len(OPERATIONS) and len(_BY_CODE) == len(OPERATIONS), "duplicate operation"
+
+
+def get(name: str) -> Operation:
+    """The operation called ``name``; ValueError listing the known ones otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown operation {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def by_code(code: int) -> Operation | None:
+    """The operation with ``code``, or None (a code from another version or not a call)."""
+    return _BY_CODE.get(int(code))
+
+
+def names() -> tuple[str, ...]:
+    """Every operation's name, in code order."""
+    return tuple(o.name for o in OPERATIONS)
+
+
+def wire_names() -> tuple[str, ...]:
+    """Names indexed by code, ``"?"`` at 0 and at unused codes (a transport's opcode table)."""
+    top = max(_BY_CODE)
+    return tuple(_BY_CODE[c].name if c in _BY_CODE else "?" for c in range(top + 1))
