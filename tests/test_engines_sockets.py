@@ -2,7 +2,8 @@
 
 * ranks started by hand with only MLX_COORDINATOR (2 and 4 ranks, ``any`` and ``sockets``):
   right results, shared memory between the ranks of this host;
-* ``mpirun -n 3`` (Open MPI's PyPI wheel) as a plain launcher, MLX_BACKEND=sockets;
+* ``mpirun -n 3`` (Open MPI's PyPI wheel) and MPICH's ``mpiexec -n 3`` (when .venv-mpich
+  exists) as plain launchers, MLX_BACKEND=sockets;
 * ``torchrun --nproc-per-node 3`` with MLX_BACKEND=sockets: the coordinator takes the port
   after MASTER_PORT, where torchrun's own store listens.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -50,7 +52,8 @@ def job_id():
 
 
 def _reports(out: str) -> list[dict]:
-    return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    """The ranks' JSON reports (flat objects; Hydra may put two on one line)."""
+    return [json.loads(m) for m in re.findall(r"\{\"rank\"[^{}]*\}", out)]
 
 
 def _check(reports: list[dict], n: int, out: str) -> None:
@@ -111,6 +114,21 @@ def test_mpirun_as_a_plain_launcher(job_id):
     reports = _reports(out)
     _check(reports, 3, out)
     assert all(rep["placement"] == "Open MPI" for rep in reports), reports
+
+
+def test_mpich_mpiexec_as_a_plain_launcher(job_id):
+    mpiexec = ROOT / ".venv-mpich" / "bin" / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no MPICH environment (.venv-mpich with pip install mpich)")
+    coord = f"127.0.0.1:{free_ports(1)[0]}"
+    env = _env(MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MESHCOMM_JOB_ID=job_id,
+               MESHCOMM_JOB_SECRET=secrets.token_hex(16))
+    # Hydra only starts processes: the ranks run this environment's Python, with meshcomm-sockets
+    code, out = _run_group([str(mpiexec), "-n", "3", "-genvall", sys.executable, str(PROG)], env)
+    assert code == 0, out[-4000:]
+    reports = _reports(out)
+    _check(reports, 3, out)
+    assert all(rep["placement"] == "MPICH (PMI)" for rep in reports), reports
 
 
 def test_torchrun_with_sockets(job_id):
