@@ -225,3 +225,59 @@ def test_sockets_counts_a_coordinator_as_its_environment():
     assert plugin._environment(Config.load({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
                                             "SLURM_STEP_NODELIST": "n[1-2]"}), settings) is None
     assert plugin._environment(Config.load({"RANK": "0", "WORLD_SIZE": "2"}), settings) is not None
+
+
+def _stranger_hello(addr: str, secret: bytes, rank: int, size: int) -> bytes:
+    """Connect, answer the challenge with a HELLO under ``secret``; what came back before EOF."""
+    with _connect_when_up(addr) as s:
+        s.settimeout(30)
+        challenge = b""
+        while len(challenge) < rdv._CHALLENGE.size:
+            challenge += s.recv(rdv._CHALLENGE.size - len(challenge))
+        _magic, nonce_s = rdv._CHALLENGE.unpack(challenge)
+        data = json.dumps({"ip": "203.0.113.9", "port": 1}).encode()
+        body = rdv._HELLO.pack(rdv.MAGIC, os.urandom(16), os.urandom(16), rank, size, len(data)) + data
+        s.sendall(body + rdv._mac(secret, b"meshcomm rendezvous hello", nonce_s, 0, body))
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return got
+
+
+def test_without_a_secret_a_bad_claim_is_refused_and_the_job_goes_on(procs):
+    """Without a secret anybody can register, so a claim that cannot be right (another world
+    size) is refused to the claimant only; the real ranks still meet."""
+    addr = _addr()
+    procs[0] = _start(addr, 0, 2, secret=None)
+    reply = _stranger_hello(addr, b"", 1, 7)
+    assert b"says the job has 7 ranks" in reply  # the claimant is told why (an ERROR reply)
+    procs[1] = _start(addr, 1, 2, secret=None)
+    results = finish(procs, timeout=120)
+    reports = {r: _report(res) for r, res in results.items()}
+    assert all("table" in rep for rep in reports.values()), reports
+    assert "203.0.113.9" not in json.dumps(reports)
+    assert "refused" in results[0][2], results[0][2]
+
+
+def test_a_flood_of_silent_connections_does_not_stop_the_job(procs):
+    """More connections than MAX_PENDING that never say anything: the surplus is closed at
+    once, the silent ones are dropped after the handshake limit, the real ranks get in."""
+    addr = _addr()
+    procs[0] = _start(addr, 0, 3)
+    flood = [_connect_when_up(addr)]
+    host, port = addr.rsplit(":", 1)
+    try:
+        for _ in range(3 * rdv.MAX_PENDING):
+            try:
+                flood.append(socket.create_connection((host, int(port)), timeout=5))
+            except OSError:
+                pass
+        procs[1] = _start(addr, 1, 3)
+        procs[2] = _start(addr, 2, 3)
+        results = finish(procs, timeout=180)
+    finally:
+        for s in flood:
+            s.close()
+    reports = {r: _report(res) for r, res in results.items()}
+    assert all("table" in rep for rep in reports.values()), reports
+    assert "handshakes were already pending" in results[0][2], results[0][2][-2000:]
