@@ -352,6 +352,8 @@ class GlooBackend(Backend):
         sub_rank, sub_size = members.index(r), len(members)
         try:
             pg, ends = connect(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
+        except DistributedError:  # e.g. a forged address in the store (StoreAuthError): keep it as it is
+            raise
         except RuntimeError as exc:
             raise translate(exc, where=self._where(), op=f"split(color={color}) connecting to ranks {members}",
                             timeout=self.timeout, suspects=suspects(self._peers, self._members, self._rank)

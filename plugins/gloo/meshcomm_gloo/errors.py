@@ -9,11 +9,24 @@ from __future__ import annotations
 
 from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
 
-__all__ = ["translate", "first_line"]
+__all__ = ["translate", "first_line", "StoreAuthError"]
 
 _LOST = ("connection closed", "connection reset", "broken pipe", "closed by peer", "connection refused",
          "socket closed", "eof", "read error", "write error", "pair closed")
 _TIMEOUT = ("timed out", "timeout", "deadline")
+
+
+class StoreAuthError(DistributedError):
+    """A rendezvous-store value failed the job secret check (see :mod:`.authstore`); never used.
+
+    ``key`` is the store key (without the store's namespace); ``peer`` the world rank whose
+    record it was, when the key names one.
+    """
+
+    def __init__(self, message: str, *, key: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.peer = peer
 
 
 def first_line(exc: BaseException) -> str:

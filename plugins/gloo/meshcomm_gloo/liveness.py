@@ -1,8 +1,8 @@
 """Naming the rank behind a gloo failure, since gloo's own messages name only an address.
 
 At start-up every rank publishes ``host pid`` in the rendezvous store and reads
-everyone else's (one small key per rank, read while all ranks are certainly up, so
-no store access is needed later, when rank 0 and its store may be gone). When an
+everyone else's (:func:`.admission.admit`; one small key per rank, read while all ranks
+are certainly up, so no store access is needed later, when rank 0 and its store may be gone). When an
 operation fails, ranks on this host are looked up in ``/proc``: gone, a zombie, or
 stopped. Ranks on other hosts cannot be inspected and are not named.
 """
@@ -14,12 +14,8 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-__all__ = ["Peer", "exchange", "suspects", "endpoints", "owner"]
-
-_KEY = "meshcomm/proc/"
-
+__all__ = ["Peer", "suspects", "endpoints", "owner"]
 
 @dataclass(frozen=True)
 class Peer:
@@ -27,16 +23,6 @@ class Peer:
 
     host: str
     pid: int
-
-
-def exchange(store: Any, rank: int, size: int) -> list[Peer]:
-    """Publish this rank's host and pid, and return every world rank's (index = rank)."""
-    store.set(f"{_KEY}{rank}", f"{socket.gethostname()} {os.getpid()}")
-    out = []
-    for q in range(size):
-        host, _, pid = store.get(f"{_KEY}{q}").decode().rpartition(" ")
-        out.append(Peer(host, int(pid)))
-    return out
 
 
 def _state(pid: int) -> str | None:

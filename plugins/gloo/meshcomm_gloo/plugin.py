@@ -9,20 +9,36 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import logging
 from typing import Any
 
 from meshcomm.backend import Backend
 from meshcomm.config import Config
-from meshcomm.errors import BackendUnavailableError
+from meshcomm.errors import BackendUnavailableError, ConfigError, DistributedError
 from meshcomm.hookspecs import hookimpl
 from meshcomm.registry import BackendRegistrar
 
 from .launcher import GlooLauncher
 from .settings import GlooSettings
 
-__all__ = ["meshcomm_register_backends", "available", "environment", "factory"]
+__all__ = ["meshcomm_register_backends", "available", "environment", "factory", "NO_SECRET_WARNING"]
+
+log = logging.getLogger("meshcomm.gloo")
 
 _INSTALL = "install it with: pip install torch==2.13.0 (the CPU build)"
+
+#: printed once per process, by rank 0, when a job runs without MESHCOMM_JOB_SECRET
+NO_SECRET_WARNING = (
+    "meshcomm gloo rank 0: MESHCOMM_JOB_SECRET is not set, so the rendezvous store's values are tagged with a "
+    "key anyone can compute: any process that can reach the store's port (other users of this machine, other "
+    "machines when it listens on a network address) can write the addresses gloo connects to and the job's "
+    "failure records. meshcomm launch sets a fresh secret itself; for ranks started by hand (srun, mpirun, "
+    "torchrun) make one secret and give the same value to every rank, e.g. "
+    "export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;print(secrets.token_hex(16))'). gloo's data "
+    "connections are never authenticated or encrypted (use a WireGuard or ssh tunnel between hosts). Set "
+    "MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
+)
+_WARNED = {"no_secret": False}
 
 
 def available() -> str | None:
@@ -60,20 +76,53 @@ def factory(config: Config, settings: Any) -> Backend:
         raise BackendUnavailableError(
             "gloo backend: this torch build has no distributed/gloo support; " + _INSTALL
         )
+    from .admission import admit, note_rejection, rejection_of_others
     from .backend import GlooBackend
-    from .errors import translate
-    from .liveness import exchange
+    from .errors import StoreAuthError, translate
     from .rendezvous import WORLD_PREFIX, connect, make_store
 
+    _check_secret(config, settings)
     store, rank, size, where = make_store(config, settings)
     try:
-        peers = exchange(store, rank, size)
+        peers = admit(store, rank, size)
         pg, ends = connect(store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname)
+    except StoreAuthError as exc:
+        note_rejection(store, rank, str(exc))
+        raise
+    except DistributedError:
+        raise
     except RuntimeError as exc:
+        if store.rejected is not None:  # a forged value whose error lost its class inside gloo
+            note_rejection(store, rank, str(store.rejected))
+            raise store.rejected from exc
+        other = rejection_of_others(store, rank, size)
+        if other is not None:
+            q, said = other
+            raise StoreAuthError(f"[gloo] rank {rank} of the world group (size {size}, {where}): start-up "
+                                 f"stopped because rank {q} refused a value in the rendezvous store: {said}",
+                                 key="", peer=q) from exc
         raise translate(exc, where=f"rank {rank} of the world group (size {size}, {where})",
                         op="start-up (connecting to every rank)", timeout=config.timeout) from exc
     return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers,
                        ends=ends)
+
+
+def _check_secret(config: Config, settings: GlooSettings) -> None:
+    """Without MESHCOMM_JOB_SECRET: a ConfigError if required, else one warning from rank 0."""
+    if settings.secret:
+        return
+    if settings.require_secret:
+        raise ConfigError(
+            f"gloo backend, rank {config.rank if config.rank is not None else '?'}: MESHCOMM_REQUIRE_SECRET is set "
+            "but MESHCOMM_JOB_SECRET is not: give every rank the same secret, e.g. export MESHCOMM_JOB_SECRET="
+            "$(python -c 'import secrets;print(secrets.token_hex(16))') once and pass it to every rank "
+            "(meshcomm launch sets one itself)")
+    from .placing import rank_and_size
+
+    rank, size = rank_and_size(config.rank, settings)
+    if rank == 0 and (size or 2) > 1 and not _WARNED["no_secret"]:
+        _WARNED["no_secret"] = True
+        log.warning(NO_SECRET_WARNING)
 
 
 @hookimpl

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch.distributed as dist
 from meshcomm.config import Config
-from meshcomm.errors import BackendUnavailableError, CommTimeoutError, ConfigError
+from meshcomm.errors import BackendUnavailableError, CommTimeoutError
 
+from .authstore import AuthStore
 from .liveness import endpoints
+from .placing import resolve
+from .sealing import Sealer
 from .settings import GlooSettings
 
 __all__ = ["make_store", "make_group", "connect", "WORLD_PREFIX"]
@@ -29,33 +32,29 @@ def _delta(seconds: float) -> datetime.timedelta:
 
 
 def make_store(config: Config, settings: GlooSettings) -> tuple[Any, int, int, str]:
-    """The rendezvous store, this rank, the world size and a description of the store."""
-    missing = settings.missing(config.rank)
-    if missing:
-        raise BackendUnavailableError(
-            f"gloo backend: missing {', '.join(missing)}; start the job with "
-            "`meshcomm launch --backend gloo`, or set those variables on every rank"
-        )
-    rank, size = int(config.rank or 0), int(settings.world_size or 0)
-    if rank >= size:
-        raise ConfigError(
-            f"gloo backend: MLX_RANK={rank} is not below MLX_WORLD_SIZE={size}; ranks run from 0 to {size - 1}"
-        )
-    if settings.port is not None:
-        where = f"TCPStore {settings.addr}:{settings.port}"
+    """The rendezvous store (an :class:`.authstore.AuthStore`), this rank, the world size and a
+    description of the store.
+
+    Where the store is and who hosts it comes from :func:`.placing.resolve`; every value in it
+    is sealed with the job secret (:mod:`.sealing`).
+    """
+    rdv = resolve(config.rank, settings)
+    rank, size, where = rdv.rank, rdv.size, rdv.describe()
+    sealer = Sealer((settings.secret or "").encode(), rdv.job)
+    if rdv.kind == "file":
         try:
-            store = dist.TCPStore(settings.addr, settings.port, size, rank == 0,
-                                  timeout=_delta(config.timeout), wait_for_workers=True)
+            inner = dist.FileStore(str(rdv.file), size)
+            inner.set_timeout(_delta(config.timeout))
         except Exception as exc:
-            raise _store_error(exc, where, rank, size, config.timeout, host=rank == 0) from exc
-        return store, rank, size, where
-    path = str(settings.file)
-    where = f"FileStore {path}"
-    try:
-        store = dist.FileStore(path, size)
-        store.set_timeout(_delta(config.timeout))
-    except Exception as exc:
-        raise _store_error(exc, where, rank, size, config.timeout, host=False) from exc
+            raise _store_error(exc, where, rank, size, config.timeout, host=False) from exc
+    else:
+        try:
+            # torchrun's agent store is shared with torch's own keys: do not touch its worker count
+            inner = dist.TCPStore(rdv.addr, rdv.port, size, rdv.kind == "host", timeout=_delta(config.timeout),
+                                  wait_for_workers=not rdv.agent)
+        except Exception as exc:
+            raise _store_error(exc, where, rank, size, config.timeout, host=rdv.kind == "host") from exc
+    store = AuthStore(inner, sealer, namespace=rdv.namespace, rank=rank, where=where)
     return store, rank, size, where
 
 
@@ -71,7 +70,8 @@ def _store_error(exc: Exception, where: str, rank: int, size: int, timeout: floa
         role = f"waiting for all {size} ranks to connect" if host else "connecting to rank 0's store"
         return CommTimeoutError(
             f"gloo backend: rank {rank} timed out after {timeout:g} s (MLX_TIMEOUT) {role} at the {where}. "
-            "Check that every rank was started with the same MESHCOMM_GLOO_ADDR/PORT and MLX_WORLD_SIZE "
+            "Check that every rank was started with the same store address (MESHCOMM_GLOO_ADDR/PORT or "
+            "MLX_COORDINATOR) and world size (MLX_WORLD_SIZE or the scheduler's) "
             f"and that rank 0 is running. torch said: {said}"
         )
     return BackendUnavailableError(f"gloo backend: rank {rank} could not open the {where}: {said}")

@@ -1,8 +1,9 @@
-"""The gloo backend's settings section: where the rendezvous store is and how big the job is.
+"""The gloo backend's settings section: where the rendezvous store is, how big the job is, the secret.
 
 Every field is built with :func:`meshcomm.config.setting`, so it names its environment
 variable and what it accepts; a bad value raises a ConfigError naming the variable.
-The rank comes from the core config (``MLX_RANK``), not from here.
+The rank comes from the core config (``MLX_RANK``); when neither it nor these settings
+say where the job is, :mod:`.placing` reads the scheduler's variables and the coordinator.
 """
 
 from __future__ import annotations
@@ -55,13 +56,21 @@ class GlooSettings(BaseModel):
         description="network interface gloo's data connections use (default: the host name's address)",
     )
 
+    secret: str | None = setting(
+        None, env="MESHCOMM_JOB_SECRET", accepts="any string, the same on every rank",
+        description="per-job secret: every value in the rendezvous store carries an HMAC tag made with it "
+        "(meshcomm launch generates one)",
+    )
+    require_secret: bool = setting(
+        False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
+        description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
+    )
+
     def missing(self, rank: int | None) -> list[str]:
-        """Names of the variables still needed to start (empty when the environment is complete)."""
-        out = []
-        if rank is None:
-            out.append("MLX_RANK")
-        if self.world_size is None:
-            out.append("MLX_WORLD_SIZE")
-        if self.port is None and self.file is None:
-            out.append("MESHCOMM_GLOO_PORT (with MESHCOMM_GLOO_ADDR) or MESHCOMM_GLOO_FILE")
-        return out
+        """Names of the variables still needed to start (empty when the environment is complete).
+
+        Also consults the scheduler's rank variables and the coordinator (:mod:`.placing`).
+        """
+        from .placing import missing
+
+        return missing(rank, self)

@@ -1,0 +1,144 @@
+"""Where this rank sits and where the rendezvous store is, from whatever started the job.
+
+In order of precedence:
+
+* rank and world size: ``MLX_RANK``/``MLX_WORLD_SIZE``; else the first scheduler family
+  :func:`meshcomm.placement.placement` finds (Slurm, Open MPI, PMIx, MPICH, torchrun);
+* the store: ``MESHCOMM_GLOO_PORT`` (with ``MESHCOMM_GLOO_ADDR``; rank 0 hosts a TCPStore),
+  else ``MESHCOMM_GLOO_FILE`` (a FileStore), else the coordinator
+  (:func:`meshcomm.placement.coordinator`: ``MLX_COORDINATOR``, ``MASTER_ADDR``/``MASTER_PORT``
+  or the Slurm step), where rank 0 hosts the TCPStore. Under torchrun
+  (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves a TCPStore at
+  ``MASTER_ADDR:MASTER_PORT``: every rank connects to it as a client, and meshcomm's keys
+  live under a namespace naming the run, the restart and this process's start-up count.
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from meshcomm.errors import BackendUnavailableError, ConfigError
+from meshcomm.placement import coordinator, placement
+
+if TYPE_CHECKING:
+    from .settings import GlooSettings
+
+__all__ = ["Rendezvous", "resolve", "missing", "job_id", "rank_and_size"]
+
+_RANK_VARS = "MLX_RANK (or a scheduler's rank: SLURM_PROCID, OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, RANK)"
+_SIZE_VARS = "MLX_WORLD_SIZE (or a scheduler's size: SLURM_NTASKS, OMPI_COMM_WORLD_SIZE, PMI_SIZE, WORLD_SIZE)"
+_STORE_VARS = ("MESHCOMM_GLOO_PORT (with MESHCOMM_GLOO_ADDR), MLX_COORDINATOR=host:port (or MASTER_ADDR and "
+               "MASTER_PORT) or MESHCOMM_GLOO_FILE")
+
+#: start-ups of the gloo backend in this process on a shared (agent) store; part of the namespace,
+#: so a second meshcomm.init() in the same processes does not read the first one's keys
+_STARTS = {"count": 0}
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this rank reaches the rendezvous store."""
+
+    rank: int
+    size: int
+    kind: Literal["host", "client", "file"]  # host: this rank serves the TCPStore
+    addr: str
+    port: int
+    file: Path | None
+    namespace: str  # put before every key (a shared store holds others' keys)
+    job: str  # bound into every value's tag
+    origin: str  # which variables said all this, for messages
+    agent: bool = False  # the store is torchrun's agent store
+
+    def describe(self) -> str:
+        """E.g. ``TCPStore 10.0.0.1:29500 (hosted by rank 0; from MLX_COORDINATOR)``."""
+        if self.kind == "file":
+            return f"FileStore {self.file} ({self.origin})"
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        who = "torchrun's agent store" if self.agent else "hosted by rank 0"
+        return f"TCPStore {host}:{self.port} ({who}; {self.origin})"
+
+
+def job_id(environ: Mapping[str, str]) -> str:
+    """The id every rank of the job shares: meshcomm launch's, else torchrun's run id, else empty."""
+    return environ.get("MESHCOMM_JOB_ID", "").strip() or environ.get("TORCHELASTIC_RUN_ID", "").strip()
+
+
+def _rank_size(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str]
+               ) -> tuple[int | None, int | None, str]:
+    """Rank (the core's, else the scheduler's) and size (MLX_WORLD_SIZE, else the scheduler's)."""
+    where = placement(environ)
+    rank = config_rank if config_rank is not None else (where.rank if where is not None else None)
+    if settings.world_size is not None:
+        size, size_from = settings.world_size, "MLX_WORLD_SIZE"
+    else:
+        size = where.size if where is not None else None
+        size_from = where.source if where is not None else "nothing"
+    if environ.get("MLX_RANK", "").strip():
+        rank_from = "MLX_RANK"
+    else:
+        rank_from = where.source if where is not None and where.rank == rank else "the core config"
+    return rank, size, f"rank from {rank_from}, size from {size_from}"
+
+
+def rank_and_size(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str] | None = None
+                  ) -> tuple[int | None, int | None]:
+    """This rank and the world size as far as they are known (None where nothing says)."""
+    rank, size, _ = _rank_size(config_rank, settings, os.environ if environ is None else environ)
+    return rank, size
+
+
+def missing(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str] | None = None
+            ) -> list[str]:
+    """What is still needed to start (empty when the environment is complete)."""
+    env = os.environ if environ is None else environ
+    rank, size, _ = _rank_size(config_rank, settings, env)
+    out = []
+    if rank is None:
+        out.append(_RANK_VARS)
+    if size is None:
+        out.append(_SIZE_VARS)
+    if settings.port is None and settings.file is None and coordinator(env) is None:
+        out.append(_STORE_VARS)
+    return out
+
+
+def resolve(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str] | None = None
+            ) -> Rendezvous:
+    """The rendezvous of this rank; BackendUnavailableError naming what is missing, ConfigError for a
+    rank not below the size."""
+    env = os.environ if environ is None else environ
+    lacking = missing(config_rank, settings, env)
+    if lacking:
+        raise BackendUnavailableError(
+            f"gloo backend: missing {'; '.join(lacking)}. Start the job with `meshcomm launch --backend gloo`, "
+            "under a scheduler (srun, mpirun, torchrun) with MLX_COORDINATOR=host:port, or set those variables "
+            "on every rank")
+    rank, size, said = _rank_size(config_rank, settings, env)
+    assert rank is not None and size is not None
+    if rank >= size:
+        raise ConfigError(
+            f"gloo backend: MLX_RANK={rank} is not below MLX_WORLD_SIZE={size} ({said}); ranks run from 0 to "
+            f"{size - 1}")
+    job = job_id(env)
+    if settings.port is not None:
+        return Rendezvous(rank, size, "host" if rank == 0 else "client", settings.addr, settings.port, None, "",
+                          job, f"{said}; store from MESHCOMM_GLOO_ADDR/MESHCOMM_GLOO_PORT")
+    if settings.file is not None:
+        return Rendezvous(rank, size, "file", "", 0, settings.file, "", job,
+                          f"{said}; store from MESHCOMM_GLOO_FILE")
+    coord = coordinator(env)
+    assert coord is not None
+    origin = f"{said}; store at the coordinator from {coord.source}"
+    if coord.source.startswith("MASTER_ADDR") and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _STARTS["count"] += 1
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+        namespace = f"meshcomm-torchrun/{job or '-'}/restart{restart}/start{_STARTS['count']}/"
+        return Rendezvous(rank, size, "client", coord.host, coord.port, None, namespace, job, origin, agent=True)
+    return Rendezvous(rank, size, "host" if rank == 0 else "client", coord.host, coord.port, None, "", job, origin)
