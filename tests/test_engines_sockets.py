@@ -147,3 +147,36 @@ def test_torchrun_with_sockets(job_id):
     assert len(ports) == 1, reports
     master, ours = ports.pop()
     assert ours == master + 1, reports
+
+
+def test_two_hosts_meet_at_the_coordinator_and_share_memory_within_each(job_id):
+    """Two network namespaces stand for two hosts, two ranks each: each rank advertises the
+    address it reaches the coordinator from, and the ranks of one host still share memory
+    (all-reduce hierarchical: shared memory within a host, TCP between hosts)."""
+    import shutil as _shutil
+
+    from netns import NetnsHosts, NetnsUnavailable
+
+    if _shutil.which("ip") is None:
+        pytest.skip("iproute2 is not installed (scripts/ci-system-deps.sh installs it)")
+    try:
+        hosts = NetnsHosts(2)
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    procs: dict[int, subprocess.Popen[str]] = {}
+    try:
+        coord = f"{hosts.ips[0]}:29400"  # a fresh namespace: nothing else listens there
+        env = _env(MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MLX_WORLD_SIZE="4", MESHCOMM_JOB_ID=job_id,
+                   MESHCOMM_JOB_SECRET=secrets.token_hex(16))
+        for r in range(4):
+            procs[r] = subprocess.Popen(["ip", "netns", "exec", hosts.names[r // 2], sys.executable, str(PROG)],
+                                        env={**env, "MLX_RANK": str(r)}, cwd=ROOT, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+        results = finish(procs, timeout=180)
+    finally:
+        hosts.close()
+    out = "\n".join(o + e for _, o, e in results.values())
+    reports = [rep for _, o, _ in results.values() for rep in _reports(o)]
+    assert sorted(r.get("rank", -1) for r in reports) == [0, 1, 2, 3], out[-4000:]
+    for rep in reports:
+        assert rep["ok"] and rep["backend"] == "sockets" and rep["shm"] == "hier", rep
