@@ -147,10 +147,11 @@ def _default_route_address(family: socket.AddressFamily) -> str | None:
     return None if ipaddress.ip_address(here.split("%")[0]).is_loopback else here
 
 
-def _listen(coord: Coordinator, size: int) -> socket.socket:
+def _listen(coord: Coordinator, size: int) -> tuple[socket.socket, bool]:
     """Rank 0's listening socket at the coordinator address: bound to that address when it
     is on this machine, else on every interface (rank 0 may be reached through a name or a
-    forwarded address that is not its own)."""
+    forwarded address that is not its own). Returns the socket and whether the address is
+    this machine's own."""
     try:
         infos = socket.getaddrinfo(coord.host, coord.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -165,7 +166,7 @@ def _listen(coord: Coordinator, size: int) -> socket.socket:
     wildcard = ("::", coord.port, 0, 0) if family == socket.AF_INET6 else ("0.0.0.0", coord.port)
     candidates.append(wildcard)
     last: OSError | None = None
-    for where in candidates:
+    for i, where in enumerate(candidates):
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -177,7 +178,7 @@ def _listen(coord: Coordinator, size: int) -> socket.socket:
                 continue  # not an address of this machine: listen on every interface
             break
         sock.listen(max(_BACKLOG, min(size, 4096)))
-        return sock
+        return sock, not (i == len(candidates) - 1 and last is not None)
     assert last is not None
     if last.errno == errno.EADDRINUSE:
         raise RendezvousError(
@@ -246,6 +247,7 @@ class _Server:
         self.changed = False
         self.last_status = 0.0
         self.sel = selectors.DefaultSelector()
+        self.own_address = True
 
     # replies
     def _send(self, m: _Member, kind: int, body: Any) -> bool:
@@ -272,7 +274,7 @@ class _Server:
         return exc
 
     def run(self) -> list[dict]:
-        listener = _listen(self.coord, self.size)
+        listener, self.own_address = _listen(self.coord, self.size)
         _raise_fd_limit(self.size)
         listener.setblocking(False)
         self.sel.register(listener, selectors.EVENT_READ, None)
@@ -314,6 +316,10 @@ class _Server:
         if left:
             also = (f" Ranks {_ranks(left)} registered but closed their connection (they gave up or died)."
                     + also)
+        if not self.own_address:
+            also += (f" Note: {self.coord.host} is not an address of rank 0's machine, so rank 0 listens on every "
+                     f"interface; if {self.coord} is another machine, the other ranks knock there in vain: point "
+                     "MLX_COORDINATOR at rank 0's machine.")
         what = (f"ranks {_ranks(never)} of {self.size}; they never registered. Did they start, do they reach "
                 f"{self.coord}, and do they have the same MESHCOMM_JOB_SECRET?" if never
                 else f"ranks {_ranks(missing)} of {self.size} to come back.")
