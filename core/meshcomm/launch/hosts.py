@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from .safety import check_host, parse_env_item
 from .spec import RankPlace
 
-__all__ = ["Host", "LaunchHostfile", "read_launch_hostfile", "parse_hosts_arg", "place_ranks", "is_local"]
+__all__ = ["Host", "LaunchHostfile", "read_launch_hostfile", "parse_hosts_arg", "place_ranks", "job_size", "is_local"]
 
 _LOCAL_NAMES = {"local", "localhost", "127.0.0.1", "::1"}
 
@@ -137,32 +137,74 @@ def read_launch_hostfile(path: str | Path) -> LaunchHostfile:
     return _validate(data, f"--hostfile {str(p)!r}")
 
 
+def _split_count(item: str) -> tuple[str, int | None]:
+    """``name:K`` -> (name, K); a name alone -> (name, None). An IPv6 address takes a count
+    only in brackets (``[fe80::1]:2``): a bare one's last group is part of the address."""
+    name, sep, count = item.rpartition(":")
+    if not sep or not count.isdigit() or (":" in name and not name.endswith("]")):
+        return item, None
+    if int(count) < 1:
+        raise ConfigError(f"--hosts {item!r}: the number of ranks after ':' must be at least 1")
+    return name, int(count)
+
+
 def parse_hosts_arg(text: str) -> LaunchHostfile:
-    """``--hosts a,b,c`` -> one host entry each (the name is both ssh destination and IP)."""
-    names = [h.strip() for h in text.split(",") if h.strip()]
-    if not names:
-        raise ConfigError("--hosts is empty; give a comma-separated list like --hosts node1,node2")
-    return _validate([{"ssh": h} for h in names], "--hosts")
+    """``--hosts a,b,c`` -> one host entry each (the name is both ssh destination and IP);
+    ``--hosts a:2,b:4`` also gives each host's number of ranks (its ``slots``)."""
+    items = [h.strip() for h in text.split(",") if h.strip()]
+    if not items:
+        raise ConfigError("--hosts is empty; give a comma-separated list like --hosts node1,node2 or node1:2,node2:2")
+    entries: list[dict[str, Any]] = []
+    for item in items:
+        name, count = _split_count(item)
+        entry: dict[str, Any] = {"ssh": name}
+        if count is not None:
+            entry["slots"] = count
+        entries.append(entry)
+    return _validate(entries, "--hosts")
 
 
-def place_ranks(n: int, hosts: list[Host]) -> list[RankPlace]:
-    """Assign ranks 0..n-1 to hosts in blocks (host 0 gets the first ranks)."""
+def job_size(n: int | None, hosts: list[Host], ranks_per_host: int | None = None) -> int:
+    """The number of ranks: ``n``, or (without ``-n``) the sum of the hosts' slots, where
+    ``ranks_per_host`` is the slots of every host that gives none."""
+    if n is not None:
+        return n
+    counts = [h.slots or ranks_per_host for h in hosts]
+    if any(c is None for c in counts):
+        raise ConfigError("-n is missing: give the number of ranks (-n N), or a number per host "
+                          "(--hosts a:2,b:2, hostfile 'slots', or --ranks-per-host N)")
+    return sum(int(c or 0) for c in counts)
+
+
+def place_ranks(n: int, hosts: list[Host], ranks_per_host: int | None = None, *,
+                local_ranks: bool = True) -> list[RankPlace]:
+    """Assign ranks 0..n-1 to hosts in blocks (host 0 gets the first ranks).
+
+    A host takes its ``slots`` ranks, else ``ranks_per_host``; when some host has neither,
+    ranks are spread evenly. With ``local_ranks`` False (a starter that runs even this
+    machine's ranks itself) no place is marked as this machine (``host=None``).
+    """
     if n < 1:
         raise ConfigError(f"-n {n}: the number of ranks must be at least 1")
-    if all(h.slots for h in hosts):
-        counts = [int(h.slots or 0) for h in hosts]
+    if ranks_per_host is not None and ranks_per_host < 1:
+        raise ConfigError(f"--ranks-per-host {ranks_per_host}: must be at least 1")
+    given = [h.slots or ranks_per_host for h in hosts]
+    if all(given):
+        counts = [int(c or 0) for c in given]
         if sum(counts) < n:
             raise ConfigError(f"-n {n} ranks but the hosts have only {sum(counts)} slots in total")
     else:
         per = math.ceil(n / len(hosts))
-        counts = [h.slots or per for h in hosts]
+        counts = [int(c or per) for c in given]
     places: list[RankPlace] = []
+    on_host: dict[str | None, int] = {}  # a host named twice continues its local numbering
     for h, count in zip(hosts, counts, strict=True):
-        for i in range(count):
+        for _ in range(count):
             if len(places) == n:
                 break
-            host = None if is_local(h.ssh) else h.ssh
-            places.append(RankPlace(len(places), host, h.ip, i))
+            host = None if local_ranks and is_local(h.ssh) else h.ssh
+            places.append(RankPlace(len(places), host, h.ip, on_host.get(host, 0)))
+            on_host[host] = on_host.get(host, 0) + 1
     if len(places) < n:
         raise ConfigError(f"-n {n} ranks do not fit on {len(hosts)} hosts with slots {counts}")
     return places

@@ -6,16 +6,14 @@ import ctypes
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import IO
 
-from .safety import check_env_name, mask, ssh_argv
+from ..errors import ConfigError
 
-__all__ = ["OutputMux", "RankProcess", "FifoOutput", "remote_script", "remote_kill_command", "die_with_parent",
-           "private_dir_script", "DIR_REFUSED"]
+__all__ = ["RankOutput", "FifoOutput", "die_with_parent", "private_dir_script", "DIR_REFUSED", "pump_lines"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,38 +27,46 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-class OutputMux:
-    """Writes whole lines from many processes to our stdout/stderr, never mixing them."""
+class RankOutput:
+    """Where every rank's output lines end up (the launcher's side of
+    :class:`meshcomm.launch.starters.Output`): our stdout/stderr, prefixed ``[rank R] ``
+    unless ``prefix`` is off, whole lines never mixed; with ``log_dir``, also the file
+    ``log_dir/rank-R.log`` of each rank (both streams, in arrival order, unprefixed)."""
 
-    def __init__(self, prefix: bool) -> None:
+    def __init__(self, prefix: bool, nranks: int = 0, log_dir: str | None = None) -> None:
         self.prefix = prefix
         self.lock = threading.Lock()
+        self.logs: dict[int, IO[bytes]] = {}
+        if log_dir:
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+                for rank in range(nranks):
+                    self.logs[rank] = open(os.path.join(log_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
+            except OSError as exc:
+                self.close()
+                raise ConfigError(f"--log-dir {log_dir!r}: cannot write the rank logs there: {exc.strerror}") from None
 
-    def pump(self, stream: IO[bytes], out: IO[bytes], tag: str, first_line_hook=None,
-             strip_nul: bool = False) -> threading.Thread:
-        """Copy ``stream`` to ``out`` line by line, each prefixed ``tag`` (when prefixing);
-        ``strip_nul`` drops NUL bytes (Open MPI's mpiexec ends its help texts with one)."""
-        def run() -> None:
-            first = True
-            for line in iter(stream.readline, b""):
-                if strip_nul:
-                    line = line.replace(b"\x00", b"")
-                    if not line:
-                        continue
-                if first and first_line_hook is not None:
-                    first = False
-                    if first_line_hook(line):
-                        continue
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                with self.lock:
-                    out.write((tag.encode() if self.prefix else b"") + line)
-                    out.flush()
-            stream.close()
+    def rank_line(self, rank: int, stream: str, line: bytes) -> None:
+        out = sys.stdout.buffer if stream == "out" else sys.stderr.buffer
+        with self.lock:
+            out.write((f"[rank {rank}] ".encode() if self.prefix else b"") + line)
+            out.flush()
+            log = self.logs.get(rank)
+            if log is not None:
+                log.write(line)
+                log.flush()
 
-        t = threading.Thread(target=run, name=f"pump {tag.strip()}", daemon=True)
-        t.start()
-        return t
+    def host_line(self, host: str | None, stream: str, line: bytes) -> None:
+        out = sys.stdout.buffer if stream == "out" else sys.stderr.buffer
+        with self.lock:
+            out.write((f"[{host}] ".encode() if self.prefix and host else b"") + line)
+            out.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            for log in self.logs.values():
+                log.close()
+            self.logs.clear()
 
 
 #: exit status of a remote start script that refused the job's directory
@@ -102,145 +108,6 @@ def private_dir_script(folder: str) -> list[str]:
     ]
 
 
-def remote_script(argv: Sequence[str], env: dict[str, str], cwd: str, files: dict[str, str], filedir: str) -> str:
-    """The bash script a remote host runs: make the job's private directory (refusing one
-    another user made), write the job's files, cd, export, report pid, exec.
-
-    Every variable name is checked to be a shell identifier (it is pasted unquoted after
-    ``export``); every value, path and argument is quoted.
-    """
-    for k in env:
-        check_env_name(k, "remote rank environment")
-    lines = ["set -e", *private_dir_script(filedir)]
-    for name, content in files.items():
-        marker = "MESHCOMM_EOF_" + os.urandom(6).hex()
-        final = shlex.quote(filedir + "/" + name)
-        tmp = shlex.quote(filedir + "/." + name) + ".$$"
-        # write aside and rename: ranks sharing the host never read a half-written file
-        lines.append(f"cat > {tmp} <<'{marker}'\n{content}\n{marker}\nmv -f {tmp} {final}")
-    lines.append(f"cd {shlex.quote(cwd)}")
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    # pid and process group (field 5 of /proc/PID/stat), so the launcher can stop the group
-    lines.append('pg=$(cut -d" " -f5 /proc/$$/stat 2>/dev/null || echo 0); echo "MESHCOMM_PID $$ $pg"')
-    lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
-    return "\n".join(lines)
-
-
-def remote_kill_command(sig_name: str, pid: int) -> str:
-    """POSIX shell command: send SIG to the process group of ``pid`` (the rank and anything it
-    started, like a local rank's killpg), or to ``pid`` alone when its group cannot be read."""
-    return (f's=$(cat /proc/{pid}/stat 2>/dev/null) && s=${{s##*") "}} && set -- $s && [ "$3" -gt 1 ] '
-            f"&& kill -{sig_name} -$3 2>/dev/null || kill -{sig_name} {pid}")
-
-
-class RankProcess:
-    """One rank: a local child in its own session, or a remote one started over ssh."""
-
-    def __init__(self, rank: int, host: str | None, argv: list[str], env: dict[str, str], *,
-                 cwd: str, ssh: list[str], mux: OutputMux, pass_fds: Sequence[int] = (),
-                 files: dict[str, str] | None = None, filedir: str = "", verbose: bool = False) -> None:
-        self.rank = rank
-        self.host = host
-        self.ssh = ssh
-        self.remote_pid: int | None = None
-        self.remote_pgid: int | None = None
-        tag = f"[rank {rank}] "
-        if host is None:
-            cmd = argv
-            full_env = {**os.environ, **env}
-            self.proc = subprocess.Popen(
-                cmd, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        else:
-            # the script (with the job secret) goes through ssh's stdin, never on a command
-            # line where any local user could read it with ps; bash reads it line by line,
-            # so the program it execs finds stdin at its end
-            script = remote_script(argv, env, cwd, files or {}, filedir)
-            cmd = ssh_argv(ssh, host, "bash -s")
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=die_with_parent,
-            )
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write(script.encode() + b"\n")
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass  # ssh failed at once; its exit status and stderr tell why
-        if verbose:  # secrets (the job's, and credential-like --env values) shown as <hidden>
-            shown = " ".join(shlex.quote(c) for c in (argv if host is None else [*cmd[:-1], "bash -s <<script"]))
-            sys.stderr.write(mask(f"meshcomm launch: rank {rank}{' on ' + host if host else ''}: {shown}\n", env))
-            if host is not None:
-                sys.stderr.write(mask(script, env) + "\n")
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.threads = [
-            mux.pump(self.proc.stdout, sys.stdout.buffer, tag, self._pid_line if host else None),
-            mux.pump(self.proc.stderr, sys.stderr.buffer, tag),
-        ]
-
-    def _pid_line(self, line: bytes) -> bool:
-        if line.startswith(b"MESHCOMM_PID "):
-            parts = line.split()
-            try:
-                self.remote_pid = int(parts[1])
-                pgid = int(parts[2]) if len(parts) > 2 else 0
-            except (IndexError, ValueError):
-                return False
-            self.remote_pgid = pgid if pgid > 1 else None
-            return True
-        return False
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def signal_rank(self, sig: int) -> None:
-        """Send ``sig`` to the rank's own process only (not what it started): SIGUSR1 asks
-        the rank runner for its threads' stacks."""
-        if self.proc.poll() is not None:
-            return
-        if self.host is None:
-            try:
-                os.kill(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        elif self.remote_pid is not None:
-            name = signal.Signals(sig).name.replace("SIG", "")
-            subprocess.Popen(ssh_argv(self.ssh, self.host, f"kill -{name} {self.remote_pid} 2>/dev/null"),
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the rank's whole process group (locally, or over ssh) — also after
-        the rank itself exited, so that what it started does not outlive the job."""
-        if self.host is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-            return
-        if self.remote_pid is not None:
-            name = signal.Signals(sig).name.replace("SIG", "")
-            if self.remote_pgid is not None:
-                command = f"kill -{name} -{self.remote_pgid} 2>/dev/null || true"
-            elif self.proc.poll() is None:
-                command = remote_kill_command(name, self.remote_pid)
-            else:
-                return
-            try:
-                subprocess.run(ssh_argv(self.ssh, self.host, command),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=10, check=False)
-            except subprocess.TimeoutExpired:
-                pass
-        if sig == signal.SIGKILL:
-            self.proc.kill()
-
-    def join_output(self, timeout: float = 2.0) -> None:
-        for t in self.threads:
-            t.join(timeout)
-
-
 class FifoOutput:
     """Per-rank FIFOs ``<folder>/<rank>.out`` / ``.err`` that ranks started by another
     launcher (mpiexec) write to (see :mod:`meshcomm.launch.rank`): the launcher reads each
@@ -251,19 +118,20 @@ class FifoOutput:
     the ranks' ends are closed as well.
     """
 
-    def __init__(self, folder: str, nranks: int, mux: OutputMux) -> None:
+    def __init__(self, folder: str, nranks: int, output: RankOutput) -> None:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         self.folder = folder
         self._hold: list[int] = []
         self.threads: list[threading.Thread] = []
         for rank in range(nranks):
-            for name, out in ((f"{rank}.out", sys.stdout.buffer), (f"{rank}.err", sys.stderr.buffer)):
+            for stream in ("out", "err"):
+                name = f"{rank}.{stream}"
                 path = os.path.join(folder, name)
                 os.mkfifo(path, 0o600)
                 rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 self._hold.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
                 os.set_blocking(rfd, True)
-                self.threads.append(mux.pump(os.fdopen(rfd, "rb"), out, f"[rank {rank}] "))
+                self.threads.append(pump_lines(os.fdopen(rfd, "rb"), _deliver(output, rank, stream)))
 
     def close(self, timeout: float = 2.0) -> None:
         """The job is over: let every stream end and wait for its last lines."""
@@ -272,3 +140,27 @@ class FifoOutput:
         self._hold.clear()
         for t in self.threads:
             t.join(timeout)
+
+
+def _deliver(output: RankOutput, rank: int, stream: str) -> Callable[[bytes], None]:
+    return lambda line: output.rank_line(rank, stream, line)
+
+
+def pump_lines(stream: IO[bytes], deliver: Callable[[bytes], None], *, strip_nul: bool = False) -> threading.Thread:
+    """A thread that calls ``deliver(line)`` for every line of ``stream`` (a last line
+    without a newline gets one); ``strip_nul`` drops NUL bytes (Open MPI ends its help
+    texts with one)."""
+    def run() -> None:
+        for line in iter(stream.readline, b""):
+            if strip_nul:
+                line = line.replace(b"\x00", b"")
+                if not line:
+                    continue
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            deliver(line)
+        stream.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t

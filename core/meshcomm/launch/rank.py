@@ -1,4 +1,5 @@
-"""The rank runner: ``python -m meshcomm.launch.rank PROGRAM.py ARGS`` (or ``-m MOD``, ``-c CODE``).
+"""The rank runner: ``python -m meshcomm.launch.rank PROGRAM.py ARGS`` (or ``-m MOD``, ``-c CODE``,
+or ``--exec COMMAND ARGS`` for a program that is not Python).
 
 ``meshcomm launch`` starts every Python rank through this module. It runs the program the
 way ``python`` would (``sys.argv``, ``__main__``, ``sys.path[0]``) and adds what a rank of
@@ -12,9 +13,16 @@ a job needs and a plain interpreter lacks:
   sends it when the job times out, so the output shows where each rank was waiting;
 * a parent-death signal (``PR_SET_PDEATHSIG`` = SIGKILL): a rank never outlives the process
   that started it (the launcher, mpiexec's daemon, or ssh's session);
+* under another launcher (``mpiexec``), ``MLX_RANK``, ``MLX_WORLD_SIZE``, ``MLX_LOCAL_RANK``
+  and ``MLX_LOCAL_SIZE`` are set from its variables (Open MPI's ``OMPI_COMM_WORLD_*``,
+  PMIx's, MPICH Hydra's ``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``), so
+  every rank of ``meshcomm launch`` sees them whatever the backend;
 * with ``MESHCOMM_OUTPUT_DIR`` (the MPI route), fds 1 and 2 go to the FIFOs
   ``<dir>/<rank>.out`` and ``<dir>/<rank>.err`` the launcher reads, so lines arrive whole
   and are prefixed by the launcher itself, whatever the MPI launcher does with output.
+
+``--exec COMMAND ARGS`` does all of this but the Python parts (exit records, stacks) and then
+execs COMMAND in place of the runner (same pid, same output FIFOs).
 
 Importing this module needs only the standard library: it also runs under a ``--python``
 interpreter (by path) whose program may never import meshcomm.
@@ -39,8 +47,30 @@ __all__ = ["main", "OUTPUT_DIR_ENV"]
 #: set by the launcher when ranks must send their output through per-rank FIFOs
 OUTPUT_DIR_ENV = "MESHCOMM_OUTPUT_DIR"
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+#: meshcomm's variable <- the first of these another launcher sets
+_FROM_LAUNCHER = {
+    "MLX_RANK": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"),
+    "MLX_WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+    "MLX_LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+    "MLX_LOCAL_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
+}
 _PR_SET_PDEATHSIG = 1
-_USAGE = "usage: python -m meshcomm.launch.rank (PROGRAM | -m MODULE | -c CODE) [ARGS...]"
+_USAGE = "usage: python -m meshcomm.launch.rank (PROGRAM | -m MODULE | -c CODE | --exec COMMAND) [ARGS...]"
+
+
+def set_rank_variables(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Under another launcher (mpiexec) started by meshcomm launch (``MESHCOMM_JOB_ID`` set):
+    ``MLX_RANK`` & co. from its variables, where meshcomm's own are not set."""
+    if not environ.get("MESHCOMM_JOB_ID") or environ.get("MLX_RANK", "").isdigit():
+        return
+    for mine, theirs in _FROM_LAUNCHER.items():
+        if environ.get(mine, "").isdigit():
+            continue
+        for var in theirs:
+            value = environ.get(var, "")
+            if value.isdigit():
+                environ[mine] = value
+                break
 
 
 def _env_rank() -> int | None:
@@ -221,12 +251,24 @@ def main() -> None:
         sys.stderr.write(_USAGE + "\n")
         raise SystemExit(2)
     die_with_parent()
+    set_rank_variables()
     rank = _env_rank()
     folder = os.environ.get(OUTPUT_DIR_ENV)
     if folder and rank is not None:
         redirect_output(folder, rank)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     _record_pid(rank)
+    if args[0] == "--exec":
+        if len(args) < 2:
+            sys.stderr.write(f"meshcomm.launch.rank: --exec needs a command\n{_USAGE}\n")
+            raise SystemExit(2)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        try:
+            os.execvp(args[1], args[1:])
+        except OSError as exc:
+            sys.stderr.write(f"meshcomm.launch.rank: cannot run {args[1]}: {exc}\n")
+            raise SystemExit(127) from None
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     status = run(args)
     sys.exit(status)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -18,12 +18,15 @@ from ..errors import ConfigError
 from ..exits import JOB_DIR_ENV, read_records
 from ..registry import get_registry
 from .blame import Failure, blame, describe_status, exit_code
-from .hosts import Host, LaunchHostfile, place_ranks
+from .hosts import Host, job_size, place_ranks
 from .job import Job
-from .procs import FifoOutput, OutputMux, RankProcess, die_with_parent
+from .options import LaunchOptions
+from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines
 from .rank import OUTPUT_DIR_ENV
-from .safety import check_env_name, mask, ssh_argv
+from .safety import check_env_name, mask
 from .spec import ExternalLauncher, RankEnvLauncher
+from .starters import HostStart, RankStart, Session, Starter
+from .starters import choose as choose_starter
 
 __all__ = ["launch", "program_argv", "is_python", "GRACE"]
 
@@ -35,16 +38,18 @@ SETTLE = 1.0
 STACK_WAIT = 1.0
 
 
-def program_argv(argv: Sequence[str], python: str, *, remote: bool = False) -> list[str]:
+def program_argv(argv: Sequence[str], python: str, *, remote: bool = False, exec_other: bool = False) -> list[str]:
     """A ``.py`` program (or ``-m module`` / ``-c code``) runs with the chosen interpreter
-    through the rank runner (:mod:`meshcomm.launch.rank`); anything else runs as given."""
+    through the rank runner (:mod:`meshcomm.launch.rank`); anything else runs as given, or
+    with ``exec_other`` through the runner's ``--exec`` (which sets up the rank, then execs it)."""
     if not argv:
         raise ConfigError("no program given: meshcomm launch -n N [options] -- program [args]")
-    if is_python(argv):
+    if is_python(argv) or exec_other:
+        args = list(argv) if is_python(argv) else ["--exec", *argv]
         if remote or python == sys.executable:
-            return [python, "-m", "meshcomm.launch.rank", *argv]
+            return [python, "-m", "meshcomm.launch.rank", *args]
         # another interpreter here may not have meshcomm: the runner needs only its stdlib
-        return [python, str(Path(__file__).with_name("rank.py")), *argv]
+        return [python, str(Path(__file__).with_name("rank.py")), *args]
     return list(argv)
 
 
@@ -87,23 +92,9 @@ class _Interrupt:
             signal.signal(s, h)  # type: ignore[arg-type]
 
 
-def launch(
-    n: int,
-    argv: Sequence[str],
-    *,
-    backend: str = "sockets",
-    hosts: LaunchHostfile | None = None,
-    env: dict[str, str] | None = None,
-    timeout: float | None = None,
-    prefix: bool = True,
-    verbose: bool = False,
-    cwd: str | None = None,
-    python: str | None = None,
-    ssh: str = "ssh -o BatchMode=yes",
-    port_base: int | None = None,
-) -> int:
-    """Start ``n`` ranks of ``argv`` on ``backend``; return the exit status for the shell."""
-    spec = get_registry().spec(backend)
+def launch(options: LaunchOptions) -> int:
+    """Run the job ``options`` describes; return the exit status for the shell."""
+    spec = get_registry().spec(options.backend_name())
     reason = spec.unavailable_reason()
     if reason is not None:
         raise ConfigError(f"backend {spec.name!r} is not usable here: {reason}")
@@ -113,12 +104,21 @@ def launch(
             f"backend {spec.name!r} cannot be started by meshcomm launch: its plugin gave no launcher "
             "support (see 'Launcher support' in the README)"
         )
-    host_list = hosts.hosts if hosts else [Host(ssh="localhost")]
-    places = place_ranks(n, host_list)
-    interpreter = python or sys.executable
+    argv = list(options.program)
+    interpreter = options.python or sys.executable
     if not argv:
         program_argv(argv, interpreter)  # the "no program given" error
-    job = Job(places, verbose=verbose, port_base=port_base)
+    external = isinstance(support, ExternalLauncher)
+    starter = None if external else choose_starter(options)
+    if options.hosts is not None:
+        host_list = options.hosts.hosts
+    else:
+        default_hosts = getattr(starter, "default_hosts", None)
+        host_list = (default_hosts(options.nranks) if default_hosts else None) or [Host(ssh="localhost")]
+    n = job_size(options.nranks, host_list, options.ranks_per_host)
+    places = place_ranks(n, host_list, options.ranks_per_host, local_ranks=getattr(starter, "local_ranks", True))
+    output = RankOutput(options.prefix, n, options.log_dir)
+    job = Job(places, verbose=options.verbose, port_base=options.port_base)
     try:
         base = {
             "MLX_BACKEND": spec.name,
@@ -127,40 +127,60 @@ def launch(
             "MESHCOMM_JOB_SECRET": job.secret,
             "PYTHONUNBUFFERED": "1",
         }
-        if timeout is not None:
-            base["MLX_TIMEOUT"] = f"{timeout:g}"
+        if options.timeout is not None:
+            base["MLX_TIMEOUT"] = f"{options.timeout:g}"
         base.update(_thread_limits(places))
-        base.update(hosts.env() if hosts else {})
-        for k in env or {}:
+        base.update(options.hosts.env() if options.hosts else {})
+        for k in options.env:
             check_env_name(k, f"--env {k}")
-        base.update(env or {})
-        workdir = cwd or os.getcwd()
+        base.update(options.env)
+        workdir = options.cwd or os.getcwd()
         runner = is_python(argv)
         if isinstance(support, ExternalLauncher):
             local = all(p.host is None for p in places)
-            prog = program_argv(argv, interpreter, remote=not local)
+            # every rank runs through the rank runner (non-Python programs with --exec): it
+            # sets MLX_RANK & co. from the MPI launcher's variables and, on this machine,
+            # sends its output to the launcher's FIFOs (the same [rank R] prefix as elsewhere)
+            prog = program_argv(argv, interpreter, remote=not local, exec_other=True)
             if local:  # failure records and whole-line output need the job's directory
                 base[JOB_DIR_ENV] = str(job.dir)
-                if runner:
-                    base[OUTPUT_DIR_ENV] = str(job.dir / "io")
+                base[OUTPUT_DIR_ENV] = str(job.dir / "io")
             cmd = support.external_command(job, prog, base)
-            return _run_external(job, cmd, base, workdir, prefix, verbose, runner)
+            return _run_external(job, cmd, base, workdir, output, options.verbose, runner)
         base[JOB_DIR_ENV] = str(job.dir)
         envs = support.rank_env(job)
         if len(envs) != n:
             raise ConfigError(f"backend {spec.name!r} launcher returned {len(envs)} environments for {n} ranks")
         cleanup = support.cleanup_command(job) if hasattr(support, "cleanup_command") else None
-        progs = [program_argv(argv, interpreter, remote=p.host is not None) for p in places]
-        return _run_ranks(job, progs, base, envs, workdir, prefix, verbose, shlex.split(ssh), cleanup, runner)
+        local_size: dict[str | None, int] = {}
+        for p in places:
+            local_size[p.host] = local_size.get(p.host, 0) + 1
+        by_host: dict[str | None, list[RankStart]] = {}
+        for p in places:
+            rank_env = {"MLX_RANK": str(p.rank), "MLX_LOCAL_RANK": str(p.local_index),
+                        "MLX_LOCAL_SIZE": str(local_size[p.host]), **envs[p.rank]}
+            by_host.setdefault(p.host, []).append(RankStart(
+                p, program_argv(argv, interpreter, remote=p.host is not None), rank_env,
+                tuple(job.fds_for(p.rank))))
+        host_starts = [
+            HostStart(host, ranks, base, workdir, str(job.dir), files=dict(job.files), cleanup=cleanup,
+                      python=interpreter, verbose=options.verbose)
+            for host, ranks in by_host.items()
+        ]
+        assert starter is not None
+        return _run_ranks(job, starter, host_starts, output, runner)
     finally:
+        output.close()
         job.cleanup()
 
 
 class _Watch:
     """What the launcher learns while a job runs: exits, failure records, stack requests."""
 
-    def __init__(self, job: Job, signal_ranks: Callable[[int], None] | None) -> None:
+    def __init__(self, job: Job, signal_ranks: Callable[[int], None] | None,
+                 remote_records: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.job = job
+        self._remote_records = remote_records
         self.failures: list[Failure] = []
         self.records: list[dict[str, Any]] = []
         self._signal_ranks = signal_ranks
@@ -173,7 +193,17 @@ class _Watch:
                 self.failures.append(Failure(rank, rc, time.time()))
 
     def note_records(self) -> None:
-        self.records = read_records(self.job.dir)
+        """This machine's records, and those the starters brought from other hosts (the
+        same record once, when a "remote" host is this machine)."""
+        records = read_records(self.job.dir)
+        if self._remote_records is not None:
+            seen = {_record_key(r) for r in records}
+            for rec in self._remote_records():
+                if _record_key(rec) not in seen:
+                    seen.add(_record_key(rec))
+                    records.append(rec)
+            records.sort(key=lambda r: (r.get("time", 0.0), r.get("rank") or 0))
+        self.records = records
 
     def timed_out(self) -> bool:
         """The first failure is a rank's CommTimeoutError: the job hangs somewhere."""
@@ -191,69 +221,73 @@ class _Watch:
         sleep(STACK_WAIT)
 
 
-def _run_ranks(job: Job, progs: list[list[str]], base: dict[str, str], envs: list[dict[str, str]], cwd: str,
-               prefix: bool, verbose: bool, ssh: list[str], cleanup: str | None, runner: bool) -> int:
-    mux = OutputMux(prefix)
-    procs: list[RankProcess] = []
+def _record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
+    return rec.get("rank"), rec.get("pid"), rec.get("time"), rec.get("type")
+
+
+def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankOutput, runner: bool) -> int:
+    sessions: list[Session] = []
 
     def signal_ranks(sig: int) -> None:
-        for p in procs:
-            p.signal_rank(sig)
+        for s in sessions:
+            s.signal_rank(sig)
 
-    watch = _Watch(job, signal_ranks if runner else None)
+    def remote_records() -> list[dict[str, Any]]:
+        return [rec for s in sessions for rec in s.records()]
+
+    def statuses() -> dict[int, int | None]:
+        merged: dict[int, int | None] = {}
+        for s in sessions:
+            merged.update(s.poll())
+        return merged
+
+    watch = _Watch(job, signal_ranks if runner else None, remote_records)
     with _Interrupt() as intr:
         try:
-            for place in job.places:
-                env = {**base, "MLX_RANK": str(place.rank), **envs[place.rank]}
-                procs.append(RankProcess(
-                    place.rank, place.host, progs[place.rank], env, cwd=cwd, ssh=ssh, mux=mux,
-                    pass_fds=job.fds_for(place.rank), files=job.files, filedir=str(job.dir),
-                    verbose=verbose,
-                ))
+            sessions = starter.start(hosts, output)
         except OSError as exc:
-            _stop(procs)
-            raise ConfigError(f"cannot start rank {len(procs)}: {exc}") from None
-        job.release_fds()
+            raise ConfigError(str(exc)) from None
+        finally:
+            job.release_fds()
 
         def sleep(seconds: float) -> None:
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline and intr.signum is None:
-                watch.note_exits([(p.rank, p.poll()) for p in procs])
+                watch.note_exits(sorted(statuses().items()))
                 time.sleep(0.02)
 
         while True:
-            codes = [p.poll() for p in procs]
-            watch.note_exits([(p.rank, rc) for p, rc in zip(procs, codes, strict=True)])
+            codes = statuses()
+            watch.note_exits(sorted(codes.items()))
             watch.note_records()
             if watch.timed_out():
                 watch.dump_stacks(sleep)
                 break
             if watch.failures or intr.signum is not None:
                 break
-            if all(rc is not None for rc in codes):
+            if all(rc is not None for rc in codes.values()):
                 break
             time.sleep(0.05)
         if watch.failures and intr.signum is None and not watch.stacks_requested:
             # The other ranks usually end of this failure on their own (PeerLostError) within
             # a moment: let them, so that their records and messages are there to read.
             deadline = time.monotonic() + SETTLE
-            while time.monotonic() < deadline and intr.signum is None and any(p.poll() is None for p in procs):
+            while (time.monotonic() < deadline and intr.signum is None
+                   and any(rc is None for rc in statuses().values())):
                 time.sleep(0.02)
-            watch.note_exits([(p.rank, p.poll()) for p in procs])
+            watch.note_exits(sorted(statuses().items()))
         watch.note_records()
-        running = [p.rank for p in procs if p.poll() is None]
+        running = sorted(r for r, rc in statuses().items() if rc is None)
         verdict = blame(watch.failures, watch.records, running)
         if verdict is not None or intr.signum is not None:
-            _stop(procs)
+            _stop(sessions, statuses)
         else:
             running = []
-        for p in procs:
-            p.join_output()
-        remote_records = _cleanup_hosts(job, ssh, cleanup, fetch_records=verdict is not None)
-        if remote_records:
-            verdict = blame(watch.failures, sorted(watch.records + remote_records,
-                                                   key=lambda r: (r.get("time", 0.0), r.get("rank") or 0)),
-                            running)
+        for s in sessions:  # last output, remote clean-up, late remote records
+            s.finish()
+        if verdict is not None and remote_records():
+            watch.note_records()
+            verdict = blame(watch.failures, watch.records, running)
     if intr.signum is not None:
         sys.stderr.write(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
@@ -266,65 +300,19 @@ def _run_ranks(job: Job, progs: list[list[str]], base: dict[str, str], envs: lis
     return 0
 
 
-def _stop(procs: list[RankProcess]) -> None:
+def _stop(sessions: list[Session], statuses: Callable[[], dict[int, int | None]]) -> None:
     """SIGTERM every rank's process group, then SIGKILL them after the grace period (groups
     of ranks that already exited too: what they started must not outlive the job)."""
-    for p in procs:
-        p.signal(signal.SIGTERM)
+    for s in sessions:
+        s.signal(signal.SIGTERM)
     deadline = time.monotonic() + GRACE
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while time.monotonic() < deadline and any(rc is None for rc in statuses().values()):
         time.sleep(0.05)
-    for p in procs:
-        p.signal(signal.SIGKILL)
-    for p in procs:
-        try:
-            p.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+    for s in sessions:
+        s.signal(signal.SIGKILL)
 
 
-def _cleanup_hosts(job: Job, ssh: list[str], backend_cmd: str | None,
-                   fetch_records: bool = False) -> list[dict[str, Any]]:
-    """Remove the job's files on remote hosts and run the backend's clean-up command (if
-    any) on every host, whatever way the job ended. When the job failed, the failure records
-    remote ranks left are read first (printed by the same ssh command) and returned."""
-    records: list[dict[str, Any]] = []
-    for host in job.hosts:
-        parts = [] if host is None else [_remote_cleanup(str(job.dir), fetch_records)]
-        if backend_cmd:
-            parts.append(backend_cmd)
-        if not parts:
-            continue
-        cmd = ["bash", "-c", "; ".join(parts)] if host is None else ssh_argv(ssh, host, "; ".join(parts))
-        try:
-            done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, timeout=15, check=False)
-        except subprocess.TimeoutExpired:
-            continue
-        if host is not None and fetch_records:
-            for line in done.stdout.splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict):
-                    records.append(rec)
-    return records
-
-
-def _remote_cleanup(folder: str, fetch_records: bool) -> str:
-    """Shell command for a remote host: print the failure records (when asked) and remove
-    the job's directory, only if it is ours (a directory, not a symlink, owned by this user:
-    one another user made, which the ranks refused to use, is neither read nor removed)."""
-    d = shlex.quote(folder)
-    body = f"rm -rf {d}"
-    if fetch_records:
-        records = shlex.quote(folder + "/failures")
-        body = f'for f in {records}/rank-*.json; do [ -f "$f" ] && cat "$f" && echo; done; ' + body
-    return f"if [ -d {d} ] && [ ! -L {d} ] && [ -O {d} ]; then {body}; fi"
-
-
-def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, prefix: bool, verbose: bool,
+def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, output: RankOutput, verbose: bool,
                   runner: bool) -> int:
     """Run the one command that starts every rank (mpiexec). Ranks run through the rank
     runner write their output to FIFOs read here (whole lines, prefixed by us), their
@@ -335,7 +323,7 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
         sys.stderr.write(f"meshcomm launch: variables set for {cmd[0]} and every rank: {mask(shown, base)}\n")
     fifos = None
     if OUTPUT_DIR_ENV in base:
-        fifos = FifoOutput(base[OUTPUT_DIR_ENV], job.nranks, OutputMux(prefix))
+        fifos = FifoOutput(base[OUTPUT_DIR_ENV], job.nranks, output)
     with _Interrupt() as intr:
         # mpiexec gets SIGTERM if we die, so it can stop its ranks (which also die with
         # their parent: the rank runner asks for that)
@@ -343,9 +331,9 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         assert proc.stdout is not None and proc.stderr is not None
-        plain = OutputMux(False)  # mpiexec's own messages (and ranks' output when it tags them)
-        pumps = [plain.pump(proc.stdout, sys.stdout.buffer, "", strip_nul=True),
-                 plain.pump(proc.stderr, sys.stderr.buffer, "", strip_nul=True)]
+        # mpiexec's own messages, and the ranks' output when it tags them (ranks on other hosts)
+        pumps = [pump_lines(proc.stdout, _retagger(output, "out"), strip_nul=True),
+                 pump_lines(proc.stderr, _retagger(output, "err"), strip_nul=True)]
 
         def signal_ranks(sig: int) -> None:
             if proc.poll() is None:
@@ -393,6 +381,25 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, pref
     if rc != 0:
         sys.stderr.write(f"meshcomm launch: {cmd[0]} {describe_status(rc)}\n")
     return exit_code(rc)
+
+
+#: how mpiexec tags a rank's line: Open MPI ``--tag-output`` (``[1,2]<stdout>: ``), MPICH
+#: ``-prepend-rank`` (``[2] ``)
+_MPI_TAG = re.compile(rb"^\[\d+,(\d+)\]<(stdout|stderr|stddiag)>: ?|^\[(\d+)\] ")
+
+
+def _retagger(output: RankOutput, stream: str) -> Callable[[bytes], None]:
+    """Deliver mpiexec's lines: a line mpiexec tagged with a rank goes out as that rank's
+    (prefixed ``[rank R] `` like on every backend, and into its log); others as they are."""
+    def deliver(line: bytes) -> None:
+        m = _MPI_TAG.match(line)
+        if m is None:
+            output.host_line(None, stream, line)
+            return
+        rank = int(m.group(1) or m.group(3))
+        own = "err" if m.group(2) in (b"stderr", b"stddiag") else ("out" if m.group(2) else stream)
+        output.rank_line(rank, own, line[m.end():])
+    return deliver
 
 
 def _rank_pids(job: Job) -> list[int]:
