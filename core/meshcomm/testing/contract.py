@@ -5,9 +5,11 @@ AssertionError (with the rank and what differed) when the backend breaks the
 contract. Every rank can compute every other rank's input, so each rank checks its
 own result against NumPy. Run all of them under a launcher::
 
-    meshcomm launch -n 4 --backend NAME -- python -m meshcomm.testing.contract
+    meshcomm launch -n 4 --backend NAME -- python -m meshcomm.testing.contract [--more]
 
-which exits non-zero when any check fails on any rank.
+which exits non-zero when any check fails on any rank. ``--more`` adds the second round's
+checks (:mod:`meshcomm.testing.contract_more`: all_to_all, gather, scatter, reduce, object
+collectives, ``out=``, ``async_op``, ``close``).
 """
 
 from __future__ import annotations
@@ -338,12 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default=None, help="backend to init (default: MLX_BACKEND / any)")
     p.add_argument("-k", default="", help="run only checks whose name contains this")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--more", action="store_true",
+                   help="also run the second round's checks (all_to_all, gather, scatter, reduce, "
+                        "object collectives, out=, async_op, close): meshcomm.testing.contract_more")
     p.add_argument("--json", action="store_true",
                    help=f"also print one line '{JSON_MARK.strip()} {{...}}' per rank: every check's "
                         "status (passed, failed, not run), error and seconds")
     args = p.parse_args(argv)
     g = mc.init(strict=True, backend=args.backend)
-    checks = [c for c in CHECKS if args.k in c.__name__]
+    pool = CHECKS
+    if args.more:
+        from .contract_more import ALL_CHECKS
+
+        pool = ALL_CHECKS
+    checks = [c for c in pool if args.k in c.__name__]
     results: dict[str, dict[str, object]] = {
         c.__name__: {"status": "not run", "error": None, "seconds": 0.0} for c in checks
     }

@@ -43,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"rank counts, one job each (env MESHCOMM_CONFORMANCE_RANKS; default {_DEFAULT_RANKS})")
     group.addoption("--meshcomm-launch-args", default=None, metavar="ARGS",
                     help="extra arguments for meshcomm launch, e.g. '--hosts a,b' (env MESHCOMM_CONFORMANCE_LAUNCH_ARGS)")
+    group.addoption("--meshcomm-more", action="store_true", default=None,
+                    help="also check the second round's operations (all_to_all, gather, scatter, reduce, "
+                         "object collectives, out=, async_op, close; env MESHCOMM_CONFORMANCE_MORE=1)")
     group.addoption("--meshcomm-timeout", default=None, type=float, metavar="S",
                     help="MLX_TIMEOUT of the jobs, seconds (default 120)")
     group.addoption("--meshcomm-job-timeout", default=None, type=float, metavar="S",
@@ -56,7 +59,18 @@ def _setting(config: pytest.Config, opt: str, env: str, default: Any = None) -> 
     return default if value is None else value
 
 
-def check_names() -> list[str]:
+def _more(config: pytest.Config | None) -> bool:
+    if config is not None and config.getoption("meshcomm_more", default=None):
+        return True
+    return os.environ.get("MESHCOMM_CONFORMANCE_MORE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_names(more: bool = False) -> list[str]:
+    """The names of the contract's checks (``more``: both rounds)."""
+    if more:
+        from .contract_more import ALL_CHECKS
+
+        return [c.__name__ for c in ALL_CHECKS]
     return [c.__name__ for c in CHECKS]
 
 
@@ -78,8 +92,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     ranks = _ranks(metafunc.config)
     if "meshcomm_check" in names:
         metafunc.parametrize(("meshcomm_ranks", "meshcomm_check"),
-                             [(n, c) for n in ranks for c in check_names()],
-                             ids=[f"{n}-{c}" for n in ranks for c in check_names()])
+                             [(n, c) for n in ranks for c in check_names(_more(metafunc.config))],
+                             ids=[f"{n}-{c}" for n in ranks for c in check_names(_more(metafunc.config))])
     else:
         metafunc.parametrize("meshcomm_ranks", ranks, ids=[str(n) for n in ranks])
 
@@ -134,6 +148,7 @@ class ContractRunner:
         self.timeout = float(_setting(config, "meshcomm_timeout", "MESHCOMM_CONFORMANCE_TIMEOUT", 120))
         self.job_timeout = float(_setting(config, "meshcomm_job_timeout", "MESHCOMM_CONFORMANCE_JOB_TIMEOUT", 900))
         self.jobs: dict[int, ContractJob] = {}
+        self.more = _more(config)
 
     def job(self, n: int) -> ContractJob:
         if self.backend is None:
@@ -151,7 +166,8 @@ class ContractRunner:
 
     def _run(self, backend: str, n: int) -> ContractJob:
         cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend,
-               "--timeout", f"{self.timeout:g}", *self.launch_args, "--", "-m", "meshcomm.testing.contract", "--json"]
+               "--timeout", f"{self.timeout:g}", *self.launch_args, "--", "-m", "meshcomm.testing.contract", "--json",
+               *(["--more"] if self.more else [])]
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="meshcomm-conformance-") as shared:
             env = {**os.environ, "MESHCOMM_TEST_DIR": shared}  # ranks on this machine share it
