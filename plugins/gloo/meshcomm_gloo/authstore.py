@@ -81,9 +81,9 @@ class AuthStore(dist.Store):
         whose = f" (rank {owner}'s record)" if owner is not None else ""
         return StoreAuthError(
             f"[gloo] rank {self._rank}: the value of key {self._full(key)!r}{whose} in the {self._where} failed "
-            f"the job secret check: {bad.reason}. A process without the job secret wrote to the rendezvous "
-            "store: a stranger that can reach the store, or a rank started with another MESHCOMM_JOB_SECRET "
-            "(or none). The value was not used. Fix: give every rank the same MESHCOMM_JOB_SECRET (meshcomm "
+            f"the job secret check, so a process without the job secret wrote to the rendezvous store (a "
+            "stranger that can reach the store, or a rank started with another MESHCOMM_JOB_SECRET or none): "
+            f"{bad.reason}. The value was not used. Fix: give every rank the same MESHCOMM_JOB_SECRET (meshcomm "
             "launch makes one) and let only the job's hosts reach the store's port.",
             key=self._full(key), peer=owner)
 

@@ -7,7 +7,8 @@ In order of precedence:
 * the store: ``MESHCOMM_GLOO_PORT`` (with ``MESHCOMM_GLOO_ADDR``; rank 0 hosts a TCPStore),
   else ``MESHCOMM_GLOO_FILE`` (a FileStore), else the coordinator
   (:func:`meshcomm.placement.coordinator`: ``MLX_COORDINATOR``, ``MASTER_ADDR``/``MASTER_PORT``
-  or the Slurm step), where rank 0 hosts the TCPStore. Under torchrun
+  or the Slurm step; from ``MASTER_*`` it is the port above ``MASTER_PORT``), where rank 0
+  hosts the TCPStore. Under torchrun
   (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves a TCPStore at
   ``MASTER_ADDR:MASTER_PORT``: every rank connects to it as a client, and meshcomm's keys
   live under a namespace naming the run, the restart and this process's start-up count.
@@ -140,5 +141,7 @@ def resolve(config_rank: int | None, settings: GlooSettings, environ: Mapping[st
         _STARTS["count"] += 1
         restart = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
         namespace = f"meshcomm-torchrun/{job or '-'}/restart{restart}/start{_STARTS['count']}/"
-        return Rendezvous(rank, size, "client", coord.host, coord.port, None, namespace, job, origin, agent=True)
+        # the agent's store is at MASTER_PORT itself (the coordinator meshcomm hosts is the port above)
+        return Rendezvous(rank, size, "client", env["MASTER_ADDR"].strip(), int(env["MASTER_PORT"]), None,
+                          namespace, job, f"{said}; torchrun's agent store at MASTER_ADDR:MASTER_PORT", agent=True)
     return Rendezvous(rank, size, "host" if rank == 0 else "client", coord.host, coord.port, None, "", job, origin)
