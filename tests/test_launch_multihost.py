@@ -10,6 +10,11 @@
 
 Remote ranks only get the launcher's variables and ``--env``, so the pid directory of the
 leftover checks is passed with ``--env MC_TEST_PIDDIR=...``.
+
+One ssh session per host (issue 15): ``127.0.0.2`` and ``root@127.0.0.2`` are two hosts of
+the job (two ssh destinations) on the same sshd; an ``ssh`` wrapper logs every call, and
+the launcher's ssh children are counted while the ranks run. Starting, output, stopping
+and killing must all go through that one session per host.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import pytest
 from netns import NetnsHosts, NetnsUnavailable
 from sshd import LoopbackSshd, SshdUnavailable, find_sshd
 from test_launch import (
+    PREFIX,
     RANK_PROG,
     TESTS,
     Launcher,
     assert_no_leftovers,
     check_results,
+    launch_rank,
     parse_infos,
     recorded_pids,
     run_launch,
@@ -62,6 +69,38 @@ def sshd() -> Iterator[LoopbackSshd]:
 
 def ssh_args(server: LoopbackSshd, piddir: Path) -> list[str]:
     return ["--ssh", server.ssh_command, "--env", f"MC_TEST_PIDDIR={piddir}"]
+
+
+def logging_ssh(folder: Path, real: str, name: str = "ssh") -> tuple[Path, Path]:
+    """An ``ssh`` (named so: the launcher adds ``--`` for ssh) that appends its arguments to
+    a log and execs ``real`` (the process stays an ``ssh``); (wrapper, log)."""
+    bindir = folder / "bin"
+    bindir.mkdir(exist_ok=True)
+    log = folder / "ssh-calls.log"
+    wrapper = bindir / name
+    wrapper.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$*\" >> {log}\nexec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
+def ssh_children(pid: int) -> list[int]:
+    """The ssh processes ``pid`` started (its children whose program is ssh)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and comm == "ssh":
+            found.append(int(d.name))
+    return found
+
+
+TWO_HOSTS = f"{SSH_ADDR}:3,root@{SSH_ADDR}:2"  # two ssh destinations, 3 + 2 ranks
 
 
 def assert_through_ssh(info: dict, server: LoopbackSshd) -> None:
@@ -119,6 +158,103 @@ def test_ssh_stopped_rank_takes_its_children(sshd: LoopbackSshd, tmp_path: Path)
     assert_no_leftovers(tmp_path, 2)
 
 
+def test_one_ssh_session_per_host_starts_and_stops_every_rank(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """5 ranks on 2 hosts: exactly 2 ssh processes while they run and 2 ssh calls in all
+    (SIGTERM to the launcher stops every rank through those sessions, no further ssh)."""
+    wrapper, log = logging_ssh(tmp_path, "/usr/bin/ssh" if os.path.exists("/usr/bin/ssh") else "ssh")
+    ssh = sshd.ssh_command.replace("ssh", str(wrapper), 1)
+    job = Launcher("--hosts", TWO_HOSTS, "--ssh", ssh, "--env", f"MC_TEST_PIDDIR={tmp_path}", "--timeout", "120",
+                   str(RANK_PROG), "wait", piddir=tmp_path, nready=5)
+    job.wait_ready(timeout=90)
+    assert len(recorded_pids(tmp_path)) == 5
+    children = ssh_children(job.proc.pid)
+    calls = log.read_text().splitlines()
+    assert len(children) == 2, f"ssh processes of the launcher: {children}\n{calls}"
+    assert len(calls) == 2 and all(c.endswith(" bash -s") for c in calls), calls
+    assert sorted(c.split(" -- ")[1].split()[0] for c in calls) == [SSH_ADDR, f"root@{SSH_ADDR}"], calls
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(timeout=60) == 143, job.text()
+    assert_no_leftovers(tmp_path, 5, grace=5)
+    assert len(log.read_text().splitlines()) == 2, "stopping the ranks opened more ssh sessions"
+
+
+def test_ssh_hosts_with_rank_counts_and_log_dir(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """--hosts a:3,b:2 without -n: 5 ranks, local rank variables per host, a log per rank."""
+    logs = tmp_path / "logs"
+    p = run_launch("--hosts", TWO_HOSTS, *ssh_args(sshd, tmp_path), "--log-dir", str(logs), "--timeout", "60",
+                   str(RANK_PROG), "info", timeout=120)
+    assert p.returncode == 0, show(p)
+    infos = parse_infos(p.stdout, 5)
+    check_results(infos, 5)
+    for r, info in infos.items():
+        assert_through_ssh(info, sshd)
+        local, size = (r, 3) if r < 3 else (r - 3, 2)
+        assert (info["env"]["MLX_LOCAL_RANK"], info["env"]["MLX_LOCAL_SIZE"]) == (str(local), str(size)), info
+        lines = (logs / f"rank-{r}.log").read_bytes().splitlines()
+        assert [json.loads(x[5:])["rank"] for x in lines if x.startswith(b"INFO ")] == [r], lines
+    assert sorted(f.name for f in logs.iterdir()) == [f"rank-{r}.log" for r in range(5)]
+    assert_no_leftovers(tmp_path, 5)
+
+
+def test_ssh_lines_never_interleave(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """Two ranks share one ssh session: their long lines still arrive whole, in order, each
+    prefixed with its own rank."""
+    lines = 100
+    p = run_launch("-n", "2", "--hosts", SSH_ADDR, *ssh_args(sshd, tmp_path), str(RANK_PROG), "spam", str(lines),
+                   timeout=120)
+    assert p.returncode == 0, show(p)
+    for data, stream in ((p.stdout, "out"), (p.stderr, "err")):
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        for line in data.splitlines():
+            m = PREFIX.match(line)
+            assert m, f"std{stream} line without a prefix: {line[:120]!r}"
+            text = m.group(2).decode()
+            rank, st, i = text.split(":", 3)[:3]
+            assert int(rank) == int(m.group(1)) and st == stream, text[:80]
+            assert text == launch_rank.spam_line(int(rank), stream, int(i)), f"damaged line: {text[:120]!r}..."
+            seen[int(rank)].append(int(i))
+        assert seen == {0: list(range(lines)), 1: list(range(lines))}, f"std{stream}: lines missing or out of order"
+
+
+def test_killed_launcher_stops_remote_ranks(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """SIGKILL to the launcher: its ssh sessions die with it, and each host's agent stops
+    its ranks when its session ends."""
+    job = Launcher("--hosts", TWO_HOSTS, *ssh_args(sshd, tmp_path), "--timeout", "120", str(RANK_PROG), "wait",
+                   piddir=tmp_path, nready=5)
+    job.wait_ready(timeout=90)
+    job.proc.kill()
+    job.finish(timeout=30)
+    assert_no_leftovers(tmp_path, 5, grace=20)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_other_backends_over_ssh(backend: str, sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """gloo: ranks started by the host agent; mpi: mpiexec's daemons started through the test
+    sshd. Both: the rank variables and the [rank R] prefix as on sockets."""
+    from meshcomm.registry import get_registry
+
+    spec = get_registry().specs.get(backend)
+    reason = f"backend {backend} is not installed" if spec is None else spec.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    env = None
+    if backend == "mpi":
+        from test_security_launch import _mpiexec_over_ssh
+
+        env = {"MESHCOMM_MPIEXEC_ARGS": _mpiexec_over_ssh("mpi-ssh", sshd, tmp_path)}
+    p = run_launch("-n", "2", "--backend", backend, "--hosts", f"{SSH_ADDR}:2", *ssh_args(sshd, tmp_path),
+                   "--timeout", "60", str(RANK_PROG), "info", env=env, timeout=150)
+    assert p.returncode == 0, show(p)
+    infos = parse_infos(p.stdout, 2)  # every line prefixed [rank R], no mpiexec tags
+    for r, info in infos.items():
+        assert info["backend"] == backend and info["size"] == 2, info
+        assert info["env"]["MLX_RANK"] == str(r) and info["env"]["MLX_WORLD_SIZE"] == "2", info
+        assert info["env"]["MLX_LOCAL_SIZE"] == "2", info
+        assert info["env"]["SSH_CONNECTION"], f"rank {r} did not run over ssh"
+    assert sorted(i["env"]["MLX_LOCAL_RANK"] for i in infos.values()) == ["0", "1"], infos
+    assert_no_leftovers(tmp_path, 2, grace=5)
+
+
 # -- network namespaces as hosts -----------------------------------------------------------------
 
 
@@ -136,8 +272,10 @@ def hosts() -> Iterator[NetnsHosts]:
         h.close()
 
 
-def netns_launch(hosts: NetnsHosts, n: int, piddir: Path, *prog: str) -> subprocess.CompletedProcess[bytes]:
-    return run_launch("-n", str(n), "--hosts", ",".join(hosts.ips), "--ssh", hosts.ssh_command,
+def netns_launch(hosts: NetnsHosts, n: int | None, piddir: Path, *prog: str, host_list: str | None = None,
+                 ssh: str | None = None) -> subprocess.CompletedProcess[bytes]:
+    count = [] if n is None else ["-n", str(n)]
+    return run_launch(*count, "--hosts", host_list or ",".join(hosts.ips), "--ssh", ssh or hosts.ssh_command,
                       "--env", f"MC_TEST_PIDDIR={piddir}", "--timeout", "60", str(RANK_PROG), *prog,
                       env=hosts.env, timeout=120)
 
@@ -166,3 +304,23 @@ def test_netns_failing_rank(hosts: NetnsHosts, tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 30
     assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"
     assert_no_leftovers(tmp_path, 3)
+
+
+def test_netns_rank_counts_one_session_per_host(hosts: NetnsHosts, tmp_path: Path) -> None:
+    """--hosts ip0:1,ip1:2,ip2:1: ranks land on their hosts, and the "ssh" of the namespaces
+    runs once per host."""
+    counts = [1, 2, 1]
+    wrapper, log = logging_ssh(tmp_path, hosts.ssh_command, name="netns-ssh")
+    p = netns_launch(hosts, None, tmp_path, "info", ssh=str(wrapper),
+                     host_list=",".join(f"{ip}:{k}" for ip, k in zip(hosts.ips, counts, strict=True)))
+    assert p.returncode == 0, show(p)
+    infos = parse_infos(p.stdout, 4)
+    check_results(infos, 4)
+    owner = [h for h, k in enumerate(counts) for _ in range(k)]
+    for r, info in infos.items():
+        assert info["netns"] == f"net:[{hosts.ns_inode(owner[r])}]", f"rank {r} ran outside {hosts.names[owner[r]]}"
+        assert info["env"]["MLX_LOCAL_SIZE"] == str(counts[owner[r]]), info
+    calls = log.read_text().splitlines()
+    assert sorted(c.split()[0] for c in calls) == sorted(hosts.ips), calls
+    assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"
+    assert_no_leftovers(tmp_path, 4)
