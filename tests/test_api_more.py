@@ -80,6 +80,27 @@ def test_a_handle_never_waited_on_does_not_hang_the_exit(tmp_path, mode):
         assert "never waited on" in out, out[-3000:]
 
 
+LOST = """
+import sys, numpy as np, meshcomm as mc
+g = mc.init(strict=True)
+if g.rank() == 1:
+    sys.exit(0)      # leaves while rank 0's async all_sum waits for it
+h = mc.all_sum(np.ones(10), async_op=True)
+try:
+    h.wait()
+    print("NO ERROR")
+except mc.PeerLostError as exc:
+    print("WAIT RAISED", exc.peer, exc)
+"""
+
+
+def test_a_lost_peer_is_raised_by_wait(tmp_path):
+    prog = tmp_path / "lost.py"
+    prog.write_text(LOST)
+    res = launch(2, str(prog), timeout=120, launch_args=("--timeout", "20"))
+    assert "WAIT RAISED 1" in res.stdout and "NO ERROR" not in res.stdout, (res.stdout + res.stderr)[-3000:]
+
+
 def test_async_overlap_and_order_on_sockets(tmp_path):
     """Ranks issue async operations in one order and block in between: results match the
     blocking calls, and a blocking call issued behind queued async ones waits its turn."""
