@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the launcher tests need (tests/test_launch_multihost.py):
 #   openssh-server (sshd, started by the tests on a loopback address),
-#   openssh-client (ssh), iproute2 (ip netns, veth, bridge), iputils-ping (ping).
+#   openssh-client (ssh), iproute2 (ip netns, veth, bridge), iputils-ping (ping);
+# and the Slurm test cluster's (tests/slurm.py, scripts/slurm-cluster.sh):
+#   slurmctld, slurmd, slurm-client (srun, salloc, sbatch, scontrol, sinfo), munge,
+#   libpmix-dev (srun --mpi=pmix loads the unversioned libpmix.so), util-linux (nsenter, unshare).
 # Idempotent and quiet: does nothing when every tool is already there; needs root
 # (or sudo) only when something is missing. Exits non-zero if an install fails.
 set -euo pipefail
@@ -13,6 +16,18 @@ have ssh || missing+=(openssh-client)
 have ip || missing+=(iproute2)
 have ping || missing+=(iputils-ping)
 have ssh-keygen || missing+=(openssh-client)
+have slurmctld || missing+=(slurmctld)
+have slurmd || missing+=(slurmd)
+have srun || missing+=(slurm-client)
+have munged || missing+=(munge)
+have nsenter || missing+=(util-linux)
+have unshare || missing+=(util-linux)
+# the pmix plugin of slurm dlopens libpmix.so (only the -dev package has the unversioned link)
+pmix_found=0
+for d in /usr/lib/*/pmix2/lib /usr/lib/*/pmix/lib /usr/lib/* /usr/lib; do
+  if [ -e "$d/libpmix.so" ]; then pmix_found=1; break; fi
+done
+[ "$pmix_found" = 1 ] || missing+=(libpmix-dev)
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 

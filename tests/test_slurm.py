@@ -1,0 +1,121 @@
+"""meshcomm under a real Slurm: ``srun`` across three "nodes" (tests/slurm.py's cluster).
+
+The cluster is munge + slurmctld + three slurmd in network namespaces with their own
+hostnames (h1, h2, h3); clients run on the login host ``ctl``. Every job is checked for
+real results computed on each rank, and failure cases for a named rank and a bounded end
+(every client call has a timeout; MLX_TIMEOUT bounds the ranks' waits). After each test no
+job process may be left on any node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm import SlurmCluster, session_cluster
+
+TESTS = Path(__file__).resolve().parent
+PY = sys.executable
+RANK = str(TESTS / "programs" / "slurm_rank.py")
+FAILURE = str(TESTS / "programs" / "failure_rank.py")
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest) -> SlurmCluster:
+    return session_cluster(request.config)
+
+
+@pytest.fixture
+def slurm(cluster: SlurmCluster):
+    """The cluster, checked after the test for job processes left on the nodes."""
+    yield cluster
+    deadline = time.monotonic() + 30
+    while (left := cluster.running()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"job processes left on the nodes: {cluster.describe(left)}"
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment srun hands to the tasks: ours without any job variables of an outer
+    starter, with the venv's Open MPI prefix (its help texts) and a bounded wait."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MLX_", "SLURM_", "OMPI_", "PMIX_", "PMI_", "PRTE_", "MESHCOMM_"))
+           and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OPAL_PREFIX=sys.prefix, MLX_TIMEOUT="60", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(extra)
+    return env
+
+
+def infos(stdout: str, n: int) -> dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("INFO "):
+            info = json.loads(line[5:])
+            out[info["rank"]] = info
+    assert sorted(out) == list(range(n)), stdout
+    return out
+
+
+def show(p) -> str:
+    return f"exit {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+
+
+def check_job(p, n: int, backend: str, hosts: list[str]) -> None:
+    assert p.returncode == 0, show(p)
+    got = infos(p.stdout, n)
+    for r, info in got.items():
+        assert info["size"] == n and info["backend"] == backend, info
+        assert info["sum_ok"] and info["gather_ok"] and info["bcast_ok"], info
+        assert info["slurm_procid"] == str(r), info
+    assert [got[r]["host"] for r in range(n)] == hosts, got
+
+
+def test_cluster_has_three_hosts(slurm: SlurmCluster) -> None:
+    p = slurm.run(["srun", "-N3", "-n3", "-l", "hostname"], timeout=60)
+    assert sorted(line.split(": ")[1] for line in p.stdout.splitlines()) == ["h1", "h2", "h3"], p.stdout
+    print(f"Slurm cluster set-up took {slurm.setup_seconds:.1f} s")
+
+
+# -- mpi: srun --mpi=pmix -----------------------------------------------------------------------------
+
+
+def test_mpi_under_srun_pmix(slurm: SlurmCluster) -> None:
+    p = slurm.run(["srun", "--mpi=pmix", "-N3", "-n3", PY, RANK, "mpi"], env=job_env(), timeout=120, check=False)
+    check_job(p, 3, "mpi", ["h1", "h2", "h3"])
+
+
+def test_mpi_under_srun_pmix_two_per_node(slurm: SlurmCluster) -> None:
+    p = slurm.run(["srun", "--mpi=pmix", "-N2", "-n4", "--ntasks-per-node=2", PY, RANK, "mpi"], env=job_env(),
+                  timeout=120, check=False)
+    check_job(p, 4, "mpi", ["h1", "h1", "h2", "h2"])
+
+
+def test_mpi_under_srun_rank_raises(slurm: SlurmCluster) -> None:
+    """Rank 1 (on h2) raises: the ranks on h1 and h3 name it, the job ends non-zero."""
+    p = slurm.run(["srun", "--mpi=pmix", "-N3", "-n3", PY, FAILURE, "--kind", "raise"],
+                  env=job_env(MLX_BACKEND="mpi"), timeout=150, check=False)
+    assert p.returncode != 0, show(p)
+    assert p.stdout.count("READY") == 3, show(p)
+    assert "RESULT" not in p.stdout, show(p)
+    errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]
+    assert errors, show(p)
+    for line in errors:
+        assert "peer=1" in line and "rank 1 failed" in line and "KeyError" in line, show(p)
+
+
+def test_mpi_under_srun_rank_killed(slurm: SlurmCluster) -> None:
+    """Rank 1 (on h2) is SIGKILLed: no result, the job ends non-zero and Slurm names task 1
+    (the survivors may be ended by the MPI runtime before they can report)."""
+    p = slurm.run(["srun", "--mpi=pmix", "-N3", "-n3", PY, FAILURE, "--kind", "sigkill"],
+                  env=job_env(MLX_BACKEND="mpi"), timeout=150, check=False)
+    assert p.returncode != 0, show(p)
+    assert p.stdout.count("READY") == 3, show(p)
+    assert "RESULT" not in p.stdout, show(p)
+    errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]
+    assert all("peer=1" in line for line in errors), show(p)
+    assert "h2: task 1: Killed" in p.stderr, show(p)
