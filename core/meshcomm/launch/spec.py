@@ -16,8 +16,12 @@ A ``rank_env`` launcher may also have ``cleanup_command(job) -> str | None``: a 
 command the launcher runs on every host when the job ends, however it ended.
 
 The launcher always sets ``MLX_BACKEND``, ``MLX_RANK``, ``MLX_WORLD_SIZE``,
-``MESHCOMM_JOB_ID``, ``MESHCOMM_JOB_SECRET`` and ``MLX_TIMEOUT`` (when given) for
-every rank it starts itself.
+``MLX_LOCAL_RANK``, ``MLX_LOCAL_SIZE``, ``MESHCOMM_JOB_ID``, ``MESHCOMM_JOB_SECRET`` and
+``MLX_TIMEOUT`` (when given) for every rank it starts itself; ranks started by an external
+launcher get the rank variables from the rank runner, which reads the MPI launcher's.
+
+How ranks are started on their hosts (locally, one ssh session per host, ``srun``) is not
+the backend's business: see :mod:`meshcomm.launch.starters`.
 """
 
 from __future__ import annotations
