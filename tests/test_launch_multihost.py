@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -214,6 +215,40 @@ def test_ssh_lines_never_interleave(sshd: LoopbackSshd, tmp_path: Path) -> None:
             assert text == launch_rank.spam_line(int(rank), stream, int(i)), f"damaged line: {text[:120]!r}..."
             seen[int(rank)].append(int(i))
         assert seen == {0: list(range(lines)), 1: list(range(lines))}, f"std{stream}: lines missing or out of order"
+
+
+JOBS_PROG = TESTS / "programs" / "launch_jobs.py"
+
+
+def test_ssh_raising_rank_is_blamed_from_remote_records(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """Rank 2 (the second host) raises while the others wait: the agents send the failure
+    records back, and the summary names rank 2 and its exception, not a PeerLostError."""
+    p = run_launch("--hosts", f"{SSH_ADDR}:2,root@{SSH_ADDR}:1", *ssh_args(sshd, tmp_path), "--timeout", "60",
+                   str(JOBS_PROG), "raise", "2", timeout=120)
+    assert p.returncode == 1, show(p)
+    last = p.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith(f"meshcomm launch: rank 2 on root@{SSH_ADDR} exited with code 1 (KeyError"), show(p)
+    assert_no_leftovers(tmp_path, 3)
+
+
+def test_ssh_timeout_prints_every_ranks_stack(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """Rank 0 sleeps while 1 and 2 time out in all_sum: SIGUSR1 reaches every remote rank
+    through its host's session, and each prints its Python stack. (Rank 0 leads its host
+    in the sockets backend's two-level collectives, so both others name it.)"""
+    p = run_launch("--hosts", f"{SSH_ADDR}:2,root@{SSH_ADDR}:1", *ssh_args(sshd, tmp_path), "--timeout", "4",
+                   str(JOBS_PROG), "stuck", "0", timeout=120)
+    assert p.returncode == 1, show(p)
+    assert b"every rank's Python stack follows" in p.stderr, show(p)
+    frame = re.compile(rb'File "[^"]*launch_jobs\.py", line \d+,? in (\w+)')
+    for r in range(3):
+        text = b"\n".join(rest for tag, rest in
+                          ((int(m.group(1)), m.group(2)) for m in map(PREFIX.match, (p.stdout + p.stderr).splitlines())
+                           if m) if tag == r)
+        assert frame.findall(text), f"no Python stack of rank {r}:\n{show(p)}"
+        if r == 0:
+            assert b"stuck_here" in frame.findall(text), show(p)
+    assert f"rank 0 on {SSH_ADDR} did not answer in time" in p.stderr.decode(), show(p)
+    assert_no_leftovers(tmp_path, 3, grace=5)
 
 
 def test_killed_launcher_stops_remote_ranks(sshd: LoopbackSshd, tmp_path: Path) -> None:
