@@ -101,6 +101,35 @@ def test_a_lost_peer_is_raised_by_wait(tmp_path):
     assert "WAIT RAISED 1" in res.stdout and "NO ERROR" not in res.stdout, (res.stdout + res.stderr)[-3000:]
 
 
+CLOSE = """
+import numpy as np, meshcomm as mc
+with mc.init(strict=True) as world:
+    sub = world.split(world.rank() % 2)
+    h = mc.all_sum(np.ones(3), async_op=True)      # issued before close: close lets it finish
+    s = mc.all_sum(np.ones(2), group=sub)
+print("sum", h.wait().tolist(), world.closed, sub.closed, flush=True)
+for call in (lambda: mc.all_sum(np.ones(1)), lambda: mc.all_sum(np.ones(1), group=sub), lambda: world.barrier()):
+    try:
+        call()
+        print("NO ERROR")
+    except mc.DistributedError:
+        print("closed ok", flush=True)
+world.close()
+"""
+
+
+@pytest.mark.parametrize("backend", ["sockets", "mpi", "gloo"])
+def test_close_on_real_backends(tmp_path, backend):
+    if not mc.is_available(backend):
+        pytest.skip(f"{backend} is not installed here")
+    prog = tmp_path / "close.py"
+    prog.write_text(CLOSE)
+    res = launch(3, str(prog), backend=backend, timeout=120, launch_args=("--timeout", "20"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert res.stdout.count("sum [3.0, 3.0, 3.0] True True") == 3 and res.stdout.count("closed ok") == 9, out[-3000:]
+
+
 def test_async_overlap_and_order_on_sockets(tmp_path):
     """Ranks issue async operations in one order and block in between: results match the
     blocking calls, and a blocking call issued behind queued async ones waits its turn."""
