@@ -210,15 +210,25 @@ class Group:
     # -- reductions ---------------------------------------------------------------------
     def all_sum(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
+        if out is None and not async_op:
+            return self._reduce("sum", x)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise maximum over ranks."""
+        if out is None and not async_op:
+            return self._reduce("max", x)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise minimum over ranks."""
+        if out is None and not async_op:
+            return self._reduce("min", x)
         return self._all_reduce("min", x, out, async_op)
+
+    def _reduce(self, op: str, x: Any) -> np.ndarray:
+        """The plain blocking all-reduce (kept as its own method: tests and tools wrap it)."""
+        return self._all_reduce(op, x, None, False)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
         name = f"all_{op}"
