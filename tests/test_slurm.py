@@ -119,3 +119,53 @@ def test_mpi_under_srun_rank_killed(slurm: SlurmCluster) -> None:
     errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]
     assert all("peer=1" in line for line in errors), show(p)
     assert "h2: task 1: Killed" in p.stderr, show(p)
+
+
+# -- sockets and gloo: plain srun, the coordinator derived from the Slurm step ------------------------
+
+
+SECRET = "5ec2e7" * 6
+
+
+def test_sockets_under_plain_srun_without_any_setting(slurm: SlurmCluster) -> None:
+    """``srun -n 3 python prog.py`` with no meshcomm variable at all: ``any`` finds Slurm's rank
+    variables and the sockets backend starts from the coordinator derived from the step."""
+    env = job_env()
+    del env["MLX_TIMEOUT"]
+    p = slurm.run(["srun", "-N3", "-n3", PY, RANK], env=env, timeout=120, check=False)
+    check_job(p, 3, "sockets", ["h1", "h2", "h3"])
+
+
+def test_sockets_under_srun_two_per_node(slurm: SlurmCluster) -> None:
+    p = slurm.run(["srun", "-N2", "-n4", "--ntasks-per-node=2", PY, RANK, "sockets"],
+                  env=job_env(MESHCOMM_JOB_SECRET=SECRET), timeout=120, check=False)
+    check_job(p, 4, "sockets", ["h1", "h1", "h2", "h2"])
+
+
+def gloo_available() -> None:
+    pytest.importorskip("torch", reason="the gloo backend needs torch")
+    pytest.importorskip("meshcomm_gloo", reason="the gloo plugin is not installed")
+
+
+def test_gloo_under_plain_srun(slurm: SlurmCluster) -> None:
+    gloo_available()
+    p = slurm.run(["srun", "-N3", "-n3", PY, RANK, "gloo"], env=job_env(MESHCOMM_JOB_SECRET=SECRET), timeout=150,
+                  check=False)
+    check_job(p, 3, "gloo", ["h1", "h2", "h3"])
+
+
+@pytest.mark.parametrize("backend", ["sockets", "gloo"])
+@pytest.mark.parametrize("kind", ["raise", "sigkill"])
+def test_failure_on_another_node_is_named(slurm: SlurmCluster, backend: str, kind: str) -> None:
+    """Rank 1 (on h2) raises or is SIGKILLed: the ranks on h1 and h3 name rank 1 and the job
+    ends non-zero, with no result."""
+    if backend == "gloo":
+        gloo_available()
+    p = slurm.run(["srun", "-N3", "-n3", PY, FAILURE, "--kind", kind],
+                  env=job_env(MLX_BACKEND=backend, MESHCOMM_JOB_SECRET=SECRET), timeout=150, check=False)
+    assert p.returncode != 0, show(p)
+    assert p.stdout.count("READY") == 3, show(p)
+    assert "RESULT" not in p.stdout, show(p)
+    errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]
+    assert len(errors) == 2, show(p)  # both survivors
+    assert all("peer=1" in line and "rank 1" in line for line in errors), show(p)
