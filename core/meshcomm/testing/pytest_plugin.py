@@ -11,7 +11,10 @@ For each rank count, one real job runs through ``meshcomm launch -n N --backend 
 per job (``test_job[4]``) for the launcher's exit status. pytest loads this plugin through
 the ``pytest11`` entry point of the meshcomm distribution (``-p meshcomm`` when plugin
 autoloading is off). Settings can also come from the environment
-(``MESHCOMM_CONFORMANCE_BACKEND``, ``MESHCOMM_CONFORMANCE_RANKS``).
+(``MESHCOMM_CONFORMANCE_BACKEND``, ``MESHCOMM_CONFORMANCE_RANKS``). ``--meshcomm-more``
+(``MESHCOMM_CONFORMANCE_MORE=1``) adds the second round's checks
+(:mod:`meshcomm.testing.contract_more`: all_to_all, gather, scatter, reduce, object
+collectives, ``out=``, ``async_op``, ``close``).
 """
 
 from __future__ import annotations
