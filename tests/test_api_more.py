@@ -166,6 +166,8 @@ def test_operation_table_keeps_the_sockets_wire_codes():
         if op.kind != "p2p" and op.name not in ("split", "barrier"):
             assert hasattr(mc, op.name) and hasattr(mc.Group, op.name), op.name
     assert mc.dtypes.REDUCTIONS == operations.REDUCTIONS
+    wire_mod = pytest.importorskip("meshcomm_sockets.wire")
+    assert tuple(wire_mod.OPS) == wire[: len(wire_mod.OPS)], "the sockets opcodes must be the table's codes"
 
 
 @pytest.mark.parametrize("n", [2, 3])
