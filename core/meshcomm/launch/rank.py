@@ -116,6 +116,25 @@ def redirect_output(folder: str, rank: int) -> bool:
     return True
 
 
+def whole_line_writes() -> None:
+    """Make every line the program prints one ``write`` (up to 1 MiB): an MPI launcher that
+    forwards output itself (MPICH's Hydra) tags each write with the rank, so an unbuffered
+    ``print("a", b)`` (``PYTHONUNBUFFERED``) would arrive as several tagged pieces."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        if old is None:
+            continue
+        try:
+            old.flush()
+            raw = io.FileIO(fd, "w", closefd=False)
+            new = io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=1 << 20), encoding=old.encoding,
+                                   errors=old.errors, line_buffering=True)
+        except (OSError, ValueError, AttributeError):
+            continue
+        setattr(sys, name, new)
+        setattr(sys, f"__{name}__", new)
+
+
 def _record_pid(rank: int | None) -> None:
     job_dir = os.environ.get("MESHCOMM_JOB_DIR")
     if not job_dir or rank is None:
@@ -254,8 +273,10 @@ def main() -> None:
     set_rank_variables()
     rank = _env_rank()
     folder = os.environ.get(OUTPUT_DIR_ENV)
-    if folder and rank is not None:
-        redirect_output(folder, rank)
+    redirected = bool(folder) and rank is not None and redirect_output(str(folder), rank)
+    if not redirected and os.environ.get("MESHCOMM_JOB_ID") and any(
+            os.environ.get(v) for vs in _FROM_LAUNCHER.values() for v in vs):
+        whole_line_writes()
     _record_pid(rank)
     if args[0] == "--exec":
         if len(args) < 2:

@@ -118,7 +118,11 @@ def launch(options: LaunchOptions) -> int:
     n = job_size(options.nranks, host_list, options.ranks_per_host)
     places = place_ranks(n, host_list, options.ranks_per_host, local_ranks=getattr(starter, "local_ranks", True))
     output = RankOutput(options.prefix, n, options.log_dir)
-    job = Job(places, verbose=options.verbose, port_base=options.port_base)
+    try:
+        job = Job(places, verbose=options.verbose, port_base=options.port_base)
+    except BaseException:
+        output.close()
+        raise
     try:
         base = {
             "MLX_BACKEND": spec.name,
