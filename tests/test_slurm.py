@@ -169,3 +169,111 @@ def test_failure_on_another_node_is_named(slurm: SlurmCluster, backend: str, kin
     errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]
     assert len(errors) == 2, show(p)  # both survivors
     assert all("peer=1" in line and "rank 1" in line for line in errors), show(p)
+
+
+# -- meshcomm launch inside an allocation: the slurm starter ----------------------------------------
+
+
+def launch(*args: str) -> list[str]:
+    return [PY, "-m", "meshcomm", "launch", "--timeout", "60", *args]
+
+
+def launched_infos(stdout: str, n: int) -> dict[int, dict]:
+    return infos("\n".join(line.split("] ", 1)[1] for line in stdout.splitlines() if line.startswith("[rank ")), n)
+
+
+def check_launched(p, n: int, backend: str, hosts: list[str]) -> None:
+    assert p.returncode == 0, show(p)
+    got = launched_infos(p.stdout, n)
+    for info in got.values():
+        assert info["size"] == n and info["backend"] == backend, info
+        assert info["sum_ok"] and info["gather_ok"] and info["bcast_ok"], info
+        # the agent's one-task step variables do not reach the ranks
+        assert info["slurm_procid"] is None, info
+    assert [got[r]["host"] for r in range(n)] == hosts, got
+
+
+def test_launch_in_salloc_starts_ranks_with_srun(slurm: SlurmCluster) -> None:
+    """``salloc -N3 meshcomm launch -n 3``: --launcher auto is the slurm starter; one rank on
+    each node of the allocation, sockets backend."""
+    p = slurm.run(["salloc", "-N3", *launch("-n", "3", RANK)], env=job_env(), timeout=150, check=False)
+    check_launched(p, 3, "sockets", ["h1", "h2", "h3"])
+
+
+def test_launch_in_salloc_takes_tasks_per_node(slurm: SlurmCluster) -> None:
+    """Without -n the allocation's tasks per node decide (2 on each of 2 nodes)."""
+    p = slurm.run(["salloc", "-N2", "--ntasks-per-node=2", *launch("--launcher", "slurm", RANK)], env=job_env(),
+                  timeout=150, check=False)
+    check_launched(p, 4, "sockets", ["h1", "h1", "h2", "h2"])
+
+
+def test_launch_in_salloc_gloo(slurm: SlurmCluster) -> None:
+    gloo_available()
+    p = slurm.run(["salloc", "-N3", *launch("-n", "3", "--backend", "gloo", RANK)], env=job_env(), timeout=150,
+                  check=False)
+    check_launched(p, 3, "gloo", ["h1", "h2", "h3"])
+
+
+def test_launch_in_sbatch(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """An sbatch script (run on h1) whose launcher starts ranks on the 2 nodes through srun."""
+    out = tmp_path / "job.out"
+    script = f"#!/bin/bash\nexec {' '.join(launch('-n', '2', RANK))}\n"
+    p = slurm.run(["sbatch", "--wait", "-N2", f"--output={out}", "--wrap", script.split("exec ", 1)[1].strip()],
+                  env=job_env(), timeout=150, check=False)
+    text = out.read_text() if out.exists() else ""
+    assert p.returncode == 0, show(p) + text
+    got = launched_infos(text, 2)
+    assert [got[r]["host"] for r in range(2)] == ["h1", "h2"], text
+    assert all(i["sum_ok"] and i["gather_ok"] and i["bcast_ok"] for i in got.values()), text
+
+
+def test_launch_in_salloc_names_the_failed_rank(slurm: SlurmCluster) -> None:
+    p = slurm.run(["salloc", "-N3", *launch("-n", "3", FAILURE, "--kind", "raise")], env=job_env(), timeout=150,
+                  check=False)
+    assert p.returncode == 1, show(p)
+    last = [line for line in p.stderr.splitlines() if line.startswith("meshcomm launch:")]
+    assert last and last[-1].startswith("meshcomm launch: rank 1 on h2 exited with code 1"), show(p)
+    assert "RESULT" not in p.stdout, show(p)
+
+
+def test_launcher_slurm_outside_an_allocation(tmp_path: Path) -> None:
+    import subprocess
+
+    env = job_env()
+    p = subprocess.run(launch("--launcher", "slurm", "-n", "2", RANK), env=env, capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert p.returncode != 0, show(p)
+    assert "not inside a Slurm allocation" in p.stderr, show(p)
+
+
+def test_killed_launcher_in_salloc_leaves_no_rank(slurm: SlurmCluster) -> None:
+    """SIGKILL the launcher while its ranks wait: srun dies with it, each node's agent sees the
+    end of its stdin and stops the node's ranks, salloc ends; nothing is left on the nodes
+    (the ``slurm`` fixture checks)."""
+    import subprocess
+
+    from slurm import _ns_pids
+
+    prog = str(TESTS / "programs" / "launch_rank.py")
+    proc = subprocess.Popen(slurm.command(["salloc", "-N3", *launch("-n", "3", prog, "wait")]), env=job_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = 0
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            ready += line.rstrip().endswith("] ready")
+            if ready == 3:
+                break
+        assert ready == 3, "".join(lines)
+        launchers = [pid for pid in _ns_pids("mcslurm-ctl")
+                     if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"{PY}\0-m\0meshcomm\0launch\0".encode())]
+        assert len(launchers) == 1, launchers
+        os.kill(launchers[0], 9)
+        rest = proc.communicate(timeout=60)[0]
+        assert "Relinquishing job allocation" in rest, "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
