@@ -202,11 +202,9 @@ def test_stranger_writing_a_rank_record_is_refused(mode: str) -> None:
     with ranks(2, port, only=[0]) as procs:
         stranger = _client(port, 2, counts=False)
         fake = _fake_rank(port, 2)
-        try:
-            key = _forge(mode, stranger, port)
-            rc, out, err = finish(procs)[0]
-        finally:
-            del stranger, fake
+        key = _forge(mode, stranger, port)
+        rc, out, err = finish(procs)[0]
+        del stranger, fake
     assert rc != 0 and "SUM" not in out, (out, err[-3000:])
     last = _last_error(err)
     assert "StoreAuthError" in last and PHRASE in last and repr(key) in last and "rank 1" in last, err[-3000:]
@@ -218,12 +216,10 @@ def test_stranger_forging_gloo_address_is_refused() -> None:
     with ranks(2, port, only=[0]) as procs:
         stranger = _client(port, 2, counts=False)
         fake = _fake_rank(port, 2)
-        try:
-            _sealed(fake, SECRET).set("meshcomm/proc/1", f"{os.uname().nodename} {os.getpid()}")
-            stranger.set("meshcomm/world/0/1", b"\x00" * 64)
-            rc, out, err = finish(procs)[0]
-        finally:
-            del stranger, fake
+        _sealed(fake, SECRET).set("meshcomm/proc/1", f"{os.uname().nodename} {os.getpid()}")
+        stranger.set("meshcomm/world/0/1", b"\x00" * 64)
+        rc, out, err = finish(procs)[0]
+        del stranger, fake
     assert rc != 0 and "SUM" not in out, (out, err[-3000:])
     last = _last_error(err)
     assert "StoreAuthError" in last and PHRASE in last and "'meshcomm/world/0/1'" in last, err[-3000:]

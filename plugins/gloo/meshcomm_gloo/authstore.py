@@ -122,7 +122,7 @@ class AuthStore(dist.Store):
 
     @property
     def timeout(self) -> datetime.timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
+        return self._inner.timeout
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         """Set ``desired`` if the (verified) current value is ``expected`` (or the key is missing and

@@ -76,6 +76,7 @@ def _rank_size(config_rank: int | None, settings: GlooSettings, environ: Mapping
     """Rank (the core's, else the scheduler's) and size (MLX_WORLD_SIZE, else the scheduler's)."""
     where = placement(environ)
     rank = config_rank if config_rank is not None else (where.rank if where is not None else None)
+    size: int | None
     if settings.world_size is not None:
         size, size_from = settings.world_size, "MLX_WORLD_SIZE"
     else:

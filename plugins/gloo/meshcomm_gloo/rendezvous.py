@@ -41,6 +41,7 @@ def make_store(config: Config, settings: GlooSettings) -> tuple[Any, int, int, s
     rdv = resolve(config.rank, settings)
     rank, size, where = rdv.rank, rdv.size, rdv.describe()
     sealer = Sealer((settings.secret or "").encode(), rdv.job)
+    inner: Any
     if rdv.kind == "file":
         try:
             inner = dist.FileStore(str(rdv.file), size)
