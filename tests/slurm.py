@@ -347,6 +347,10 @@ class SlurmCluster:
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(k)])
         (s / "authorized_keys").write_text(Path(str(self.ssh_key) + ".pub").read_text())
         (s / "authorized_keys").chmod(0o600)
+        # MPICH's Hydra takes a program, not a command line, as its ssh (-launcher-exec)
+        self.ssh_wrapper = s / "ssh-wrapper"
+        self.ssh_wrapper.write_text(f'#!/bin/sh\nexec {self.ssh_command} "$@"\n')
+        self.ssh_wrapper.chmod(0o755)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
         for n, addr in self.nodes.items():
             conf = s / f"sshd_config-{n}"

@@ -53,10 +53,13 @@ def job_env(**extra: str) -> dict[str, str]:
 
 def infos(stdout: str, n: int) -> dict[int, dict]:
     out = {}
-    for line in stdout.splitlines():
-        if line.startswith("INFO "):
-            info = json.loads(line[5:])
-            out[info["rank"]] = info
+    # anywhere, not per line: MPICH's Hydra may join one rank's line with another's (print
+    # writes the text and the newline separately)
+    i = stdout.find("INFO {")
+    while i >= 0:
+        info, end = json.JSONDecoder().raw_decode(stdout, i + 5)
+        out[info["rank"]] = info
+        i = stdout.find("INFO {", end)
     assert sorted(out) == list(range(n)), stdout
     return out
 
