@@ -1,0 +1,111 @@
+"""Start-up time against the number of ranks: from "launch" to "the first collective is done".
+
+    python bench/startup.py --driver                      # sockets via meshcomm launch, mpi via mpiexec
+    python bench/startup.py --driver --ranks 1 2 4 --reps 3 --backends sockets
+
+The driver takes ``t0 = time.time()`` just before it starts the job (``meshcomm launch -n N
+--backend sockets bench/startup.py``, or the venv's ``mpiexec -n N --oversubscribe python
+bench/startup.py`` with ``MLX_BACKEND=mpi``). Each rank records when its interpreter got
+control (after ``import meshcomm, numpy``), then ``mc.init()``, a barrier and one
+``all_sum`` (checked), and prints ``STARTUP {json}`` with those wall-clock times. The driver
+reports, per N, the median over ``--reps`` runs of
+
+* ``total``: the last rank's "first collective done" minus t0 (what a user waits for);
+* ``python``: the last rank's "imports done" minus t0 (process start-up: launcher, interpreter,
+  imports; the part meshcomm's connection set-up does not control);
+* ``connect``: ``total - python``: init (rendezvous/handshakes), barrier and the first all_sum.
+
+Ranks on one machine share its cores: with more ranks than cores the numbers are dominated by
+interpreter start-up competing for CPU. Prints a Markdown table (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+T_START = time.time()
+
+import meshcomm as mc  # noqa: E402
+import numpy as np  # noqa: E402
+
+T_IMPORTED = time.time()
+
+
+def rank_main() -> None:
+    g = mc.init(strict=True)
+    t_init = time.time()
+    g.barrier()
+    x = mc.all_sum(np.ones(4, np.float32))
+    assert np.array_equal(x, np.full(4, g.size(), np.float32)), x
+    t_done = time.time()
+    print("STARTUP " + json.dumps({"rank": g.rank(), "size": g.size(), "start": T_START, "imported": T_IMPORTED,
+                                   "init": t_init, "done": t_done}), flush=True)
+
+
+def run_once(backend: str, n: int) -> dict[str, float]:
+    here = os.path.abspath(__file__)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "OMPI_", "PMIX_", "SLURM_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MLX_TIMEOUT="120")
+    if backend == "mpi":
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        env["MLX_BACKEND"] = "mpi"
+        cmd = [mpiexec, "-n", str(n), "--oversubscribe", sys.executable, here]
+    else:
+        cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, "--", here]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    t_end = time.time()
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    recs = []
+    for line in p.stdout.splitlines():
+        i = line.find("STARTUP ")
+        if i >= 0:
+            recs.append(json.loads(line[i + 8:]))
+    if len(recs) != n:
+        raise RuntimeError(f"{n} ranks but {len(recs)} STARTUP lines:\n{p.stdout[-3000:]}")
+    total = max(r["done"] for r in recs) - t0
+    python = max(r["imported"] for r in recs) - t0
+    return {"total": total, "python": python, "connect": total - python, "exit": t_end - t0}
+
+
+def driver(args: argparse.Namespace) -> None:
+    rows = []
+    for backend in args.backends:
+        for n in args.ranks:
+            runs = [run_once(backend, n) for _ in range(args.reps)]
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append((backend, n, med, [r["total"] for r in runs]))
+            print(f"{backend:8s} n={n:3d} total {med['total']:.2f} s (python {med['python']:.2f}, "
+                  f"connect {med['connect']:.2f}, job exit {med['exit']:.2f}) runs {[round(r['total'], 2) for r in runs]}",
+                  file=sys.stderr, flush=True)
+    print("| backend | ranks | launch -> first collective done (s) | of which process start + imports (s) | "
+          "init + barrier + all_sum (s) | launch -> job exit (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for backend, n, med, _ in rows:
+        starter = "meshcomm launch" if backend != "mpi" else "mpiexec"
+        print(f"| {backend} ({starter}) | {n} | {med['total']:.2f} | {med['python']:.2f} | {med['connect']:.2f} | "
+              f"{med['exit']:.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--driver", action="store_true")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--backends", nargs="+", default=["sockets", "mpi"])
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    if args.driver:
+        driver(args)
+    else:
+        rank_main()
+
+
+if __name__ == "__main__":
+    main()
