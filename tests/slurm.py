@@ -23,6 +23,7 @@ Command line (also ``scripts/slurm-cluster.sh``)::
     python tests/slurm.py up      # bring the cluster up, print the SLURM_CONF line, and exit
     python tests/slurm.py down    # tear everything down (idempotent)
     python tests/slurm.py run CMD # run CMD on the login host (e.g. srun -N3 -n3 hostname)
+    python tests/slurm.py hold    # up until stdin ends (a killed holder is torn down by its reaper)
 """
 
 from __future__ import annotations
@@ -40,15 +41,18 @@ from pathlib import Path
 
 __all__ = ["SlurmCluster", "SlurmUnavailable", "teardown", "BASE", "NODES", "CTL_ADDR", "unavailable_reason"]
 
-BASE = Path(os.environ.get("MESHCOMM_TEST_SLURM_DIR", "/tmp/meshcomm-slurm"))
-NS_PREFIX = "mcslurm-"
+#: the cluster's name: its namespaces, directory and lock derive from it (a test of the
+#: tear-down runs a second cluster under another name, MESHCOMM_TEST_SLURM_NAME)
+NAME = os.environ.get("MESHCOMM_TEST_SLURM_NAME", "mcslurm")
+BASE = Path(f"/tmp/meshcomm-slurm-{NAME}")
+NS_PREFIX = f"{NAME}-"
 CTL_NS = NS_PREFIX + "ctl"
 SUBNET = "10.55.0"
 CTL_ADDR = f"{SUBNET}.1"
 #: node name -> address
 NODES: dict[str, str] = {"h1": f"{SUBNET}.2", "h2": f"{SUBNET}.3", "h3": f"{SUBNET}.4"}
 CPUS_PER_NODE = 4
-LOCK_NAME = b"\0meshcomm-test-slurm-cluster"
+LOCK_NAME = b"\0meshcomm-test-slurm-" + NAME.encode()
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
@@ -515,6 +519,17 @@ def main(argv: Sequence[str]) -> int:
             return 1
         teardown()
         lock.close()
+        return 0
+    if what == "hold":  # up with a reaper, print UP, tear down at the end of stdin
+        try:
+            c = SlurmCluster()
+        except SlurmUnavailable as exc:
+            print(f"slurm.py hold: {exc}", file=sys.stderr)
+            return 2
+        print(f"UP {c.setup_seconds:.1f}", flush=True)
+        while sys.stdin.buffer.read(4096):
+            pass
+        c.close()
         return 0
     if what == "up":
         try:

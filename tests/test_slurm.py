@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm import SlurmCluster, session_cluster
+from slurm import CTL_NS, SlurmCluster, session_cluster, unavailable_reason
 
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
@@ -270,7 +270,7 @@ def test_killed_launcher_in_salloc_leaves_no_rank(slurm: SlurmCluster) -> None:
             if ready == 3:
                 break
         assert ready == 3, "".join(lines)
-        launchers = [pid for pid in _ns_pids("mcslurm-ctl")
+        launchers = [pid for pid in _ns_pids(CTL_NS)
                      if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"{PY}\0-m\0meshcomm\0launch\0".encode())]
         assert len(launchers) == 1, launchers
         os.kill(launchers[0], 9)
@@ -280,3 +280,53 @@ def test_killed_launcher_in_salloc_leaves_no_rank(slurm: SlurmCluster) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- the test cluster itself -------------------------------------------------------------------------
+
+
+def test_killed_cluster_owner_leaves_nothing() -> None:
+    """A second cluster under another name whose owner is SIGKILLed: its reaper tears it down
+    (no namespace, no daemon, no directory left). The session's cluster is not touched."""
+    import signal
+    import subprocess
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no Slurm test cluster: {reason}")
+    name = "mcslurmkill"
+    env = {**os.environ, "MESHCOMM_TEST_SLURM_NAME": name}
+    base = Path(f"/tmp/meshcomm-slurm-{name}")
+
+    def left() -> tuple[list[str], list[int], bool]:
+        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+        ours = [line.split()[0] for line in ns if line.startswith(name + "-")]
+        procs = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if str(base).encode() in (d / "cmdline").read_bytes():
+                        procs.append(int(d.name))
+                except OSError:
+                    pass
+        return ours, procs, base.exists()
+
+    owner = subprocess.Popen([PY, str(TESTS / "slurm.py"), "hold"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        first = owner.stdout.readline()
+        assert first.startswith("UP "), first + (owner.stderr.read() if owner.poll() is not None else "")
+        ours, procs, exists = left()
+        assert len(ours) == 4 and procs and exists, (ours, procs, exists)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        deadline = time.monotonic() + 60
+        while any(left()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(left()), f"left behind by a killed owner: {left()}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        subprocess.run([PY, str(TESTS / "slurm.py"), "down"], env=env, capture_output=True, timeout=60)
