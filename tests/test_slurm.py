@@ -170,7 +170,8 @@ def test_failure_on_another_node_is_named(slurm: SlurmCluster, backend: str, kin
     assert p.stdout.count("READY") == 3, show(p)
     assert "RESULT" not in p.stdout, show(p)
     errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]
-    assert len(errors) == 2, show(p)  # both survivors
+    # both survivors, as a rule; srun may end the step once it saw task 1 die, so at least one
+    assert 1 <= len(errors) <= 2, show(p)
     assert all("peer=1" in line and "rank 1" in line for line in errors), show(p)
 
 
