@@ -331,3 +331,32 @@ def test_killed_cluster_owner_leaves_nothing() -> None:
             owner.kill()
             owner.wait()
         subprocess.run([PY, str(TESTS / "slurm.py"), "down"], env=env, capture_output=True, timeout=60)
+
+
+# -- the slurm starter's pure parts (no cluster needed) --------------------------------------------
+
+
+def test_starter_hosts_from_the_allocation() -> None:
+    from meshcomm.errors import ConfigError
+    from meshcomm.launch.starters.slurm import allocation_hosts
+
+    env = {"SLURM_JOB_NODELIST": "n[01-03],gpu7", "SLURM_TASKS_PER_NODE": "2(x3),1"}
+    hosts = allocation_hosts(None, env)
+    assert [(h.ssh, h.slots, h.ips) for h in hosts] == [
+        ("n01", 2, ["n01"]), ("n02", 2, ["n02"]), ("n03", 2, ["n03"]), ("gpu7", 1, ["gpu7"])]
+    # with -n given the ranks are spread evenly: no slots
+    assert [h.slots for h in allocation_hosts(8, env)] == [None] * 4
+    # a task count that does not match the node list is ignored
+    assert [h.slots for h in allocation_hosts(None, {**env, "SLURM_TASKS_PER_NODE": "2(x2)"})] == [None] * 4
+    with pytest.raises(ConfigError, match="inside an allocation"):
+        allocation_hosts(None, {})
+
+
+def test_starter_srun_command_drops_the_step_variables() -> None:
+    from meshcomm.launch.starters.slurm import STEP_VARIABLES, srun_argv
+
+    argv = srun_argv("/usr/bin/srun", "n02")
+    assert argv[:4] == ["/usr/bin/srun", "--nodes=1", "--ntasks=1", "--nodelist=n02"]
+    assert "--overlap" in argv and argv[-2:] == ["bash", "-s"]
+    unset = {argv[i + 1] for i, a in enumerate(argv) if a == "-u"}
+    assert {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "PMIX_RANK", "PMI_RANK"} <= unset == set(STEP_VARIABLES)
