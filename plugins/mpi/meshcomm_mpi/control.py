@@ -42,6 +42,9 @@ from mpi4py import MPI
 from .ops import Counts, Desc
 from .peers import PeerTable
 
+#: seconds an operation may still complete after a peer's failure notice arrives
+_GRACE = 0.5
+
 __all__ = ["Control", "host_cores", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "DOWN"]
 
 QUERY, ANSWER, FAIL, ACK, EXIT, DOWN = 1, 2, 3, 4, 5, 6
@@ -181,7 +184,15 @@ class Control:
             if test():
                 return
             if self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
-                self._drain(desc)
+                try:
+                    self._drain(desc)
+                except DistributedError:
+                    # a peer that failed *after* its part of this operation (e.g. the core's call
+                    # check raised on it once the fingerprints were gathered) may have sent all
+                    # this rank needs: finish the operation then, the notice is kept for the next
+                    if self._completes(test, _GRACE):
+                        return
+                    raise
             now = time.monotonic()
             if now >= deadline:
                 if self._diagnose(backend, desc, test):
@@ -199,6 +210,16 @@ class Control:
                             f"{self.peers.describe(w)}; the job cannot continue",
                             peer=desc.local[w],
                         )
+
+    @staticmethod
+    def _completes(test: Any, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while True:
+            if test():
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(1e-3)
 
     def _failed_op(self, backend: Any, desc: Desc, reqs: list[Any], exc: DistributedError) -> None:
         """After an operation raised: remember it for answers, and cancel or break the communicator."""
