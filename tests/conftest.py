@@ -15,3 +15,14 @@ def fresh_registry():
     yield
     registry.reset_registry()
     world.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mpi_shared_memory_left():
+    """Jobs this suite ends by MPI_Abort or a kill leave the MPI library's files in /dev/shm:
+    remove the ones created during the session (tests/shm_leftovers.py)."""
+    from shm_leftovers import remove_new, snapshot
+
+    before = snapshot()
+    yield
+    remove_new(before)

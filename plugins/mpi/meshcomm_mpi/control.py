@@ -457,6 +457,7 @@ class Control:
             code = int(first.get("code") or code)
             self.linger(4.0, lambda: False)
         _flush_std()
+        _unlink_shared_memory()
         _exit_if_abort_hangs(code)
         MPI.COMM_WORLD.Abort(code)
 
@@ -521,3 +522,28 @@ def _exit_if_abort_hangs(code: int, after: float = 5.0) -> None:
         signal.setitimer(signal.ITIMER_REAL, after + 3.0)
     except ValueError:  # not the main thread: the thread above is the only guard
         pass
+
+
+#: the MPI libraries' shared-memory files (Open MPI 5, Open MPI 4, MPICH)
+_MPI_SHM = ("sm_segment.", "vader_segment.", "mpich_shm_")
+
+
+def _unlink_shared_memory() -> None:
+    """Remove the names of the MPI library's shared-memory files this process maps: they are
+    unlinked only by MPI_Finalize, so every aborted job would leave them in /dev/shm. The
+    job is ending; peers keep their mappings, only the names go."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        i = line.find("/dev/shm/")
+        if i < 0 or line.endswith("(deleted)"):
+            continue
+        name = line[i + len("/dev/shm/"):].strip()
+        if name.startswith(_MPI_SHM) and "/" not in name:
+            try:
+                os.unlink("/dev/shm/" + name)
+            except OSError:
+                pass
