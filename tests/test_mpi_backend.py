@@ -333,7 +333,7 @@ def _mpirun(n: int, argv: list[str], timeout: float, **env: str) -> subprocess.C
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_contract(n: int) -> None:
     """The whole API contract, every check on every rank, on a real MPI job."""
-    res = _mpirun(n, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi"], timeout=150)
+    res = _mpirun(n, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"], timeout=150)
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"contract failed on {n} ranks:\n{out[-6000:]}"
     for r in range(n):
@@ -343,10 +343,10 @@ def test_contract(n: int) -> None:
 
 def test_contract_with_debug_checks() -> None:
     """MLX_DEBUG=1 adds the core's cross-rank checks, which themselves run over MPI."""
-    res = _mpirun(3, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi"], timeout=150,
-                  MLX_DEBUG="1")
+    res = _mpirun(3, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"],
+                  timeout=150, MLX_DEBUG="1")
     out = res.stdout + res.stderr
-    assert res.returncode == 0 and out.count(": 11 passed, 0 failed") == 3, out[-6000:]
+    assert res.returncode == 0 and out.count(": 19 passed, 0 failed") == 3, out[-6000:]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

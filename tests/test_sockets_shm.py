@@ -62,9 +62,9 @@ def test_whole_contract(tmp_path, layout):
         rank_env = {r: {"MESHCOMM_HOST_ID": f"h{r // 2}"} for r in range(n)}
     if layout == "tcp":
         env = {"MESHCOMM_SOCKETS_SHM": "0"}
-    results = _run(n, tmp_path, env=env, rank_env=rank_env, args=["-m", "meshcomm.testing.contract"])
+    results = _run(n, tmp_path, env=env, rank_env=rank_env, args=["-m", "meshcomm.testing.contract", "--more"])
     for r, (rc, out, err) in results.items():
-        assert rc == 0 and "11 passed, 0 failed" in out, (r, out[-2000:], err[-3000:])
+        assert rc == 0 and "19 passed, 0 failed" in out, (r, out[-2000:], err[-3000:])
 
 
 def test_dead_rank_on_the_same_host_is_detected(tmp_path):

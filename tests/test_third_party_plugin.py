@@ -54,9 +54,9 @@ def test_plugins_can_be_allow_listed_or_disabled(third_party):
 
 
 def test_selected_by_name_through_the_launcher_and_passes_the_contract(third_party):
-    res = launch(3, "-m", "meshcomm.testing.contract", backend="uds")
+    res = launch(3, "-m", "meshcomm.testing.contract", "--more", backend="uds")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("on uds: 11 passed, 0 failed") == 3, res.stdout
+    assert res.stdout.count("on uds: 19 passed, 0 failed") == 3, res.stdout
 
 
 def test_selected_by_any_when_its_environment_is_present(third_party, tmp_path):
