@@ -36,6 +36,8 @@ import hmac
 import struct
 from dataclasses import dataclass
 
+from meshcomm.operations import wire_names
+
 __all__ = [
     "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ABORT_KINDS",
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
@@ -68,9 +70,9 @@ def next_seq(seq: int) -> int:
     return (seq + 1) & SEQ_MASK
 
 
-OPS = ("?", "all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send",
-       "barrier", "split")
-OP_CODES = {name: i for i, name in enumerate(OPS)}
+#: opcodes are the core's operation codes (meshcomm.operations), which are never reused
+OPS = wire_names()
+OP_CODES = {name: i for i, name in enumerate(OPS) if name != "?"}
 ABORT = 0xFFFF
 #: abort frames carry the kind of failure in the dtype field
 ABORT_KINDS = {1: "peer lost", 2: "timeout", 3: "mismatch", 4: "error"}
