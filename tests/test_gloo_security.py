@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jobs import finish
 
 pytest.importorskip("torch")
 
@@ -65,19 +66,6 @@ def ranks(n: int, port: int, *, only: list[int] | None = None, worker: str = "_w
             if p.poll() is None:
                 p.kill()
             p.communicate()
-
-
-def finish(procs: dict[int, subprocess.Popen[str]], timeout: float = 120) -> dict[int, tuple[int, str, str]]:
-    out = {}
-    for r, p in procs.items():
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, e = p.communicate()
-            e += "\n[test] killed: still running after the timeout"
-        out[r] = (p.returncode, o, e)
-    return out
 
 
 def _last_error(err: str) -> str:
