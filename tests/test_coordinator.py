@@ -222,7 +222,7 @@ def test_any_refuses_to_run_a_rank_of_a_bigger_job_alone():
 def test_sockets_counts_a_coordinator_as_its_environment():
     plugin = pytest.importorskip("meshcomm_sockets.plugin")
     settings = plugin.SocketsSettings()
-    assert plugin._environment(Config.load({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
+    assert plugin._environment(Config.load({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0",
                                             "SLURM_STEP_NODELIST": "n[1-2]"}), settings) is None
     assert plugin._environment(Config.load({"RANK": "0", "WORLD_SIZE": "2"}), settings) is not None
 

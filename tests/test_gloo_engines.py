@@ -75,7 +75,7 @@ def _check(out: str, err: str, n: int) -> None:
 
 # -- coordinator + a scheduler's variables (started by hand, as a scheduler would) -------------
 SCHEDULERS = {
-    "Slurm": lambda r, n: {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(n)},
+    "Slurm": lambda r, n: {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(n), "SLURM_STEP_ID": "0"},
     "Open MPI": lambda r, n: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": str(n)},
     "MPICH": lambda r, n: {"PMI_RANK": str(r), "PMI_SIZE": str(n)},
 }
@@ -168,7 +168,7 @@ def test_resolve_prefers_explicit_settings_then_file_then_coordinator(tmp_path: 
     r = _resolve({"MLX_RANK": "0", "MLX_WORLD_SIZE": "2", "MESHCOMM_GLOO_FILE": str(tmp_path / "f"),
                   "MLX_COORDINATOR": "10.0.0.1:99"})
     assert r.kind == "file" and r.file == tmp_path / "f"
-    r = _resolve({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "MLX_COORDINATOR": "node1:2000"})
+    r = _resolve({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "3", "MLX_COORDINATOR": "node1:2000"})
     assert (r.rank, r.size, r.kind, r.addr, r.port) == (0, 4, "host", "node1", 2000)
     assert "Slurm" in r.describe() and "MLX_COORDINATOR" in r.describe()
 

@@ -97,6 +97,13 @@ def _slurm_local_size(environ: Mapping[str, str]) -> int | None:
     return counts[node] if node < len(counts) else None
 
 
+def _in_slurm_step(environ: Mapping[str, str]) -> bool:
+    """True in a task srun started. A batch script (sbatch) also sees SLURM_PROCID=0 and
+    SLURM_NTASKS, but no step id: there it is the one process that will call srun, not rank 0
+    of the job (checked on Slurm 22.05)."""
+    return bool(environ.get("SLURM_STEP_ID", "").strip() or environ.get("SLURM_STEPID", "").strip())
+
+
 def placement(environ: Mapping[str, str] | None = None) -> Placement | None:
     """This process's place in the job, from the first family of variables present, or None
     when no starter set a rank. Raises ConfigError for a value that is not a number or a
@@ -104,7 +111,7 @@ def placement(environ: Mapping[str, str] | None = None) -> Placement | None:
     env = os.environ if environ is None else environ
     for fam in FAMILIES:
         rank = _int(env, fam.rank)
-        if rank is None:
+        if rank is None or (fam.name == "Slurm" and not _in_slurm_step(env)):
             continue
         size = _int(env, fam.size, low=1) if fam.size else None
         if fam.name == "PMIx" and size is None:
@@ -184,8 +191,8 @@ def coordinator(environ: Mapping[str, str] | None = None) -> Coordinator | None:
         return Coordinator(host, port + 1, "MASTER_ADDR/MASTER_PORT+1 (MASTER_PORT itself is torch's)")
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     job = _int(env, "SLURM_JOB_ID")
-    if nodes and job is not None and _int(env, "SLURM_PROCID") is not None:
-        step = _int(env, "SLURM_STEP_ID") or 0
+    if nodes and job is not None and _int(env, "SLURM_PROCID") is not None and _in_slurm_step(env):
+        step = _int(env, "SLURM_STEP_ID") or _int(env, "SLURM_STEPID") or 0
         port = _SLURM_PORT_BASE + (job * 131 + step) % _SLURM_PORT_SPAN
         return Coordinator(expand_hostlist(nodes)[0], port, f"Slurm step {job}.{step}")
     return None
