@@ -4,8 +4,9 @@ Both run in the same processes on the same float32 buffers. For each size, block
 back-to-back calls of either side alternate (the order flips every round), and the
 median block time per call is reported, the slowest rank's. The raw side is what a torch user writes:
 ``init_process_group("gloo")`` then ``dist.all_reduce(tensor)`` in place on a tensor
-viewing the NumPy buffer. meshcomm must also leave the input untouched and return a
-new array, so it copies the buffer once per call; that copy is part of what is timed.
+viewing the NumPy buffer. ``mc.all_sum(x)`` must leave the input untouched and return a
+new array, so it copies the buffer once per call; ``mc.all_sum(x, out=x)`` reduces in
+place like torch (the "out=x" column).
 
 Usage::
 
@@ -68,12 +69,14 @@ def worker(max_bytes: int) -> None:
         t = torch.from_numpy(x)
         for _ in range(3):  # warm up both paths (connections, allocator)
             mc.all_sum(x, group=g)
+            mc.all_sum(x, group=g, out=x)
             dist.all_reduce(t)
-        times: dict[str, list[float]] = {"meshcomm": [], "torch": []}
-        sides = {"meshcomm": lambda x=x: mc.all_sum(x, group=g), "torch": lambda t=t: dist.all_reduce(t)}
+        times: dict[str, list[float]] = {"meshcomm": [], "out": [], "torch": []}
+        sides = {"meshcomm": lambda x=x: mc.all_sum(x, group=g), "out": lambda x=x: mc.all_sum(x, group=g, out=x),
+                 "torch": lambda t=t: dist.all_reduce(t)}
         rounds, calls = _plan(nbytes)
         for i in range(rounds):  # alternate which side goes first, so drift hits both alike
-            for name in (("meshcomm", "torch") if i % 2 == 0 else ("torch", "meshcomm")):
+            for name in (("meshcomm", "out", "torch") if i % 2 == 0 else ("torch", "out", "meshcomm")):
                 fn = sides[name]
                 g.barrier()
                 t0 = time.perf_counter()
@@ -81,9 +84,10 @@ def worker(max_bytes: int) -> None:
                     fn()
                 times[name].append((time.perf_counter() - t0) / calls)
         # each rank's median; the slowest rank's median is what the job sees
-        med = np.array([statistics.median(times["meshcomm"]), statistics.median(times["torch"])])
+        med = np.array([statistics.median(times[k]) for k in ("meshcomm", "out", "torch")])
         worst = mc.all_max(med, group=g)
-        results.append({"bytes": nbytes, "meshcomm": float(worst[0]), "torch": float(worst[1])})
+        results.append({"bytes": nbytes, "meshcomm": float(worst[0]), "out": float(worst[1]),
+                        "torch": float(worst[2])})
     dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps({"ranks": size, "rows": results}), flush=True)
@@ -122,13 +126,14 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _table(runs: list[dict]) -> str:
-    lines = ["| ranks | size | meshcomm all_sum (µs) | torch all_reduce (µs) | ratio |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| ranks | size | meshcomm all_sum (µs) | all_sum(x, out=x) (µs) | torch all_reduce (µs) | ratio "
+             "| ratio out=x |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         for row in run["rows"]:
-            ratio = row["meshcomm"] / row["torch"]
             lines.append(f"| {run['ranks']} | {_fmt_bytes(row['bytes'])} | {row['meshcomm'] * 1e6:,.0f} | "
-                         f"{row['torch'] * 1e6:,.0f} | {ratio:.3f} |")
+                         f"{row['out'] * 1e6:,.0f} | {row['torch'] * 1e6:,.0f} | "
+                         f"{row['meshcomm'] / row['torch']:.3f} | {row['out'] / row['torch']:.3f} |")
     return "\n".join(lines)
 
 

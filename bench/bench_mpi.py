@@ -5,12 +5,13 @@
 
 Run without mpiexec it starts itself under the mpiexec of the MPI that mpi4py loads
 (:func:`meshcomm_mpi.launcher.mpiexec_command`) once per rank count. In each job every
-size is timed in alternating batches of three kinds of call on the same float32 input:
+size is timed in alternating batches of four kinds of call on the same float32 input:
 
 * ``raw``: ``comm.Allreduce(x, out, MPI.SUM)`` into a preallocated ``out`` (the floor);
 * ``raw+alloc``: the same, but ``out = np.empty_like(x)`` each call, as meshcomm must
   return a new array;
-* ``meshcomm``: ``mc.all_sum(x)``.
+* ``meshcomm``: ``mc.all_sum(x)``;
+* ``out=``: ``mc.all_sum(x, out=out)`` into the same preallocated ``out`` as ``raw``.
 
 Each batch runs ``k`` calls back to back (many for small messages, one for large ones)
 and the table shows the median over batches of the time per call on rank 0, and the
@@ -71,7 +72,11 @@ def _measure(g: Any, comm: Any, nbytes: int, quick: bool) -> dict[str, float]:
     def meshcomm() -> None:
         mc.all_sum(x, group=g)
 
-    kinds: list[tuple[str, Callable[[], None]]] = [("raw", raw), ("raw+alloc", raw_alloc), ("meshcomm", meshcomm)]
+    def meshcomm_out() -> None:
+        mc.all_sum(x, group=g, out=out)
+
+    kinds: list[tuple[str, Callable[[], None]]] = [("raw", raw), ("raw+alloc", raw_alloc), ("meshcomm", meshcomm),
+                                                   ("out", meshcomm_out)]
     times: dict[str, list[float]] = {k: [] for k, _ in kinds}
     for _, fn in kinds:  # warm up (connections, page faults, op selection)
         for _ in range(min(calls, 20)):
@@ -91,6 +96,7 @@ def _measure(g: Any, comm: Any, nbytes: int, quick: bool) -> dict[str, float]:
     # paired per batch: adjacent in time, so load from other processes cancels out
     raw_t, mc_t = np.array(times["raw"]), np.array(times["meshcomm"])
     med["ratio"] = float(np.median(mc_t / raw_t))
+    med["ratio_out"] = float(np.median(np.array(times["out"]) / raw_t))
     med["added"] = float(np.median(mc_t - raw_t)) * 1e6
     return med
 
@@ -105,14 +111,16 @@ def _worker(quick: bool, sizes: list[int]) -> int:
     rows = []
     for nbytes in sizes:
         med = _measure(g, comm, nbytes, quick)
-        rows.append((nbytes, med["raw"], med["raw+alloc"], med["meshcomm"], med["ratio"], med["added"]))
+        rows.append((nbytes, med["raw"], med["raw+alloc"], med["meshcomm"], med["ratio"], med["added"], med["out"],
+                     med["ratio_out"]))
     if r == 0:
         print(f"\n{n} ranks, float32 all_sum, median µs per call (rank 0), {os.cpu_count()} cores")
-        print(f"| {'size':>8} | {'raw mpi4py':>11} | {'raw+alloc':>10} | {'meshcomm':>10} | {'ratio':>6} | {'added µs':>9} |")
-        print(f"|{'-' * 10}|{'-' * 13}|{'-' * 12}|{'-' * 12}|{'-' * 8}|{'-' * 11}|")
-        for nbytes, t_raw, t_alloc, t_mc, ratio, added in rows:
+        print(f"| {'size':>8} | {'raw mpi4py':>11} | {'raw+alloc':>10} | {'meshcomm':>10} | {'ratio':>6} | "
+              f"{'added µs':>9} | {'out=':>10} | {'ratio out=':>10} |")
+        print(f"|{'-' * 10}|{'-' * 13}|{'-' * 12}|{'-' * 12}|{'-' * 8}|{'-' * 11}|{'-' * 12}|{'-' * 12}|")
+        for nbytes, t_raw, t_alloc, t_mc, ratio, added, t_out, ratio_out in rows:
             print(f"| {_fmt_size(nbytes):>8} | {t_raw:11.1f} | {t_alloc:10.1f} | {t_mc:10.1f} | "
-                  f"{ratio:6.3f} | {added:9.1f} |")
+                  f"{ratio:6.3f} | {added:9.1f} | {t_out:10.1f} | {ratio_out:10.3f} |")
         sys.stdout.flush()
     return 0
 

@@ -66,6 +66,9 @@ class GlooBackend(Backend):
     the rank that left, stopped or called something else.
     """
 
+    #: results go straight into callers' out= arrays (gloo reduces in place there)
+    direct_out = True
+
     def __init__(self, pg: Any, store: Any, prefix: str, rank: int, size: int, timeout: float,
                  ifname: str | None = None, label: str = "world", peers: list[Peer] | None = None,
                  members: list[int] | None = None, ends: list[set[str]] | None = None) -> None:
@@ -297,7 +300,8 @@ class GlooBackend(Backend):
             return
         call = self._coll(f"all_{op}", sendbuf)
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
-            recvbuf[...] = sendbuf
+            if recvbuf.__array_interface__["data"][0] != sendbuf.__array_interface__["data"][0]:
+                recvbuf[...] = sendbuf  # not out=x
             self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call)
             return
         encode, decode = plan.codec

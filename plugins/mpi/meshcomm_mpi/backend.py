@@ -53,6 +53,8 @@ class MPIBackend(Backend):
     #: the core need not run its own cross-rank call check: a mismatched collective
     #: is found here at the deadline (CollectiveMismatchError), point-to-point at once
     checks_calls = False
+    #: results go straight into callers' out= arrays (out=x: MPI_IN_PLACE)
+    direct_out = True
 
     def __init__(self, comm: Any, ops: OpTable, control: Control, *, timeout: float = 300.0,
                  cid: str = "world", members: list[int] | None = None, label: str = "the world") -> None:
@@ -227,7 +229,8 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
-            req = self.comm.Iallreduce([sendbuf, dt], [recvbuf, dt], mop)
+            send = MPI.IN_PLACE if _same_memory(sendbuf, recvbuf) else [sendbuf, dt]
+            req = self.comm.Iallreduce(send, [recvbuf, dt], mop)
             if req.Test():
                 return
         except MPI.Exception as exc:
@@ -356,3 +359,8 @@ class MPIBackend(Backend):
                 self.comm.Free()
             except MPI.Exception:
                 pass
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """``out=x``: MPI forbids aliased send and receive buffers; the call then takes MPI_IN_PLACE."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
