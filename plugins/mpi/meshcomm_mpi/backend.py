@@ -276,6 +276,32 @@ class MPIBackend(Backend):
             raise self._fail(f"broadcast(root={root})", exc) from None
         self._finish([req], ("coll", f"broadcast(root={root})"), None, None, buf.nbytes)
 
+    def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        dt = self._move[sendbuf.dtype]
+        self._native("all_to_all", lambda: self.comm.Ialltoall([sendbuf, dt], [recvbuf, dt]), recvbuf.nbytes)
+
+    def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        dt = self._move[sendbuf.dtype]
+        into = None if recvbuf is None else [recvbuf, dt]
+        self._native(f"gather(root={root})", lambda: self.comm.Igather([sendbuf, dt], into, root), sendbuf.nbytes)
+
+    def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        dt = self._move[recvbuf.dtype]
+        src = None if sendbuf is None else [sendbuf, dt]
+        self._native(f"scatter(root={root})", lambda: self.comm.Iscatter(src, [recvbuf, dt], root), recvbuf.nbytes)
+
+    def _native(self, name: str, start: Any, nbytes: int) -> None:
+        """One of MPI's non-blocking collectives, waited for under the deadline like the rest."""
+        if self.broken is not None:
+            self._usable(name)
+        self.coll_count += 1
+        self.tail = None
+        try:
+            req = start()
+        except MPI.Exception as exc:
+            raise self._fail(name, exc) from None
+        self._finish([req], ("coll", name), None, None, nbytes)
+
     def barrier(self) -> None:
         if self.broken is not None:
             self._usable("barrier")
