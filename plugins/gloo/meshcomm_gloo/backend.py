@@ -338,6 +338,27 @@ class GlooBackend(Backend):
         self._run(self._coll("broadcast", buf, root), lambda pg: pg.broadcast([t], opts),
                   peer=root if self._rank != root else None)
 
+    def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        src, out = _tensor(sendbuf), _tensor(recvbuf)
+        self._run(self._coll("all_to_all", sendbuf),
+                  lambda pg: pg.alltoall_base(out, src, [], [], dist.AllToAllOptions()))
+
+    def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        src = _tensor(sendbuf)
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        outs = [] if recvbuf is None else [list(_tensor(recvbuf).tensor_split(self._size))]
+        self._run(self._coll("gather", sendbuf, root), lambda pg: pg.gather(outs, [src], opts),
+                  peer=root if self._rank != root else None)
+
+    def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        out = _tensor(recvbuf)
+        opts = dist.ScatterOptions()
+        opts.rootRank = root
+        ins = [] if sendbuf is None else [list(_tensor(sendbuf).tensor_split(self._size))]
+        self._run(self._coll("scatter", recvbuf, root), lambda pg: pg.scatter([out], ins, opts),
+                  peer=root if self._rank != root else None)
+
     def barrier(self) -> None:
         self._run(self._coll("barrier"), lambda pg: pg.barrier())
 
