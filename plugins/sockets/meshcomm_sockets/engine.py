@@ -25,7 +25,6 @@ import os
 import select
 import signal
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -284,9 +283,6 @@ class Fabric:
         poller: select.poll | None = None
         registered: dict[int, int] = {}
         last = entered = tick = time.monotonic()
-        # spin only on the main thread: on the world's worker (async_op) it keeps the GIL from the
-        # caller's computation (see shm.ShmGroup._wait)
-        spin = self.spin if threading.current_thread() is threading.main_thread() else 0.0
         asked = 0.0
         while True:
             self.note_stall(tick, asked)  # one round never takes long unless this rank was stopped
@@ -337,7 +333,7 @@ class Fabric:
                 del registered[fd]
             left = self.timeout - (now - last)
             wait_ms = int(min(left, WAIT_SLICE) * 1000) + 1 if left > 0 else 0
-            if now - entered < spin:  # a short bounded spin first: waking up costs more
+            if now - entered < self.spin:  # a short bounded spin first: waking up costs more
                 if self.yielding:
                     os.sched_yield()
                 wait_ms = 0

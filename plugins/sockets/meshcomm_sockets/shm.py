@@ -336,12 +336,7 @@ class ShmGroup:
     def _wait(self, call: Call) -> None:
         if not self._ready():
             fab = self.fabric
-            # bounded spin first (see topology.wait_policy), but only on the main thread: on
-            # the world's worker (async_op) a spinning loop keeps the GIL from the caller's own
-            # computation, and the operation finished *later* than sleeping at once (measured:
-            # a 4 MiB all_sum behind a 6 ms sleep ended at 10-16 ms spinning, 6-7 ms not)
-            spin = fab.spin if threading.current_thread() is threading.main_thread() else 0.0
-            until = time.perf_counter() + spin
+            until = time.perf_counter() + fab.spin  # bounded spin first (see topology.wait_policy)
             while time.perf_counter() < until:
                 if fab.yielding:
                     os.sched_yield()
