@@ -35,12 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="list installed backends, versions and why any is unavailable")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=_info)
-    try:
-        from .launch.cli import add_parser as add_launch
-    except ImportError:  # pragma: no cover - launcher not present in this build
-        pass
-    else:
-        add_launch(sub)
+    from .launch.cli import add_parser as add_launch
+
+    add_launch(sub)
     from .bench.cli import add_parser as add_bench
     add_bench(sub)
     return p

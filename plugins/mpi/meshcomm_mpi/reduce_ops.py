@@ -142,7 +142,3 @@ class OpTable:
                 raise ValueError(f"unknown reduction {op!r}; expected one of {tuple(_UFUNCS)}")
             entry = self.table[key] = (_carrier(key[0]), _ufunc_op(key[0], _UFUNCS[op]))
         return entry
-
-    def is_native(self, dt: np.dtype, op: str) -> bool:
-        """True when (dt, op) uses one of MPI's predefined ops."""
-        return self.resolve(dt, op)[1] in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.LOR, MPI.LAND)

@@ -30,10 +30,10 @@ from . import wire
 from .engine import Call, Fabric, Link, as_bytes
 from .shm import ShmGroup
 
-__all__ = ["SocketsBackend", "SMALL_BYTES", "FRAME_BYTES"]
+__all__ = ["SocketsBackend", "RING_MIN_BYTES", "FRAME_BYTES"]
 
 #: reductions up to this size use recursive doubling, larger ones the ring
-SMALL_BYTES = 256 * 1024
+RING_MIN_BYTES = 256 * 1024
 #: largest frame of a plain transfer (the header's size field is 32 bits)
 FRAME_BYTES = 1 << 26
 
@@ -121,7 +121,7 @@ class SocketsBackend(Backend):
                 self._hierarchical_all_reduce(call, sendbuf, recvbuf, op)
                 return
             n = self.size()
-            if sendbuf.nbytes <= SMALL_BYTES or sendbuf.size < n * 2:
+            if sendbuf.nbytes <= RING_MIN_BYTES or sendbuf.size < n * 2:
                 recvbuf[...] = sendbuf
                 algorithms.recursive_doubling(self, recvbuf, op)
             else:
@@ -145,7 +145,7 @@ class SocketsBackend(Backend):
                 self.shm.reduce_scatter(call, sendbuf, recvbuf, op)
                 return
             n, r, m = self.size(), self.rank(), recvbuf.size
-            if sendbuf.nbytes <= SMALL_BYTES:
+            if sendbuf.nbytes <= RING_MIN_BYTES:
                 full = np.empty_like(sendbuf)
                 full[...] = sendbuf
                 algorithms.recursive_doubling(self, full, op)

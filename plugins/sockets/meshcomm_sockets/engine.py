@@ -173,9 +173,6 @@ class Link:
         self.recv_blocked = False
         self.closed = False
 
-    def busy(self) -> bool:
-        return bool(self.out) or self.cur is not None or bool(self.expect)
-
 
 def as_bytes(buf: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (works for every dtype, bfloat16 included)."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from meshcomm.operations import wire_names
 
 __all__ = [
-    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ABORT_KINDS",
+    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT",
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
     "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
     "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
@@ -73,9 +73,9 @@ def next_seq(seq: int) -> int:
 #: opcodes are the core's operation codes (meshcomm.operations), which are never reused
 OPS = wire_names()
 OP_CODES = {name: i for i, name in enumerate(OPS) if name != "?"}
+#: the opcode of an ABORT frame, which carries the kind of failure in the dtype field
+#: (1 peer lost, 2 timeout, 3 mismatch, 4 other: engine._KIND_OF)
 ABORT = 0xFFFF
-#: abort frames carry the kind of failure in the dtype field
-ABORT_KINDS = {1: "peer lost", 2: "timeout", 3: "mismatch", 4: "error"}
 
 STATUS_OK, STATUS_VERSION, STATUS_WORLD, STATUS_RANK = 0, 1, 2, 3
 STATUS_TEXT = {
