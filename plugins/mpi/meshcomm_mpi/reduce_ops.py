@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 from meshcomm.dtypes import SUPPORTED
+from meshcomm.dtypes import UFUNCS as _UFUNCS
 from mpi4py import MPI
 
 __all__ = ["OpTable", "saturating_sum_dtypes", "INTS"]
@@ -50,7 +51,6 @@ _NATIVE_TYPES: dict[np.dtype, Any] = {
     np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
     np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
 }
-_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _carrier(dt: np.dtype) -> Any:
