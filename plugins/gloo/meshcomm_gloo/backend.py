@@ -317,8 +317,8 @@ class GlooBackend(Backend):
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         """An all-reduce of a copy, then this rank's block.
 
-        torch 2.13's gloo ``reduce_scatter_tensor`` works but measured 4-8x slower than its
-        all-reduce of the whole buffer on 2-4 ranks (bench/bench_gloo.py notes), so the
+        torch 2.13's gloo ``reduce_scatter_tensor`` works but is several times slower than
+        its all-reduce of the whole buffer (docs/backends/gloo.md has the numbers), so the
         all-reduce, which moves at most twice the bytes, is the faster native path.
         """
         m = recvbuf.size

@@ -45,8 +45,8 @@ def default_piece(local_ranks: int) -> int:
 def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
     """(seconds to spin before sleeping, yield the core on every spin).
 
-    Waking a sleeping process costs about 47 µs here against 4 µs for one that polls, so a
-    waiting rank first polls for up to ``spin_us``; when this host has more ranks than
+    Waking a sleeping process costs ten times more than finding a polling one ready
+    (docs/benchmarks.md has the measurement), so a waiting rank first polls for up to ``spin_us``; when this host has more ranks than
     cores it also hands its core to a runnable peer on every round (``sched_yield``), so
     the peer it waits for gets to run. Never longer: then it sleeps in the kernel."""
     return spin_us / 1e6, local_ranks > (os.cpu_count() or 1)
