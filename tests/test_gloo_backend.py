@@ -527,9 +527,9 @@ def _w_dead() -> None:
     g = mc.init(strict=True, backend="gloo")
     r = g.rank()
     if sys.argv[3:] == ["remote"]:  # every rank looks as if it ran on another host: no /proc lookups
-        from meshcomm_gloo.liveness import Peer
+        from meshcomm_gloo.liveness import RankProcess
 
-        g.transport._peers[:] = [Peer(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
+        g.transport._peers[:] = [RankProcess(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
     mc.all_sum(np.ones(8), group=g)
     if r == 2:
         time.sleep(0.3)

@@ -18,7 +18,7 @@ from typing import Any
 from meshcomm.errors import DistributedError
 
 from .errors import StoreAuthError
-from .liveness import Peer
+from .liveness import RankProcess
 
 __all__ = ["admit", "rejection_of_others", "note_rejection"]
 
@@ -26,19 +26,19 @@ _PROC = "meshcomm/proc/"
 _REJECTED = "meshcomm/rejected/"
 
 
-def admit(store: Any, rank: int, size: int) -> list[Peer]:
+def admit(store: Any, rank: int, size: int) -> list[RankProcess]:
     """Publish this rank's host and pid and return every world rank's (index = rank).
 
     Raises StoreAuthError (naming the ranks whose records failed the job secret check and
     the fix) instead of returning anything a stranger could have written.
     """
     store.set(f"{_PROC}{rank}", f"{socket.gethostname()} {os.getpid()}")
-    peers: list[Peer | None] = []
+    peers: list[RankProcess | None] = []
     bad: dict[int, StoreAuthError] = {}
     for q in range(size):
         try:
             host, _, pid = store.get(f"{_PROC}{q}").decode().rpartition(" ")
-            peers.append(Peer(host, int(pid)))
+            peers.append(RankProcess(host, int(pid)))
         except StoreAuthError as exc:
             bad[q] = exc
             peers.append(None)

@@ -29,7 +29,7 @@ from meshcomm.errors import (
 from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
 from .codecs import Plan, plan_for
 from .errors import first_line, translate
-from .liveness import Peer, owner, suspects
+from .liveness import RankProcess, owner, suspects
 from .records import Records
 from .rendezvous import connect
 
@@ -70,7 +70,7 @@ class GlooBackend(Backend):
     direct_out = True
 
     def __init__(self, pg: Any, store: Any, prefix: str, rank: int, size: int, timeout: float,
-                 ifname: str | None = None, label: str = "world", peers: list[Peer] | None = None,
+                 ifname: str | None = None, label: str = "world", peers: list[RankProcess] | None = None,
                  members: list[int] | None = None, ends: list[set[str]] | None = None) -> None:
         self._pg = pg
         self._ends = ends or []

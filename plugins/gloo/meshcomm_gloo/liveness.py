@@ -15,10 +15,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Peer", "suspects", "endpoints", "owner"]
+__all__ = ["RankProcess", "suspects", "endpoints", "owner"]
 
 @dataclass(frozen=True)
-class Peer:
+class RankProcess:
     """Where one world rank runs."""
 
     host: str
@@ -38,7 +38,7 @@ def _state(pid: int) -> str | None:
     return {"Z": "exited (zombie)", "X": "gone", "T": "stopped", "t": "stopped"}.get(code)
 
 
-def suspects(peers: list[Peer], members: list[int], me: int) -> list[tuple[int, str]]:
+def suspects(peers: list[RankProcess], members: list[int], me: int) -> list[tuple[int, str]]:
     """(group rank, description) of the members on this host that are not running normally.
 
     ``members[i]`` is the world rank of group rank ``i``; ``me`` is this process's group rank.
