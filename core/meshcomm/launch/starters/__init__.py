@@ -58,7 +58,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+import signal
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     from ..options import LaunchOptions
 
 __all__ = ["RankStart", "HostStart", "Output", "Session", "Starter", "STARTERS", "LAUNCHERS", "choose",
-           "starter_name"]
+           "starter_name", "start_all"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,21 @@ class Starter(Protocol):
     name: str
 
     def start(self, hosts: Sequence[HostStart], output: Output) -> list[Session]: ...
+
+
+def start_all(hosts: Sequence[HostStart], open_session: Callable[[HostStart], Session]) -> list[Session]:
+    """One session per host; if opening one fails, the sessions already open are killed
+    and finished before the error propagates (no rank outlives a job that never started)."""
+    sessions: list[Session] = []
+    try:
+        for h in hosts:
+            sessions.append(open_session(h))
+    except BaseException:
+        for s in sessions:
+            s.signal(signal.SIGKILL)
+            s.finish()
+        raise
+    return sessions
 
 
 #: ``--launcher`` name -> module under ``meshcomm.launch.starters``

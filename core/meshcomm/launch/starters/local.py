@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from ...errors import ConfigError
 from ..procs import die_with_parent, pump_lines
 from ..safety import mask
-from . import HostStart, Output, RankStart, Session
+from . import HostStart, Output, RankStart, Session, start_all
 
 __all__ = ["LocalStarter", "LocalSession", "create"]
 
@@ -103,16 +103,7 @@ class LocalStarter:
         if remote:
             raise ConfigError(f"--launcher local starts ranks on this machine only, but the job has ranks on "
                               f"{', '.join(remote)}; use --launcher ssh (or auto)")
-        sessions: list[Session] = []
-        try:
-            for h in hosts:
-                sessions.append(LocalSession(h, output))
-        except BaseException:
-            for s in sessions:
-                s.signal(signal.SIGKILL)
-                s.finish()
-            raise
-        return sessions
+        return start_all(hosts, lambda h: LocalSession(h, output))
 
 
 def create(options: object) -> LocalStarter:

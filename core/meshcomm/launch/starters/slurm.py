@@ -34,7 +34,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...placement import expand_hostlist
 from ..hosts import Host
-from . import HostStart, Output, Session
+from . import HostStart, Output, Session, start_all
 from .ssh import SshSession
 
 __all__ = ["SlurmStarter", "create", "srun_argv", "allocation_hosts", "STEP_VARIABLES"]
@@ -107,24 +107,19 @@ class SlurmStarter:
         return allocation_hosts(n)
 
     def start(self, hosts: Sequence[HostStart], output: Output) -> list[Session]:
-        sessions: list[Session] = []
-        try:
-            for h in hosts:
-                # no rank is planned on "this machine" (local_ranks = False); a host given as
-                # localhost by --hosts is still reached through srun, as this node's name
-                node = h.host if h.host is not None else os.environ.get("SLURMD_NODENAME", "localhost")
-                # SshSession runs [*ssh, HOST, "bash -s"]: this module's wrapper turns that into srun
-                wrapper = [sys.executable, "-m", __name__, self.srun, *self.extra, "--"]
-                try:
-                    sessions.append(SshSession(_with_host(h, node), output, wrapper))
-                except OSError as exc:
-                    raise OSError(f"cannot run {self.srun} for node {node}: {exc}") from None
-        except BaseException:
-            for s in sessions:
-                s.signal(9)
-                s.finish()
-            raise
-        return sessions
+        # SshSession runs [*ssh, HOST, "bash -s"]: this module's wrapper turns that into srun
+        wrapper = [sys.executable, "-m", __name__, self.srun, *self.extra, "--"]
+
+        def open_session(h: HostStart) -> Session:
+            # no rank is planned on "this machine" (local_ranks = False); a host given as
+            # localhost by --hosts is still reached through srun, as this node's name
+            node = h.host if h.host is not None else os.environ.get("SLURMD_NODENAME", "localhost")
+            try:
+                return SshSession(_with_host(h, node), output, wrapper)
+            except OSError as exc:
+                raise OSError(f"cannot run {self.srun} for node {node}: {exc}") from None
+
+        return start_all(hosts, open_session)
 
 
 def _with_host(h: HostStart, node: str) -> HostStart:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ from typing import Any
 from ...errors import ConfigError
 from ..procs import die_with_parent, private_dir_script, pump_lines
 from ..safety import check_env_name, mask, ssh_argv
-from . import HostStart, Output, Session
+from . import HostStart, Output, Session, start_all
 from .local import LocalSession
 
 __all__ = ["SshStarter", "SshSession", "start_script", "create", "AGENT_FILE"]
@@ -198,22 +197,15 @@ class SshStarter:
             raise ConfigError("--ssh is empty; give the command that reaches remote hosts, e.g. 'ssh -p 2222'")
 
     def start(self, hosts: Sequence[HostStart], output: Output) -> list[Session]:
-        sessions: list[Session] = []
+        return start_all(hosts, lambda h: self._open(h, output))
+
+    def _open(self, h: HostStart, output: Output) -> Session:
+        if h.host is None:
+            return LocalSession(h, output)
         try:
-            for h in hosts:
-                if h.host is None:
-                    sessions.append(LocalSession(h, output))
-                else:
-                    try:
-                        sessions.append(SshSession(h, output, self.ssh))
-                    except OSError as exc:
-                        raise OSError(f"cannot run {self.ssh[0]} for {h.host}: {exc}") from None
-        except BaseException:
-            for s in sessions:
-                s.signal(signal.SIGKILL)
-                s.finish()
-            raise
-        return sessions
+            return SshSession(h, output, self.ssh)
+        except OSError as exc:
+            raise OSError(f"cannot run {self.ssh[0]} for {h.host}: {exc}") from None
 
 
 def create(options: Any) -> SshStarter:
