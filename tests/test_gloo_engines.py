@@ -73,6 +73,23 @@ def _check(out: str, err: str, n: int) -> None:
     assert sorted(got) == list(range(n)) and all(v == want for v in got.values()), (out, err[-4000:])
 
 
+def _sum_workers(envs: list[dict[str, str]]) -> list[tuple[int, str, str]]:
+    """Start one "_w_sum" rank per environment, wait for all; (returncode, stdout, stderr) each.
+    Ranks still running when this ends (a failure, the timeout) are killed."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for env in envs:
+            procs.append(subprocess.Popen([sys.executable, str(HERE), "_w_sum"], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        res = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, res, strict=True)]
+
+
 # -- coordinator + a scheduler's variables (started by hand, as a scheduler would) -------------
 SCHEDULERS = {
     "Slurm": lambda r, n: {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(n), "SLURM_STEP_ID": "0"},
@@ -84,20 +101,10 @@ SCHEDULERS = {
 @pytest.mark.parametrize("family", sorted(SCHEDULERS))
 def test_coordinator_and_scheduler_rank_variables_start_gloo(family: str) -> None:
     n, port = 3, _free_port()
-    procs = []
-    try:
-        for r in range(n):
-            env = _base_env({"MLX_COORDINATOR": f"127.0.0.1:{port}", **SCHEDULERS[family](r, n)})
-            procs.append(subprocess.Popen([sys.executable, str(HERE), "_w_sum"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, cwd=ROOT))
-        res = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for r, (p, (out, err)) in enumerate(zip(procs, res, strict=True)):
-        assert p.returncode == 0 and out.split()[:3] == ["SUM", str(r), str(n)], (r, out, err[-3000:])
+    res = _sum_workers([_base_env({"MLX_COORDINATOR": f"127.0.0.1:{port}", **SCHEDULERS[family](r, n)})
+                        for r in range(n)])
+    for r, (rc, out, err) in enumerate(res):
+        assert rc == 0 and out.split()[:3] == ["SUM", str(r), str(n)], (r, out, err[-3000:])
         assert out.split()[3] == "6.0", out
 
 
@@ -105,20 +112,9 @@ def test_master_addr_without_agent_store_hosts_at_the_port_above() -> None:
     """MASTER_ADDR/MASTER_PORT set by hand (no torchrun agent): rank 0 hosts at MASTER_PORT+1, so a
     program's own torch store at MASTER_PORT is left alone."""
     n, port = 2, _free_port()
-    procs = []
-    try:
-        for r in range(n):
-            env = _base_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "RANK": str(r),
-                             "WORLD_SIZE": str(n)})
-            procs.append(subprocess.Popen([sys.executable, str(HERE), "_w_sum"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, cwd=ROOT))
-        res = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    _check("".join(o for o, _ in res), "".join(e for _, e in res), n)
+    res = _sum_workers([_base_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "RANK": str(r),
+                                   "WORLD_SIZE": str(n)}) for r in range(n)])
+    _check("".join(o for _, o, _ in res), "".join(e for _, _, e in res), n)
 
 
 # -- torchrun ---------------------------------------------------------------------------------
