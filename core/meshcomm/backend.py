@@ -28,7 +28,7 @@ import numpy as np
 
 from . import algorithms
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "in_place"]
 
 
 class Backend(abc.ABC):
@@ -157,3 +157,10 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections and threads; called once, when the group is destroyed."""
         return None
+
+
+def in_place(sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool:
+    """True when a ``direct_out`` backend was handed ``out=x``: the receive buffer *is* the
+    send buffer (the core allows no other overlap), so the transport must work in place
+    (MPI_IN_PLACE, no copy of the input into the output)."""
+    return bool(sendbuf.__array_interface__["data"][0] == recvbuf.__array_interface__["data"][0])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from meshcomm import algorithms
-from meshcomm.backend import Backend
+from meshcomm.backend import Backend, in_place
 from meshcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -300,8 +300,8 @@ class GlooBackend(Backend):
             return
         call = self._coll(f"all_{op}", sendbuf)
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
-            if recvbuf.__array_interface__["data"][0] != sendbuf.__array_interface__["data"][0]:
-                recvbuf[...] = sendbuf  # not out=x
+            if not in_place(sendbuf, recvbuf):
+                recvbuf[...] = sendbuf
             self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call)
             return
         encode, decode = plan.codec

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from meshcomm.backend import Backend
+from meshcomm.backend import Backend, in_place
 from meshcomm.errors import CollectiveMismatchError, DistributedError
 from mpi4py import MPI
 
@@ -229,7 +229,7 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
-            send = MPI.IN_PLACE if _same_memory(sendbuf, recvbuf) else [sendbuf, dt]
+            send = MPI.IN_PLACE if in_place(sendbuf, recvbuf) else [sendbuf, dt]  # MPI forbids aliasing
             req = self.comm.Iallreduce(send, [recvbuf, dt], mop)
             if req.Test():
                 return
@@ -385,8 +385,3 @@ class MPIBackend(Backend):
                 self.comm.Free()
             except MPI.Exception:
                 pass
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """``out=x``: MPI forbids aliased send and receive buffers; the call then takes MPI_IN_PLACE."""
-    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
