@@ -44,7 +44,7 @@ def say(**kw):
 try:
     g = mc.init(strict=True)
     t = g.transport
-    say(rank=g.rank(), path=getattr(t, "shm_mode", "?"))
+    say(rank=g.rank(), path=getattr(getattr(t, "path", None), "name", "?"))
     n = int(os.environ.get("SIZE", str(1 << 18)))
     got = mc.all_sum(np.full(n, g.rank() + 1.0, np.float32))
     bad = np.flatnonzero(got != 3.0)

@@ -40,7 +40,7 @@ def say(**kw):
     print(json.dumps(kw), flush=True)
 
 
-say(rank=r, path=getattr(t, "shm_mode", "?"))
+say(rank=r, path=getattr(getattr(t, "path", None), "name", "?"))
 t0 = time.monotonic()
 try:
     if mode == "root-each":  # every rank names itself the root

@@ -36,7 +36,7 @@ def main() -> int:
         ring_ok = got.tolist() == [(r - 1) % n] * 5
     cfg = Config.load()
     print(json.dumps({"rank": r, "size": n, "backend": g.backend, "ok": sum_ok and gather_ok and ring_ok,
-                      "shm": getattr(g.transport, "shm_mode", None), "placement": cfg.placement_source,
+                      "shm": getattr(getattr(g.transport, "path", None), "name", None), "placement": cfg.placement_source,
                       "coordinator": cfg.coordinator, "master_port": os.environ.get("MASTER_PORT"),
                       "init_s": init}), flush=True)
     return 0

@@ -15,8 +15,8 @@ import numpy as np
 g = mc.init(strict=True)
 t = g.transport
 r, n = g.rank(), g.size()
-shm = getattr(t, "shm", None)
-info = {"rank": r, "mode": getattr(t, "shm_mode", "?"), "local": None if shm is None else shm.local}
+shm = getattr(getattr(t, "path", None), "shm", None)
+info = {"rank": r, "mode": getattr(getattr(t, "path", None), "name", "?"), "local": None if shm is None else shm.local}
 print(json.dumps(info), flush=True)
 mode = sys.argv[1]
 x = np.ones(1 << 18, np.float32)

@@ -7,13 +7,17 @@ import logging
 import os
 import socket
 from importlib import metadata
-from typing import Any, Literal
+from typing import Literal
 
-from meshcomm.backend import Backend
-from meshcomm.config import Config, setting
-from meshcomm.errors import ConfigError
-from meshcomm.hookspecs import hookimpl
-from meshcomm.registry import BackendRegistrar
+from meshcomm.plugin import (
+    Backend,
+    BackendRegistrar,
+    Config,
+    ConfigError,
+    JobSpec,
+    hookimpl,
+    setting,
+)
 from pydantic import BaseModel, ConfigDict
 
 __all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher", "NO_SECRET_WARNING"]
@@ -180,12 +184,12 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
     world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
                            seq_start=start)
     if len(peers) > 1:
-        from .topology import attach_shared_memory
+        from .topology import choose_path
 
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
-        attach_shared_memory(world, enabled=settings.shm, piece=piece,
-                             host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
-                             spin_us=settings.spin_us, seq_start=start)
+        world.path = choose_path(world, enabled=settings.shm, piece=piece,
+                                 host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
+                                 spin_us=settings.spin_us, seq_start=start)
     return world
 
 
@@ -197,7 +201,7 @@ class SocketsLauncher:
     on their host.
     """
 
-    def rank_env(self, job: Any) -> list[dict[str, str]]:
+    def rank_env(self, job: JobSpec) -> list[dict[str, str]]:
         entries, envs = [], []
         for place in job.places:
             port, fd = job.listen_socket(place)
@@ -213,7 +217,7 @@ class SocketsLauncher:
             env["MLX_HOSTFILE"] = path
         return envs
 
-    def cleanup_command(self, job: Any) -> str:
+    def cleanup_command(self, job: JobSpec) -> str:
         """Run on every host when the job ends: shared memory of a rank that died during
         start-up (normally the names are removed as soon as every local rank opened them;
         each host's segment and FIFOs live in one private directory, hence -r)."""

@@ -1,15 +1,11 @@
-"""Which ranks share a host, and the shared-memory setup of the world group.
+"""Which ranks share a host, the shared-memory set-up, and the world group's path.
 
 At start-up every rank all-gathers (over TCP) a 16-byte host key and whether it allows
 shared memory. Ranks with equal keys form a local group; if any rank disallows shared
 memory, or setting it up fails anywhere, every rank falls back to TCP, so all ranks always
-agree on the path each operation takes:
-
-* ``local``: the whole world is on one host: collectives go through shared memory;
-* ``hier``: several hosts, some with several ranks: all-reduce is reduced within each
-  host in shared memory, across hosts over TCP between one leader per host, then handed
-  back within each host; other operations use TCP;
-* ``tcp``: one rank per host, or shared memory off.
+agree on the path (:mod:`meshcomm_sockets.paths`) every operation takes: ``local`` (the
+whole world on one host), ``hier`` (several hosts, some with several ranks) or ``tcp``
+(one rank per host, or shared memory off).
 
 A host whose ``/dev/shm`` cannot hold its segment (the host's first rank reserves it with
 ``posix_fallocate`` and sends the other local ranks an empty name) makes the whole job use
@@ -23,14 +19,19 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .paths import HostsPath, LocalPath, Path, TcpPath
 from .shm import SHM_DIR, ShmGroup, check_name, check_piece, host_key, new_name, remove_dir
+
+if TYPE_CHECKING:
+    from .backend import SocketsBackend
 
 log = logging.getLogger("meshcomm.sockets")
 
-__all__ = ["attach_shared_memory"]
+__all__ = ["choose_path"]
 
 _NAME_BYTES = 64
 
@@ -52,18 +53,18 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
     return spin_us / 1e6, local_ranks > (os.cpu_count() or 1)
 
 
-def attach_shared_memory(world, *, enabled: bool, piece: int | None, host_id: str | None,  # noqa: ANN001
-                         job_id: str | None, spin_us: int = 200, seq_start: int = 0) -> None:
+def choose_path(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
+                job_id: str | None, spin_us: int = 200, seq_start: int = 0) -> Path:
     """Decide how ranks wait and the path of the world's collectives; map the host's segment.
 
     Every frame of this exchange carries a payload tag whatever MESHCOMM_SOCKETS_INTEGRITY
     says (it steers the job: who shares memory, and which file to map)."""
     with world.fabric.sealed():
-        _attach(world, enabled=enabled, piece=piece, host_id=host_id, job_id=job_id, spin_us=spin_us,
-                seq_start=seq_start)
+        return _choose(world, enabled=enabled, piece=piece, host_id=host_id, job_id=job_id, spin_us=spin_us,
+                       seq_start=seq_start)
 
 
-def _create(world, local: list[int], job_id: str | None, size: int, seq_start: int) -> ShmGroup:  # noqa: ANN001
+def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: int, seq_start: int) -> ShmGroup:
     """The host's first rank: a new private directory with the segment (a fresh name if one
     happens to exist already)."""
     for attempt in range(3):
@@ -75,10 +76,11 @@ def _create(world, local: list[int], job_id: str | None, size: int, seq_start: i
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _attach(world, *, enabled: bool, piece: int | None, host_id: str | None,  # noqa: ANN001
-            job_id: str | None, spin_us: int, seq_start: int) -> None:
+def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
+            job_id: str | None, spin_us: int, seq_start: int) -> Path:
     from .backend import SocketsBackend
 
+    tcp = TcpPath(world)
     n, r = world.size(), world.rank()
     mine = np.zeros(17, np.uint8)
     mine[:16] = np.frombuffer(host_key(host_id), np.uint8)
@@ -97,9 +99,9 @@ def _attach(world, *, enabled: bool, piece: int | None, host_id: str | None,  # 
             off = [q for q in range(n) if not table[q, 16]]
             log.warning("meshcomm sockets rank 0: shared memory is off for this job (collectives use TCP): "
                         "ranks %s have MESHCOMM_SOCKETS_SHM=0 or no /dev/shm", off)
-        return
+        return tcp
     if max(len(v) for v in hosts.values()) < 2:
-        return  # one rank per host: nothing to share
+        return tcp  # one rank per host: nothing to share
     shm: ShmGroup | None = None
     ok = np.ones(1, np.uint8)
     done = False
@@ -155,15 +157,13 @@ def _attach(world, *, enabled: bool, piece: int | None, host_id: str | None,  # 
             bad = [q for q in range(n) if not flags[q]]
             log.warning("meshcomm sockets rank 0: shared memory is off for this job, collectives use TCP: "
                         "ranks %s could not set it up (their warnings say why)", bad)
-        return
-    world.shm = shm
-    if len(hosts) == 1:
-        world.shm_mode = "local"
-        return
-    world.shm_mode = "hier"
+        return tcp
+    if len(hosts) == 1 and shm is not None:
+        return LocalPath(shm)
     leaders = [v[0] for v in sorted(hosts.values())]
-    world.leader_backend = (
+    leader_group = (
         SocketsBackend(world.fabric, leaders, group_id=0x4C454144, label="world/host-leaders",
                        chunk_bytes=world.chunk_bytes, seq_start=seq_start)
         if r in leaders else None
     )
+    return HostsPath(world, shm, leader_group)

@@ -1,0 +1,217 @@
+"""The route a group's collectives take, chosen once when the world starts (topology.py).
+
+* :class:`TcpPath`: every operation over the TCP mesh (recursive doubling for small
+  reductions, the pipelined ring for large ones, the generic algorithms otherwise);
+* :class:`LocalPath`: the whole world is on one host: every collective goes through the
+  host's shared memory (:class:`~meshcomm_sockets.shm.ShmGroup`);
+* :class:`HostsPath`: several hosts, some with several ranks: all-reduce is reduced within
+  each host in shared memory, across hosts over TCP between one leader per host, then
+  handed back within each host; the other operations use TCP.
+
+Each path takes the call's descriptor (:class:`~meshcomm_sockets.engine.Call`) and
+contiguous 1-D buffers, so each can be tuned and tested on its own; the backend only
+numbers calls and picks nothing per operation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from meshcomm import algorithms
+from meshcomm.dtypes import reducer
+
+from .engine import Call, as_bytes
+
+if TYPE_CHECKING:
+    from .backend import SocketsBackend
+    from .shm import ShmGroup
+
+__all__ = ["Path", "TcpPath", "LocalPath", "HostsPath", "RING_MIN_BYTES", "FRAME_BYTES"]
+
+#: reductions up to this size use recursive doubling, larger ones the ring
+RING_MIN_BYTES = 256 * 1024
+#: largest frame of a plain transfer (the header's size field is 32 bits)
+FRAME_BYTES = 1 << 26
+
+
+class Path(Protocol):
+    """How one group runs its collectives (``call``: the descriptor every rank agrees on)."""
+
+    #: ``tcp``, ``local`` or ``hier``
+    name: str
+
+    def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
+    def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
+    def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None: ...
+    def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None: ...
+    def barrier(self, call: Call) -> None: ...
+    def close(self) -> None: ...
+
+
+class TcpPath:
+    """Every collective of ``group`` over its TCP links."""
+
+    name = "tcp"
+
+    def __init__(self, group: SocketsBackend) -> None:
+        self.group = group
+
+    def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        g = self.group
+        if sendbuf.nbytes <= RING_MIN_BYTES or sendbuf.size < g.size() * 2:
+            recvbuf[...] = sendbuf
+            algorithms.recursive_doubling(g, recvbuf, op)
+        else:
+            self._ring(call, sendbuf, recvbuf, op, offset=0, gather=True)
+
+    def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        g = self.group
+        n, r, m = g.size(), g.rank(), recvbuf.size
+        if sendbuf.nbytes <= RING_MIN_BYTES:
+            full = np.empty_like(sendbuf)
+            full[...] = sendbuf
+            algorithms.recursive_doubling(g, full, op)
+            recvbuf[...] = full[r * m : (r + 1) * m]
+            return
+        work = np.empty_like(sendbuf)
+        self._ring(call, sendbuf, work, op, offset=-1, gather=False, bounds=[i * m for i in range(n + 1)])
+        recvbuf[...] = work[r * m : (r + 1) * m]
+
+    def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        algorithms.all_gather(self.group, sendbuf, recvbuf)
+
+    def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
+        self._agree()
+        algorithms.broadcast(self.group, buf, root)
+
+    def barrier(self, call: Call) -> None:
+        algorithms.barrier(self.group)
+
+    def close(self) -> None:
+        pass
+
+    def _agree(self) -> None:
+        """Exchange the current call's descriptor with every rank (header-only frames in a
+        dissemination pattern: after round k a rank has, directly or through others, checked
+        2**(k+1) ranks), so a rank that would otherwise only send (a broadcast's root) still
+        learns when another rank called something else."""
+        g = self.group
+        none = np.zeros(0, np.uint8)
+        n, r = g.size(), g.rank()
+        dist = 1
+        while dist < n:
+            g.sendrecv(none, (r + dist) % n, none, (r - dist) % n)
+            dist <<= 1
+
+    def _ring(self, call: Call, sendbuf: np.ndarray, out: np.ndarray, op: str, *, offset: int, gather: bool,
+              bounds: list[int] | None = None) -> None:
+        """Ring reduce-scatter (and all-gather) of ``sendbuf`` into ``out``, chunk by chunk.
+
+        Reduce-scatter step s sends block (r+offset-s) and receives block (r+offset-s-1);
+        a received chunk is reduced with this rank's own chunk into ``out`` and forwarded
+        to the right at once, so sending, receiving and reducing overlap. After n-1 steps
+        rank r owns block (r+1+offset), which the all-gather steps pass around the ring.
+        Each result element is computed on one rank only, so every rank ends with the same
+        bytes.
+        """
+        g = self.group
+        fab = g.fabric
+        f = reducer(op)
+        n, r = g.size(), g.rank()
+        bounds = bounds or algorithms.block_bounds(sendbuf.size, n)
+        right, left = g.link((r + 1) % n), g.link((r - 1) % n)
+        ce = max(1, g.chunk_bytes // sendbuf.itemsize)
+        tmp = np.empty(min(ce, max(bounds[i + 1] - bounds[i] for i in range(n))), sendbuf.dtype)
+        tmpb = as_bytes(tmp)
+        item = sendbuf.itemsize
+        send_raw = as_bytes(sendbuf)
+        out_raw = as_bytes(out)
+        last_rs = n - 2
+
+        def chunks(block: int) -> range:
+            return range(bounds[block], bounds[block + 1], ce)
+
+        def forward(lo: int, hi: int) -> None:
+            fab.post_send(right, call, out_raw[lo * item : hi * item], FRAME_BYTES)
+
+        def reduced(step: int, lo: int, hi: int) -> None:
+            region = out[lo:hi]
+            f(tmp[: hi - lo], sendbuf[lo:hi], out=region)
+            if step < last_rs or gather:
+                forward(lo, hi)
+
+        first = (r + offset) % n
+        for lo in chunks(first):
+            hi = min(lo + ce, bounds[first + 1])
+            fab.post_send(right, call, send_raw[lo * item : hi * item], FRAME_BYTES)
+        for step in range(n - 1):
+            d = (r + offset - step - 1) % n
+            for lo in chunks(d):
+                hi = min(lo + ce, bounds[d + 1])
+                fab.post_recv(left, call, tmpb[: (hi - lo) * item], FRAME_BYTES,
+                              done=lambda s=step, a=lo, b=hi: reduced(s, a, b))
+        if gather:
+            for step in range(n - 1):
+                d = (r + offset - step) % n
+                for lo in chunks(d):
+                    hi = min(lo + ce, bounds[d + 1])
+                    cb = (lambda a=lo, b=hi: forward(a, b)) if step < n - 2 else None
+                    fab.post_recv(left, call, out_raw[lo * item : hi * item], FRAME_BYTES, done=cb)
+        fab.progress([right] if right is left else [right, left])
+
+
+class LocalPath:
+    """Every collective through the shared memory of the one host all ranks are on."""
+
+    name = "local"
+
+    def __init__(self, shm: ShmGroup) -> None:
+        self.shm = shm
+
+    def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        self.shm.all_reduce(call, sendbuf, recvbuf, op)
+
+    def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        self.shm.reduce_scatter(call, sendbuf, recvbuf, op)
+
+    def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        self.shm.all_gather(call, sendbuf, recvbuf)
+
+    def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
+        self.shm.broadcast(call, buf, root)  # every piece compares every descriptor
+
+    def barrier(self, call: Call) -> None:
+        self.shm.barrier(call)
+
+    def close(self) -> None:
+        self.shm.close()
+
+
+class HostsPath(TcpPath):
+    """All-reduce in two levels (shared memory within a host, TCP between the hosts' first
+    ranks); the other collectives over TCP. ``shm`` is None on a host with one rank;
+    ``leaders`` (the group of the hosts' first ranks) is None on every other rank."""
+
+    name = "hier"
+
+    def __init__(self, group: SocketsBackend, shm: ShmGroup | None, leaders: SocketsBackend | None) -> None:
+        super().__init__(group)
+        self.shm = shm
+        self.leaders = leaders
+
+    def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """Reduce within the host (shared memory), across hosts (TCP between the hosts'
+        first ranks), then hand the result to the host's other ranks (shared memory)."""
+        if self.shm is not None:
+            self.shm.all_reduce(call, sendbuf, recvbuf, op)
+        else:
+            recvbuf[...] = sendbuf
+        if self.leaders is not None:
+            self.leaders.all_reduce(recvbuf.copy(), recvbuf, op)
+        if self.shm is not None:
+            self.shm.broadcast(call, recvbuf, 0)
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
