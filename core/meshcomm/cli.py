@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     add_launch(sub)
     from .bench.cli import add_parser as add_bench
     add_bench(sub)
+    from .trace.cli import add_parser as add_trace
+    add_trace(sub)
     return p
 
 

@@ -211,6 +211,29 @@ class Config(Settings):
         description="keep freed blocks up to 1 GiB in the process so result arrays do not page-fault",
     )
 
+    trace: Path | None = setting(
+        None,
+        env="MESHCOMM_TRACE",
+        accepts="a directory (created if missing); meshcomm launch --trace DIR sets it for every rank",
+        description="record every operation and write DIR/rank-R.json at exit (docs/observability.md)",
+    )
+    trace_events: int = setting(
+        100_000,
+        env="MESHCOMM_TRACE_EVENTS",
+        accepts="a number of events >= 1",
+        description="operations each rank keeps while tracing (the oldest are dropped beyond it)",
+        ge=1,
+    )
+    stall_after: float = setting(
+        60.0,
+        env="MESHCOMM_STALL_AFTER",
+        accepts="a number of seconds >= 0 (0 turns the stall inspector off)",
+        description="after this long in one operation (at most half of MLX_TIMEOUT), a rank logs which "
+        "ranks have not joined it",
+        ge=0,
+        allow_inf_nan=False,
+    )
+
     def __init__(self, _environ: Mapping[str, str] | None = None, **data: Any) -> None:
         env = os.environ if _environ is None else _environ
         super().__init__(_environ=env, **_from_starter(data, env))

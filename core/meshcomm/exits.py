@@ -93,6 +93,7 @@ def end_rank(code: int, reason: str, exc: BaseException | None = None) -> None:
     except OSError as err:  # a full or vanished job directory must not hide the real failure
         sys.stderr.write(f"meshcomm: could not write the failure record of this rank: {err}\n")
     _flush()
+    _dump_trace()
     _abort_worlds(code, reason)
 
 
@@ -121,6 +122,13 @@ def _started_backends() -> list[tuple[str, Any]]:
     imported (the rank runner must not import it: it starts with the standard library only)."""
     world = sys.modules.get("meshcomm.world")
     return [] if world is None else world.started_backends()
+
+
+def _dump_trace() -> None:
+    """Write this rank's trace (MESHCOMM_TRACE) before an abort can end the process."""
+    recorder = sys.modules.get("meshcomm.trace.recorder")
+    if recorder is not None:
+        recorder.dump("failure")
 
 
 def _abort_worlds(code: int, reason: str) -> None:

@@ -28,6 +28,7 @@ from .dtypes import check_dtype
 from .errors import DistributedError
 from .guard import Ticket, WorldGuard
 from .operations import REDUCTIONS
+from .trace import recorder as _trace
 from .work import Work, WorldWorker
 
 __all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
@@ -631,7 +632,7 @@ class Group:
         DistributedError naming the rank; then the guard lets the world go."""
         ok = False
         try:
-            result = run()
+            result = run() if _trace.active is None else _trace.active.call(self, op, run)
             ok = True
             return result
         except (DistributedError, ValueError, TypeError):

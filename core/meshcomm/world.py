@@ -12,6 +12,7 @@ from .config import Config
 from .group import Group
 from .memory import keep_freed_memory
 from .registry import BackendInfo, get_registry
+from .trace import recorder
 
 __all__ = ["init", "is_available", "backends", "default_group", "started_backends", "shutdown"]
 
@@ -53,6 +54,8 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
                 keep_freed_memory()
         group = Group(transport, started, debug=config.debug, check_calls=config.check_calls,
                       max_object_bytes=config.max_object_bytes)
+        if started != "single":
+            recorder.start(config, group)  # tracing, stall inspector: nothing when both are off
         _worlds[name] = group
         if started not in _worlds or _worlds[started].closed:
             _worlds[started] = group

@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="also write each rank's output to DIR/rank-R.log")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record every rank's operations (MESHCOMM_TRACE) and merge them into DIR/trace.json "
+                        "at the end, for Perfetto or 'meshcomm trace summary'")
     p.add_argument("--verbose", action="store_true", help="print the commands that start each rank")
     p.add_argument("--cwd", default=None, help="working directory of every rank (default: this one)")
     p.add_argument("--python", default=None, help="interpreter for .py programs (default: this one)")
@@ -67,6 +70,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         program=prog, nranks=args.nranks, backend=args.backend, hosts=hosts, ranks_per_host=args.ranks_per_host,
         launcher=args.launcher, env=env, timeout=args.timeout, prefix=not args.no_prefix, verbose=args.verbose,
         cwd=args.cwd, python=args.python, ssh=args.ssh, port_base=args.port_base, log_dir=args.log_dir,
+        trace=args.trace,
     )
 
 

@@ -42,6 +42,8 @@ class LaunchOptions:
     ssh: str = DEFAULT_SSH  #: command that reaches remote hosts
     port_base: int | None = None  #: first port of ranks on remote hosts
     log_dir: str | None = None  #: also write each rank's output to ``DIR/rank-R.log``
+    #: ``MESHCOMM_TRACE`` of every rank; the ranks' files are merged into ``DIR/trace.json`` at the end
+    trace: str | None = None
 
     def backend_name(self) -> str:
         if self.backend:

@@ -133,6 +133,8 @@ def launch(options: LaunchOptions) -> int:
         }
         if options.timeout is not None:
             base["MLX_TIMEOUT"] = f"{options.timeout:g}"
+        if options.trace is not None:
+            base["MESHCOMM_TRACE"] = _fresh_trace_dir(options.trace)
         base.update(_thread_limits(places))
         base.update(options.hosts.env() if options.hosts else {})
         for k in options.env:
@@ -176,6 +178,33 @@ def launch(options: LaunchOptions) -> int:
     finally:
         output.close()
         job.cleanup()
+        if options.trace is not None:
+            _merge_trace(options.trace)
+
+
+def _fresh_trace_dir(folder: str) -> str:
+    """``folder`` made absolute and created, without the rank files of an earlier job."""
+    path = Path(folder).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in path.glob("rank-*.json"):
+            old.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--trace {folder}: cannot use this directory: {exc}") from None
+    return str(path)
+
+
+def _merge_trace(folder: str) -> None:
+    """Merge the ranks' trace files (however the job ended) and say where the result is."""
+    from ..trace.chrome import merge_dir
+
+    try:
+        path, missing = merge_dir(folder)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"meshcomm launch: no merged trace: {exc}\n")
+        return
+    lost = f" (no file from ranks {', '.join(map(str, missing))}: killed, or on another host)" if missing else ""
+    sys.stderr.write(f"meshcomm launch: trace written to {path}{lost}\n")
 
 
 class _Watch:

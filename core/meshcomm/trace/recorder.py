@@ -1,0 +1,254 @@
+"""The per-rank recorder: every operation's name, group, sequence, bytes, dtype, start and end.
+
+``Group._execute`` runs each operation through :data:`active` when it is set (one ``None``
+check when it is not): :meth:`Recorder.call` notes the start, runs the operation, notes
+the end. :func:`start` sets it up from the world's settings:
+
+* ``MESHCOMM_TRACE=DIR``: events go into a bounded ring (``MESHCOMM_TRACE_EVENTS``; the
+  oldest are dropped and counted) written to ``DIR/rank-<R>.json`` at exit, and when the
+  rank's program fails (:func:`meshcomm.exits.end_rank` calls :func:`dump` before it
+  aborts the worlds);
+* ``MESHCOMM_STALL_AFTER`` > 0: the stall inspector (:mod:`meshcomm.trace.stall`) and,
+  under ``meshcomm launch``, this rank's progress record (:mod:`meshcomm.trace.progress`).
+
+Sequence numbers let the merge pair one operation's records across ranks: the n-th
+collective of a group on every member is number n (every member calls the group's
+collectives in the same order), and the n-th send from group rank a to b pairs with b's
+n-th recv from a. A group split from another is named ``<parent>/<seq>.<color>``: the
+same on every member. Times are wall-clock (``time.time``) so that ranks can be compared;
+ranks on different hosts are only as comparable as the hosts' clocks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from .progress import ProgressWriter, progress_dir
+from .stall import Current, StallInspector
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..group import Group
+
+__all__ = ["Recorder", "active", "start", "dump", "stop", "RANK_FILE_FORMAT", "rank_file"]
+
+T = TypeVar("T")
+
+#: the ``format`` field of a rank file
+RANK_FILE_FORMAT = "meshcomm-trace-rank/1"
+#: the recorder the core runs every operation through, or None (tracing and inspector off)
+active: Recorder | None = None
+_lock = threading.Lock()
+
+#: one event: group, sequence, op, peer (-1: a collective), bytes, dtype, start, end, ok
+Event = tuple[str, int, str, int, int, str, float, float, bool]
+
+
+def rank_file(folder: str | os.PathLike[str], rank: int) -> Path:
+    """The file rank ``rank`` writes its events to."""
+    return Path(folder) / f"rank-{rank}.json"
+
+
+class _GroupState:
+    __slots__ = ("name", "rank", "size", "seq", "pairs")
+
+    def __init__(self, name: str, rank: int, size: int) -> None:
+        self.name = name
+        self.rank = rank
+        self.size = size
+        self.seq = 0  #: collectives issued so far
+        self.pairs: dict[tuple[int, int], int] = {}  #: (src, dst) -> sends/recvs so far
+
+
+def _closure(run: Callable[..., Any], name: str) -> Any:
+    """The variable ``name`` the operation's closure captured (Group builds ``run`` around the
+    checked array ``a``, the peer ``dst``/``src``, the split ``color``), else None."""
+    code = getattr(run, "__code__", None)
+    cells = getattr(run, "__closure__", None)
+    if code is None or cells is None or name not in code.co_freevars:
+        return None
+    try:
+        return cells[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _payload(run: Callable[..., Any]) -> tuple[int, str]:
+    """Bytes and dtype this rank passes to the operation (0 and "" when it passes none)."""
+    for name in ("a", "flat"):
+        arr = _closure(run, name)
+        if isinstance(arr, np.ndarray):
+            return int(arr.nbytes), arr.dtype.name
+    data = _closure(run, "data")
+    if isinstance(data, bytes):
+        return len(data), "object"
+    shape, dt = _closure(run, "shp"), _closure(run, "dt")
+    if isinstance(shape, tuple) and isinstance(dt, np.dtype):
+        return int(np.prod(shape, dtype=np.int64)) * dt.itemsize, dt.name
+    return 0, ""
+
+
+class Recorder:
+    """What one rank records (see the module docstring)."""
+
+    def __init__(self, world: Group, *, folder: Path | None, capacity: int, progress: ProgressWriter | None) -> None:
+        self.world_rank = world.rank()
+        self.world_size = world.size()
+        self.backend = world.backend
+        self.folder = folder
+        self.ring: collections.deque[Event] | None = collections.deque(maxlen=capacity) if folder else None
+        self.recorded = 0
+        self.progress = progress
+        self.current: Current | None = None
+        self.inspector: StallInspector | None = None
+        self.started = time.time()
+        self.reason = ""  #: why the file was last written: "exit" or "failure"
+        self._groups: weakref.WeakKeyDictionary[Group, _GroupState] = weakref.WeakKeyDictionary()
+        self._names: dict[str, _GroupState] = {}
+        self._groups[world] = self._names["world"] = _GroupState("world", world.rank(), world.size())
+
+    def _state(self, group: Group) -> _GroupState:
+        st = self._groups.get(group)
+        if st is None:  # a group this recorder did not see being made (another world)
+            name = f"{group.backend}:{group._label}"
+            st = self._groups[group] = self._names[name] = _GroupState(name, group.rank(), group.size())
+        return st
+
+    def call(self, group: Group, op: str, run: Callable[[], T]) -> T:
+        """Run ``run()`` (operation ``op`` on ``group``) and record it."""
+        st = self._state(group)
+        if op == "send" or op == "recv":
+            peer = _closure(run, "dst" if op == "send" else "src")
+            peer = int(peer) if peer is not None else -1
+            pair = (st.rank, peer) if op == "send" else (peer, st.rank)
+            seq = st.pairs[pair] = st.pairs.get(pair, 0) + 1
+        else:
+            peer = -1
+            st.seq += 1
+            seq = st.seq
+        t0 = time.time()
+        self.current = (st.name, st.rank, self.world_rank, st.size, seq, op, peer, t0)
+        if self.progress is not None:
+            self.progress.begin(op, st.name, seq, peer, t0)
+        ok = False
+        try:
+            result = run()
+            ok = True
+        finally:
+            t1 = time.time()
+            self.current = None
+            if self.progress is not None:
+                self.progress.end(ok, t1)
+            if self.ring is not None:
+                nbytes, dtype = _payload(run)
+                self.ring.append((st.name, seq, op, peer, nbytes, dtype, t0, t1, ok))
+                self.recorded += 1
+        if op == "split":
+            color = _closure(run, "color")
+            name = f"{st.name}/{seq}.{color}"
+            self._groups[result] = self._names[name] = _GroupState(name, result.rank(), result.size())  # type: ignore[index, attr-defined]
+        return result
+
+    def snapshot(self, reason: str) -> dict[str, Any]:
+        """This rank's file content: who it is, its groups, and the events in the ring."""
+        events = list(self.ring or ())
+        return {
+            "format": RANK_FILE_FORMAT,
+            "rank": self.world_rank,
+            "size": self.world_size,
+            "backend": self.backend,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": self.started,
+            "written": time.time(),
+            "reason": reason,
+            "dropped": self.recorded - len(events),
+            "groups": {st.name: {"rank": st.rank, "size": st.size} for st in self._names.values()},
+            "fields": ["group", "seq", "op", "peer", "bytes", "dtype", "start", "end", "ok"],
+            "events": [list(e) for e in events],
+        }
+
+    def dump(self, reason: str) -> Path | None:
+        """Write this rank's file (written aside and renamed); its path, or None when not tracing."""
+        if self.folder is None:
+            return None
+        if self.reason == "failure":  # the exit that follows a failure is still a failure
+            reason = "failure"
+        self.reason = reason
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = rank_file(self.folder, self.world_rank)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(reason), f, separators=(",", ":"))
+        os.replace(tmp, path)
+        return path
+
+
+def start(config: Config, world: Group) -> Recorder | None:
+    """Set up tracing and the stall inspector for ``world`` as ``config`` asks (once per process)."""
+    global active
+    stall = float(config.stall_after)
+    if config.trace is None and stall <= 0:
+        return None
+    with _lock:
+        if active is not None:
+            return active
+        job_dir = os.environ.get("MESHCOMM_JOB_DIR")
+        folder = progress_dir(job_dir) if job_dir and stall > 0 else None
+        writer = None
+        if folder is not None:
+            try:
+                writer = ProgressWriter(folder, world.rank())
+            except OSError as exc:
+                import sys
+
+                sys.stderr.write(f"meshcomm: rank {world.rank()}: no progress record for the stall inspector "
+                                 f"in {folder}: {exc}\n")
+                folder = None
+        rec = Recorder(world, folder=config.trace, capacity=config.trace_events, progress=writer)
+        if stall > 0:
+            # before MLX_TIMEOUT fires, whatever the setting says
+            after = min(stall, float(config.timeout) / 2)
+            rec.inspector = StallInspector(after, lambda: rec.current, folder, world.size())
+            rec.inspector.start()
+        if rec.folder is not None:
+            atexit.register(dump, "exit")
+        active = rec
+        return rec
+
+
+def dump(reason: str = "exit") -> Path | None:
+    """Write the active recorder's file now (at exit, or when the rank's program failed)."""
+    rec = active
+    if rec is None:
+        return None
+    try:
+        return rec.dump(reason)
+    except OSError as exc:
+        import sys
+
+        sys.stderr.write(f"meshcomm: rank {rec.world_rank}: could not write the trace to {rec.folder}: {exc}\n")
+        return None
+
+
+def stop() -> None:
+    """Stop recording (tests; the core never calls it): the inspector ends, the hook goes."""
+    global active
+    rec, active = active, None
+    if rec is not None:
+        if rec.inspector is not None:
+            rec.inspector.stop()
+        if rec.progress is not None:
+            rec.progress.close()
