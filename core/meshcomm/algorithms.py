@@ -10,6 +10,8 @@ on one rank only, so every rank ends with bit-identical bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +38,9 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_all_gather",
     "split_members",
+    "split_plan",
+    "SplitPlan",
+    "reduce_scatter_by_all_reduce",
 ]
 
 #: arrays up to this many bytes use the latency-optimal algorithms
@@ -136,14 +141,28 @@ def reduce_scatter(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str
         recvbuf[...] = sendbuf
         return
     if sendbuf.nbytes <= SMALL_BYTES:
-        full = np.empty_like(sendbuf)
-        all_reduce(b, sendbuf, full, op)
-        recvbuf[...] = full[r * m : (r + 1) * m]
+        reduce_scatter_by_all_reduce(b, sendbuf, recvbuf, op, lambda s, d, o: all_reduce(b, s, d, o))
         return
     work = sendbuf.copy()
     bounds = [i * m for i in range(n + 1)]
     ring_reduce_scatter(b, work, bounds, op, offset=-1)
     recvbuf[...] = work[r * m : (r + 1) * m]
+
+
+def reduce_scatter_by_all_reduce(
+    b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str,
+    reduce_all: Callable[[np.ndarray, np.ndarray, str], None] | None = None,
+) -> None:
+    """Reduce-scatter as an all-reduce of the whole buffer, then this rank's block.
+
+    For small buffers (latency dominates) or transports whose native reduce-scatter is
+    slower than their all-reduce. ``reduce_all(sendbuf, recvbuf, op)`` defaults to
+    ``b.all_reduce``; ``sendbuf`` is never written.
+    """
+    m, r = recvbuf.size, b.rank()
+    full = np.empty_like(sendbuf)
+    (reduce_all or b.all_reduce)(sendbuf, full, op)
+    recvbuf[...] = full[r * m : (r + 1) * m]
 
 
 # -- all-gather -------------------------------------------------------------------------
@@ -289,13 +308,47 @@ def split(b: Backend, color: int, key: int) -> Backend:
     return SubgroupBackend(b, split_members(b, color, key))
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """This rank's subgroup after a split, as every rank computed it from the same table."""
+
+    #: ranks of the parent (in their new order) that passed this rank's colour
+    members: list[int]
+    #: position of this rank's colour among the distinct colours, smallest first: a small
+    #: non-negative colour for transports that need one (MPI's ``Comm.Split``)
+    color_index: int
+    #: this rank's rank in the subgroup (its index in ``members``)
+    rank: int
+
+
+def split_plan(b: Backend, color: int, key: int) -> SplitPlan:
+    """Exchange every rank's (colour, key) with ``b.all_gather`` and order the subgroup.
+
+    Members sort by key, then by parent rank; a negative key sorts as the parent rank
+    itself (the default ``key=-1`` keeps the parent's order). A colour or key outside the
+    64-bit range raises ValueError on every rank (none is left waiting), naming the rank.
+    """
+    n, r = b.size(), b.rank()
+    mine = np.zeros(3, dtype=np.int64)
+    try:
+        mine[1], mine[2] = color, key
+    except OverflowError:
+        mine[0] = 1  # every rank raises below
+    table = np.empty(3 * n, dtype=np.int64)
+    b.all_gather(mine, table)
+    flags, colors, keys = table[0::3], table[1::3], table[2::3]
+    if flags.any():
+        bad = int(np.flatnonzero(flags)[0])
+        raise ValueError(
+            f"split: rank {bad} passed a colour or key outside the 64-bit range "
+            f"(this rank {r} passed color={color}, key={key}); use smaller integers"
+        )
+    members = [q for q in range(n) if colors[q] == colors[r]]
+    members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
+    palette = sorted(set(colors.tolist()))
+    return SplitPlan(members, palette.index(int(colors[r])), members.index(r))
+
+
 def split_members(b: Backend, color: int, key: int) -> list[int]:
     """Ranks of ``b`` (in their new order) that passed the same ``color`` as this rank."""
-    n = b.size()
-    mine = np.array([color, key], dtype=np.int64)
-    table = np.empty(2 * n, dtype=np.int64)
-    b.all_gather(mine, table)
-    colors, keys = table[0::2], table[1::2]
-    members = [q for q in range(n) if colors[q] == color]
-    members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
-    return members
+    return split_plan(b, color, key).members

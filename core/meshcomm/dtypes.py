@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from .operations import REDUCTIONS
@@ -41,7 +39,7 @@ def check_dtype(dtype: np.dtype, *, what: str = "array") -> np.dtype:
     raise ValueError(f"{what} has unsupported dtype {dt}; supported dtypes are: {names}")
 
 
-def reducer(op: str) -> Callable[..., np.ndarray]:
+def reducer(op: str) -> np.ufunc:
     """The NumPy ufunc for reduction ``op`` (sum of bool is logical or, integers wrap)."""
     try:
         return UFUNCS[op]

@@ -25,17 +25,27 @@ from . import hookspecs
 from .backend import Backend
 from .config import Config, load_settings
 from .errors import BackendUnavailableError, ConfigError
+from .launch.spec import ExternalLauncher, LauncherSupport, RankEnvLauncher
 
 __all__ = [
     "BackendInfo",
     "BackendSpec",
     "BackendRegistrar",
+    "Factory",
+    "Availability",
+    "EnvironmentCheck",
     "Registry",
     "get_registry",
     "reset_registry",
 ]
 
+#: ``factory(config, settings) -> Backend``: starts the backend (``settings`` is an instance
+#: of the model passed as ``settings=``, or None)
 Factory = Callable[[Config, Any], Backend]
+#: ``available() -> None | str``: None when the backend's libraries load, else why not
+Availability = Callable[[], str | None]
+#: ``environment(config, settings) -> None | str``: None when this process was started for the backend
+EnvironmentCheck = Callable[[Config, Any], str | None]
 
 
 @dataclass(frozen=True)
@@ -57,10 +67,10 @@ class BackendSpec:
 
     name: str
     factory: Factory
-    available: Callable[[], str | None] = lambda: None
-    environment: Callable[[Config, Any], str | None] = lambda config, settings: None
+    available: Availability = lambda: None
+    environment: EnvironmentCheck = lambda config, settings: None
     settings: type[BaseModel] | None = None
-    launcher: Any = None
+    launcher: LauncherSupport | None = None
     priority: int = 100
     multiprocess: bool = True
     description: str = ""
@@ -93,10 +103,10 @@ class BackendRegistrar:
         name: str,
         *,
         factory: Factory,
-        available: Callable[[], str | None] | None = None,
-        environment: Callable[[Config, Any], str | None] | None = None,
+        available: Availability | None = None,
+        environment: EnvironmentCheck | None = None,
         settings: type[BaseModel] | None = None,
-        launcher: Any = None,
+        launcher: LauncherSupport | None = None,
         priority: int = 100,
         multiprocess: bool = True,
         description: str = "",
@@ -112,12 +122,22 @@ class BackendRegistrar:
                 started for this backend (so ``any`` picks it), else what is missing.
             settings: pydantic model of the backend's own settings (built with
                 :func:`meshcomm.config.setting` so each field names its environment variable).
-            launcher: optional object used by ``meshcomm launch`` (see the README).
+            launcher: what ``meshcomm launch --backend NAME`` calls: an object with
+                ``rank_env(job)`` or ``external_command(job, argv, env)``
+                (:data:`meshcomm.plugin.LauncherSupport`); None if the backend cannot be launched.
             priority: order in which ``any`` tries backends (lower first).
             multiprocess: False for backends that never span processes (size 1).
             description: one line shown by ``meshcomm info``.
         """
         key = name.strip().lower()
+        if not callable(factory):
+            raise TypeError(f"backend {key!r} (plugin {self._plugin!r}): factory must be callable, got {factory!r}")
+        if launcher is not None and not isinstance(launcher, (RankEnvLauncher, ExternalLauncher)):
+            raise TypeError(
+                f"backend {key!r} (plugin {self._plugin!r}): launcher {type(launcher).__name__} has neither "
+                "rank_env(job) nor external_command(job, argv, env); pass one of those (see "
+                "meshcomm.plugin.LauncherSupport) or launcher=None"
+            )
         if key in self._registry.specs:
             other = self._registry.specs[key]
             raise ValueError(

@@ -24,7 +24,7 @@ from .options import LaunchOptions
 from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines
 from .rank import OUTPUT_DIR_ENV
 from .safety import check_env_name, mask
-from .spec import ExternalLauncher, RankEnvLauncher
+from .spec import CleanupLauncher, ExternalLauncher, RankEnvLauncher
 from .starters import HostStart, RankStart, Session, Starter
 from .starters import choose as choose_starter
 
@@ -157,7 +157,7 @@ def launch(options: LaunchOptions) -> int:
         envs = support.rank_env(job)
         if len(envs) != n:
             raise ConfigError(f"backend {spec.name!r} launcher returned {len(envs)} environments for {n} ranks")
-        cleanup = support.cleanup_command(job) if hasattr(support, "cleanup_command") else None
+        cleanup = support.cleanup_command(job) if isinstance(support, CleanupLauncher) else None
         local_size: dict[str | None, int] = {}
         for p in places:
             local_size[p.host] = local_size.get(p.host, 0) + 1

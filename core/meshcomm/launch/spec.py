@@ -13,7 +13,9 @@ A backend plugin that wants ``meshcomm launch -n N --backend NAME`` to work pass
   line, where every local user can read them (``ps``); ``--verbose`` prints the command.
 
 A ``rank_env`` launcher may also have ``cleanup_command(job) -> str | None``: a shell
-command the launcher runs on every host when the job ends, however it ended.
+command the launcher runs on every host when the job ends, however it ended
+(:class:`CleanupLauncher`). :data:`LauncherSupport` is the type ``register(launcher=...)``
+takes: either protocol (they are checked structurally, so no base class is needed).
 
 The launcher always sets ``MLX_BACKEND``, ``MLX_RANK``, ``MLX_WORLD_SIZE``,
 ``MLX_LOCAL_RANK``, ``MLX_LOCAL_SIZE``, ``MESHCOMM_JOB_ID``, ``MESHCOMM_JOB_SECRET`` and
@@ -28,9 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
-__all__ = ["RankPlace", "JobSpec", "RankEnvLauncher", "ExternalLauncher"]
+__all__ = ["RankPlace", "JobSpec", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "LauncherSupport"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,24 @@ class JobSpec(Protocol):
 
 @runtime_checkable
 class RankEnvLauncher(Protocol):
+    """meshcomm starts every rank itself; the backend adds each rank's environment."""
+
     def rank_env(self, job: JobSpec) -> list[dict[str, str]]: ...
 
 
 @runtime_checkable
 class ExternalLauncher(Protocol):
+    """One command (e.g. ``mpiexec``) starts the whole job; meshcomm runs and watches it."""
+
     def external_command(self, job: JobSpec, argv: list[str], env: dict[str, str]) -> list[str]: ...
+
+
+@runtime_checkable
+class CleanupLauncher(Protocol):
+    """Optional beside :class:`RankEnvLauncher`: a shell command run on every host at the job's end."""
+
+    def cleanup_command(self, job: JobSpec) -> str | None: ...
+
+
+#: what a backend passes as ``register(..., launcher=...)``: one of the two launcher protocols
+LauncherSupport: TypeAlias = RankEnvLauncher | ExternalLauncher

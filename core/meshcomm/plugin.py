@@ -1,0 +1,91 @@
+"""The plugin API: everything a backend plugin may import from meshcomm, in one module.
+
+A backend distribution imports from here and from the public ``meshcomm`` package (the
+user API), nothing else::
+
+    from meshcomm.plugin import Backend, BackendRegistrar, hookimpl, setting
+
+Every other module of meshcomm (``meshcomm.registry``, ``meshcomm.dtypes``,
+``meshcomm.launch`` …) is private by convention: it may change in any release without
+notice. What is listed in ``__all__`` below is kept compatible within a major version.
+``tests/test_plugin_api.py`` checks that the project's own plugins keep to this rule.
+
+What is here, by job:
+
+* registering: :data:`hookimpl` marks ``meshcomm_register_backends(register)``;
+  ``register`` is a :class:`BackendRegistrar` (typed keyword arguments: ``factory``,
+  ``available``, ``environment``, ``settings``, ``launcher``, ``priority``,
+  ``multiprocess``, ``description``);
+* the transport: :class:`Backend` (subclass it; only ``rank``, ``size``, ``send`` and
+  ``recv`` are required), :func:`in_place` for ``direct_out`` backends, and the generic
+  algorithms a transport may reuse (:mod:`algorithms`, e.g. :func:`split_plan`,
+  :func:`reduce_scatter_by_all_reduce`);
+* settings: :class:`Config` (the core's settings a factory receives), :func:`setting`
+  (a pydantic field that names its environment variable), :func:`load_settings`,
+  :class:`Settings` (a model that reads the environment when constructed);
+* where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
+  rendezvous address from any launcher family), :func:`exchange` and
+  :func:`local_address` (the coordinator's address exchange);
+* ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
+  :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
+  :class:`RankPlace`, and :func:`check_env_name` / :func:`secret_names` for commands
+  that pass environment variables;
+* dtypes and reductions: :data:`SUPPORTED`, :data:`bfloat16`, :data:`UFUNCS`,
+  :func:`reducer`, :func:`check_dtype`, :func:`dtype_code`, :func:`dtype_from_code`,
+  :func:`wire_names` (operation names in a stable order, for wire codes);
+* errors: the exceptions a backend raises (:class:`PeerLostError`,
+  :class:`CommTimeoutError`, :class:`CollectiveMismatchError`, …).
+
+Importing this module is cheap (no plugin, no launcher code): a plugin's entry-point
+module imports it at load time.
+"""
+
+from __future__ import annotations
+
+from . import algorithms
+from .algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
+from .backend import Backend, in_place
+from .config import Config, Settings, load_settings, setting
+from .coordinator import exchange, local_address
+from .dtypes import SUPPORTED, UFUNCS, bfloat16, check_dtype, dtype_code, dtype_from_code, reducer
+from .errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CommTimeoutError,
+    ConfigError,
+    DistributedError,
+    PeerLostError,
+)
+from .hookspecs import hookimpl
+from .launch.safety import check_env_name, secret_names
+from .launch.spec import (
+    CleanupLauncher,
+    ExternalLauncher,
+    JobSpec,
+    LauncherSupport,
+    RankEnvLauncher,
+    RankPlace,
+)
+from .operations import wire_names
+from .placement import Coordinator, Placement, coordinator, placement
+from .registry import Availability, BackendRegistrar, EnvironmentCheck, Factory
+
+__all__ = [
+    # registering
+    "hookimpl", "BackendRegistrar", "Factory", "Availability", "EnvironmentCheck",
+    # the transport and the generic algorithms
+    "Backend", "in_place", "algorithms", "split_plan", "split_members", "SplitPlan",
+    "reduce_scatter_by_all_reduce",
+    # settings
+    "Config", "Settings", "setting", "load_settings",
+    # where the rank runs
+    "placement", "coordinator", "Placement", "Coordinator", "exchange", "local_address",
+    # meshcomm launch
+    "LauncherSupport", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "JobSpec", "RankPlace",
+    "check_env_name", "secret_names",
+    # dtypes and reductions
+    "SUPPORTED", "bfloat16", "UFUNCS", "reducer", "check_dtype", "dtype_code", "dtype_from_code", "wire_names",
+    # errors
+    "DistributedError", "PeerLostError", "CommTimeoutError", "CollectiveMismatchError",
+    "BackendUnavailableError", "ConfigError",
+]

@@ -1,0 +1,84 @@
+"""The stated plugin API: backends import meshcomm only through ``meshcomm.plugin`` and the
+public ``meshcomm`` package, so everything else in the core stays private (issue 18)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import meshcomm
+import meshcomm.plugin as api
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: every plugin package the project ships or uses as an example
+PLUGIN_SOURCES = sorted(
+    [p for p in (ROOT / "plugins").glob("*/meshcomm_*/**/*.py")]
+    + [p for p in (ROOT / "tests" / "plugins").glob("*/meshcomm_*/**/*.py")]
+)
+
+
+def private_imports(path: Path) -> list[str]:
+    """``line: statement`` for every import of a meshcomm module other than the public ones."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("meshcomm.") and alias.name != "meshcomm.plugin":
+                    bad.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("meshcomm.") and node.module != "meshcomm.plugin":
+                bad.append(f"{node.lineno}: from {node.module} import ...")
+            elif node.module == "meshcomm":
+                for alias in node.names:
+                    if alias.name not in meshcomm.__all__:  # e.g. a submodule such as algorithms
+                        bad.append(f"{node.lineno}: from meshcomm import {alias.name}")
+    return bad
+
+
+def test_there_are_plugin_sources() -> None:
+    packages = {next(part for part in p.parts if part.startswith("meshcomm_")) for p in PLUGIN_SOURCES}
+    assert {"meshcomm_sockets", "meshcomm_mpi", "meshcomm_gloo", "meshcomm_uds"} <= packages
+
+
+@pytest.mark.parametrize("path", PLUGIN_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plugins_import_only_the_plugin_api(path: Path) -> None:
+    bad = private_imports(path)
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports private meshcomm modules: {bad}. Import the name from "
+        "meshcomm.plugin (add it there, to __all__, if a backend really needs it)"
+    )
+
+
+def test_the_checker_catches_private_imports(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("import meshcomm\nfrom meshcomm import all_sum, algorithms\nfrom meshcomm.plugin import Backend\n"
+                 "def f():\n    from meshcomm.registry import get_registry\n    import meshcomm.dtypes\n")
+    assert [b.split(":")[0] for b in private_imports(f)] == ["2", "5", "6"]
+
+
+def test_every_exported_name_exists() -> None:
+    missing = [name for name in api.__all__ if not hasattr(api, name)]
+    assert not missing and len(set(api.__all__)) == len(api.__all__)
+
+
+def test_the_plugin_api_loads_no_plugin_and_no_launcher() -> None:
+    code = ("import sys, meshcomm.plugin; "
+            "print(sorted(m for m in sys.modules if m.startswith(('meshcomm_', 'meshcomm.launch.run', "
+            "'meshcomm.launch.starters', 'torch', 'mpi4py'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_register_checks_the_launcher_type() -> None:
+    from meshcomm.registry import Registry
+
+    reg = Registry()
+
+    class NoLauncher:
+        def start(self) -> None: ...
+
+    with pytest.raises(TypeError, match="rank_env"):
+        api.BackendRegistrar(reg)("x", factory=lambda c, s: None, launcher=NoLauncher())  # type: ignore[arg-type, return-value]
