@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from meshcomm.errors import DistributedError
+from meshcomm.plugin import DistributedError
 
 from .errors import StoreAuthError
 from .liveness import RankProcess

@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from meshcomm import algorithms
-from meshcomm.backend import Backend, in_place
-from meshcomm.errors import (
+from meshcomm.plugin import (
+    Backend,
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,
     PeerLostError,
+    algorithms,
+    in_place,
 )
 
 from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
@@ -213,13 +214,13 @@ class GlooBackend(Backend):
             cls = PeerLostError if rec.error == "PeerLostError" else CommTimeoutError
             return cls(f"{what} failed: rank {q} reported that rank {rec.peer} failed: {rec.why}", peer=rec.peer)
         # 6. the address in gloo's message belongs to a member (also one on another host)
-        q = None if timed_out else owner(str(exc), self._ends, self._rank)
-        if q is not None and q in others:
-            host = self._peers[self._members[q]].host if self._members[q] < len(self._peers) else "?"
+        lost = None if timed_out else owner(str(exc), self._ends, self._rank)
+        if lost is not None and lost in others:
+            host = self._peers[self._members[lost]].host if self._members[lost] < len(self._peers) else "?"
             return PeerLostError(
-                f"{what} failed: lost the connection to rank {q} (world rank {self._members[q]} on host "
+                f"{what} failed: lost the connection to rank {lost} (world rank {self._members[lost]} on host "
                 f"{host}), which crashed, was killed or exited without a word. Check that rank's output; "
-                f"this group cannot be used any more.{said}", peer=q)
+                f"this group cannot be used any more.{said}", peer=lost)
         # 7. a timeout: the ranks that published nothing are the silent ones
         if timed_out:
             silent = [q for q in others if q not in records]
@@ -311,7 +312,7 @@ class GlooBackend(Backend):
 
     def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _OPS[plan.op]
+        opts.reduceOp = _OPS[plan.op]  # type: ignore[assignment]  # torch's stubs: RedOpType vs ReduceOp
         self._run(call, lambda pg: pg.allreduce([t], opts))
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -321,10 +322,7 @@ class GlooBackend(Backend):
         its all-reduce of the whole buffer (docs/backends/gloo.md has the numbers), so the
         all-reduce, which moves at most twice the bytes, is the faster native path.
         """
-        m = recvbuf.size
-        full = np.empty(sendbuf.size, sendbuf.dtype)
-        self.all_reduce(sendbuf, full, op)
-        recvbuf[...] = full[self._rank * m : (self._rank + 1) * m]
+        algorithms.reduce_scatter_by_all_reduce(self, sendbuf, recvbuf, op)
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         src, out = _tensor(sendbuf), _tensor(recvbuf)
@@ -365,16 +363,12 @@ class GlooBackend(Backend):
     # -- groups ---------------------------------------------------------------------
     def split(self, color: int, key: int) -> Backend:
         """A new ProcessGroupGloo for this colour, after every rank learnt every (colour, key)."""
-        n, r = self._size, self._rank
-        table = np.empty(2 * n, dtype=np.int64)
-        self.all_gather(np.array([color, key], dtype=np.int64), table)
-        colors, keys = table[0::2], table[1::2]
-        members = [q for q in range(n) if colors[q] == color]
-        members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
+        plan = algorithms.split_plan(self, color, key)
+        members = plan.members
         self._splits += 1  # same count on every rank: split is collective
         prefix = f"{self._prefix}/split{self._splits}/color{color}"
         label = f"split {self._splits} (color {color}) of the {self._label}"
-        sub_rank, sub_size = members.index(r), len(members)
+        sub_rank, sub_size = plan.rank, len(members)
         try:
             pg, ends = connect(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
         except DistributedError:  # e.g. a forged address in the store (StoreAuthError): keep it as it is

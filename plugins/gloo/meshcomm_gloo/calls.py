@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import numpy as np
-from meshcomm.dtypes import SUPPORTED
+from meshcomm.plugin import SUPPORTED
 
 __all__ = ["Call", "BIG", "p2p_tag", "conflicts", "dtype_code"]
 
@@ -65,7 +65,7 @@ class Call(NamedTuple):
     kind: str
     name: str
     dtype: Any = "-"  # a NumPy dtype on the fast path (its .name is slow); a name once parsed
-    count: int = 0
+    count: int = 0  # type: ignore[assignment]  # a field named like tuple.count
     seq: int = 0
     root: int = -1
     peer: int = -1

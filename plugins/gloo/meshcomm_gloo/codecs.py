@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from meshcomm.dtypes import SUPPORTED, bfloat16
+from meshcomm.plugin import SUPPORTED, bfloat16
 
 __all__ = ["Plan", "plan_for", "GLOO_WIRE"]
 

@@ -7,7 +7,7 @@ backend knows (rank, group, op, peer of a send/recv, the timeout) is added here.
 
 from __future__ import annotations
 
-from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
+from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
 __all__ = ["translate", "first_line", "StoreAuthError"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshcomm.launch.spec import JobSpec
+from meshcomm.plugin import JobSpec
 
 __all__ = ["GlooLauncher"]
 

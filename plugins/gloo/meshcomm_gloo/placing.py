@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from meshcomm.errors import BackendUnavailableError, ConfigError
-from meshcomm.placement import coordinator, placement
+from meshcomm.plugin import BackendUnavailableError, ConfigError, coordinator, placement
 
 if TYPE_CHECKING:
     from .settings import GlooSettings

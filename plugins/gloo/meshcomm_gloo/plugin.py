@@ -12,11 +12,15 @@ import importlib.util
 import logging
 from typing import Any
 
-from meshcomm.backend import Backend
-from meshcomm.config import Config
-from meshcomm.errors import BackendUnavailableError, ConfigError, DistributedError
-from meshcomm.hookspecs import hookimpl
-from meshcomm.registry import BackendRegistrar
+from meshcomm.plugin import (
+    Backend,
+    BackendRegistrar,
+    BackendUnavailableError,
+    Config,
+    ConfigError,
+    DistributedError,
+    hookimpl,
+)
 
 from .launcher import GlooLauncher
 from .settings import GlooSettings

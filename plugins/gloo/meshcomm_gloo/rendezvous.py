@@ -12,8 +12,7 @@ import datetime
 from typing import Any
 
 import torch.distributed as dist
-from meshcomm.config import Config
-from meshcomm.errors import BackendUnavailableError, CommTimeoutError
+from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .liveness import endpoints
@@ -83,7 +82,7 @@ def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, if
     pstore = dist.PrefixStore(prefix, store)
     if not ifname:
         return dist.ProcessGroupGloo(pstore, rank, size, _delta(timeout))
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, missing from the stubs
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
     opts._timeout = _delta(timeout)
     return dist.ProcessGroupGloo(pstore, rank, size, opts)

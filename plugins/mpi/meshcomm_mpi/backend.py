@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from meshcomm.backend import Backend, in_place
-from meshcomm.errors import CollectiveMismatchError, DistributedError
+from meshcomm.plugin import Backend, CollectiveMismatchError, DistributedError, in_place, split_plan
 from mpi4py import MPI
 
 from .control import Control
@@ -318,32 +317,16 @@ class MPIBackend(Backend):
         """A new MPIBackend on ``Comm.Split`` of this communicator.
 
         meshcomm accepts any integer colour and key, MPI only non-negative 32-bit colours,
-        so the ranks first exchange (colour, key) under the deadline and each passes MPI
-        its colour's index and its position in (key, rank) order, ordering like the core's
-        generic split (a negative key sorts as the rank itself). ``Comm.Split`` itself
-        blocks (MPI has no non-blocking split), but every member has just shown it is here.
+        so the ranks first exchange (colour, key) under the deadline
+        (:func:`meshcomm.plugin.split_plan`, the core's ordering) and each passes MPI its
+        colour's index and its position in the subgroup. ``Comm.Split`` itself blocks (MPI
+        has no non-blocking split), but every member has just shown it is here.
         """
-        mine = np.zeros(3, dtype=np.int64)
-        try:
-            mine[1], mine[2] = color, key
-        except OverflowError:
-            mine[0] = 1  # every rank raises below, none is left waiting
-        table = np.empty(3 * self._size, dtype=np.int64)
-        self.all_gather(mine, table)
-        flags, colors, keys = table[0::3], table[1::3], table[2::3]
-        if flags.any():
-            bad = int(np.flatnonzero(flags)[0])
-            raise ValueError(
-                f"split: rank {bad} passed a colour or key outside the 64-bit range "
-                f"(this rank {self._rank} passed color={color}, key={key}); use smaller integers"
-            )
-        palette = sorted(set(colors.tolist()))
-        members = [q for q in range(self._size) if colors[q] == colors[self._rank]]
-        members.sort(key=lambda q: (int(keys[q]) if keys[q] >= 0 else q, q))
-        index = palette.index(int(colors[self._rank]))
+        plan = split_plan(self, color, key)
+        members, index = plan.members, plan.color_index
         self._splits += 1
         try:
-            sub = self.comm.Split(index, members.index(self._rank))
+            sub = self.comm.Split(index, plan.rank)
         except MPI.Exception as exc:
             raise self._fail(f"split(color={color}, key={key})", exc) from None
         cid = f"{self.cid}/{self._splits}:{index}"

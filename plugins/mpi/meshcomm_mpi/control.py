@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from meshcomm.errors import (
+from meshcomm.plugin import (
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,

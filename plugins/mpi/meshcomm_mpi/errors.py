@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshcomm.errors import DistributedError
+from meshcomm.plugin import DistributedError
 
 __all__ = ["mpi_error"]
 

@@ -9,8 +9,7 @@ import os
 from typing import Any
 
 import numpy as np
-from meshcomm.backend import Backend
-from meshcomm.errors import BackendUnavailableError
+from meshcomm.plugin import Backend, BackendUnavailableError
 
 from .environment import launched_world_size
 from .settings import MPISettings

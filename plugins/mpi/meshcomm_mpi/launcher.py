@@ -31,10 +31,8 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from meshcomm.config import load_settings
-from meshcomm.launch.safety import check_env_name, secret_names
+from meshcomm.plugin import JobSpec, check_env_name, load_settings, secret_names
 
 from .discover import find_library, find_mpiexec, mpiexec_flavor
 from .settings import MPISettings
@@ -141,7 +139,7 @@ _SHOWN = ("MLX_BACKEND", "MLX_WORLD_SIZE", "MLX_TIMEOUT", "MESHCOMM_JOB_ID", "ME
           "MESHCOMM_OUTPUT_DIR", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def job_command(job: Any, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """``external_command`` of the launcher: the mpiexec command for a planned ``JobSpec``.
 
     Ranks are placed on the job's hosts in rank order (``--host a:2,b:2``); a job that

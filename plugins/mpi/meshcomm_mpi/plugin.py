@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshcomm.backend import Backend
-from meshcomm.hookspecs import hookimpl
+from meshcomm.plugin import Backend, BackendRegistrar, Config, JobSpec, hookimpl
 
 from .environment import launch_reason, unavailable_reason
 from .settings import MPISettings
@@ -18,7 +17,7 @@ from .settings import MPISettings
 __all__ = ["meshcomm_register_backends", "MPILauncher"]
 
 
-def _factory(config: Any, settings: Any) -> Backend:
+def _factory(config: Config, settings: Any) -> Backend:
     from .factory import create_backend
 
     return create_backend(config, settings)
@@ -27,7 +26,7 @@ def _factory(config: Any, settings: Any) -> Backend:
 class MPILauncher:
     """``meshcomm launch --backend mpi`` support: one mpiexec command for the whole job."""
 
-    def external_command(self, job: Any, argv: list[str], env: dict[str, str]) -> list[str]:
+    def external_command(self, job: JobSpec, argv: list[str], env: dict[str, str]) -> list[str]:
         """The mpiexec command that runs ``argv`` on ``job.nranks`` ranks with ``env`` set."""
         from .launcher import job_command
 
@@ -35,7 +34,7 @@ class MPILauncher:
 
 
 @hookimpl
-def meshcomm_register_backends(register: Any) -> None:
+def meshcomm_register_backends(register: BackendRegistrar) -> None:
     register(
         "mpi",
         factory=_factory,

@@ -25,8 +25,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from meshcomm.dtypes import SUPPORTED
-from meshcomm.dtypes import UFUNCS as _UFUNCS
+from meshcomm.plugin import SUPPORTED
+from meshcomm.plugin import UFUNCS as _UFUNCS
 from mpi4py import MPI
 
 __all__ = ["OpTable", "saturating_sum_dtypes", "INTS"]

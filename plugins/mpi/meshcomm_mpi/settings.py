@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from meshcomm.config import setting
+from meshcomm.plugin import setting
 from pydantic import BaseModel, ConfigDict
 
 __all__ = ["MPISettings"]

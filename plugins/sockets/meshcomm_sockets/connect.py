@@ -29,7 +29,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from meshcomm.errors import CommTimeoutError, ConfigError, DistributedError
+from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError
 
 from . import wire
 from .engine import WAIT_SLICE

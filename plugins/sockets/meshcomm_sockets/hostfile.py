@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshcomm.errors import ConfigError
+from meshcomm.plugin import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["Peer", "read_hostfile", "parse_hostfile", "split_hostport"]

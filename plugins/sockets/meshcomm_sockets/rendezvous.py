@@ -14,9 +14,7 @@ import errno
 import socket
 import time
 
-from meshcomm.config import Config
-from meshcomm.coordinator import exchange, local_address
-from meshcomm.errors import ConfigError, DistributedError
+from meshcomm.plugin import Config, ConfigError, DistributedError, exchange, local_address
 
 from .hostfile import Peer, parse_hostfile
 from .shm import host_key

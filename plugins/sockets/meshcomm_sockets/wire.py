@@ -36,7 +36,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-from meshcomm.operations import wire_names
+from meshcomm.plugin import wire_names
 
 __all__ = [
     "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT",

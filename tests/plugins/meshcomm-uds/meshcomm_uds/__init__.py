@@ -13,10 +13,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-from meshcomm.backend import Backend
-from meshcomm.config import setting
-from meshcomm.errors import CommTimeoutError, PeerLostError
-from meshcomm.hookspecs import hookimpl
+from meshcomm.plugin import (
+    Backend,
+    BackendRegistrar,
+    CommTimeoutError,
+    Config,
+    JobSpec,
+    PeerLostError,
+    hookimpl,
+    setting,
+)
 from pydantic import BaseModel
 
 _LEN = struct.Struct("<Q")
@@ -25,8 +31,6 @@ _LEN = struct.Struct("<Q")
 class UdsSettings(BaseModel):
     dir: Path | None = setting(None, env="MESHCOMM_UDS_DIR", accepts="a directory shared by the ranks",
                                description="where the ranks' sockets live")
-    size: int | None = setting(None, env="MLX_WORLD_SIZE", accepts="an integer >= 1",
-                               description="number of ranks", ge=1)
 
 
 class UdsBackend(Backend):
@@ -96,23 +100,26 @@ class UdsBackend(Backend):
             s.close()
 
 
-def _environment(config, settings: UdsSettings):
-    if settings.dir is None or settings.size is None or config.rank is None:
+def _environment(config: Config, settings: UdsSettings) -> str | None:
+    # rank and world size come from the core's Config (MLX_RANK/MLX_WORLD_SIZE, or any
+    # launcher's variables); a backend adds only its own settings
+    if settings.dir is None or config.world_size is None or config.rank is None:
         return "needs MESHCOMM_UDS_DIR, MLX_WORLD_SIZE and MLX_RANK"
     return None
 
 
-def _factory(config, settings: UdsSettings) -> Backend:
-    return UdsBackend(settings.dir, config.rank, settings.size, config.timeout)
+def _factory(config: Config, settings: UdsSettings) -> Backend:
+    assert settings.dir is not None and config.rank is not None and config.world_size is not None
+    return UdsBackend(settings.dir, config.rank, config.world_size, config.timeout)
 
 
 class _Launcher:
-    def rank_env(self, job):
+    def rank_env(self, job: JobSpec) -> list[dict[str, str]]:
         return [{"MESHCOMM_UDS_DIR": str(job.dir)} for _ in job.places]
 
 
 @hookimpl
-def meshcomm_register_backends(register):
+def meshcomm_register_backends(register: BackendRegistrar) -> None:
     register("uds", factory=_factory, environment=_environment, settings=UdsSettings,
              launcher=_Launcher(), priority=50, description="example: Unix domain sockets")
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from meshcomm.backend import Backend
-from meshcomm.hookspecs import hookimpl
+from meshcomm.plugin import Backend, hookimpl
 from meshcomm_sockets import plugin as sockets
 
 
