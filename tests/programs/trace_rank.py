@@ -12,9 +12,8 @@ import json
 import sys
 import time
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 from meshcomm.trace import recorder
 
 

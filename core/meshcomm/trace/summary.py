@@ -170,7 +170,7 @@ def format_summary(trace: dict[str, Any], limit: int = 10) -> str:
     lines.append(f"{'operation':<18} {'size':>9} {'count':>7} {'total ms':>10} {'median us':>10} "
                  f"{'busbw GB/s':>10} {'wait %':>7}")
     for r in table(insts):
-        bw = f"{r.busbw:10.3f}" if r.busbw is not None else f"{'-':>10}"
+        bw = f"{r.busbw:10.4g}" if r.busbw is not None else f"{'-':>10}"
         lines.append(f"{r.op:<18} {'<= ' + _size(r.bucket) if r.bucket else '0 B':>9} {r.count:>7} "
                      f"{r.total * 1e3:10.3f} {r.median * 1e6:10.1f} {bw} {r.wait_share * 100:7.1f}")
     worst = slow(insts, limit)
