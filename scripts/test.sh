@@ -20,6 +20,10 @@ echo "== ruff"
 "$VPY" -m ruff check core plugins tests examples bench
 echo "== mypy (core)"
 "$VPY" -m mypy
+echo "== docs site (mkdocs build --strict: any warning, e.g. a broken link, fails the run)"
+site=$(mktemp -d)
+"$VPY" -m mkdocs build --strict --quiet --site-dir "$site" || { rm -rf "$site"; exit 1; }
+rm -rf "$site"
 echo "== pytest"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 set +e

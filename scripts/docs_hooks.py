@@ -1,0 +1,232 @@
+"""mkdocs hooks for the documentation site (mkdocs.yml) and the settings table's generator.
+
+Three jobs, so that the site is built from the files people read on a checkout:
+
+* the README is the site's home page (``index.md``), its links rewritten to the site;
+* a link from a page to a file of the repository outside ``docs/`` (``scripts/demo.sh``,
+  ``bench/results/compare.png``) is copied into the site under ``_repo/`` and the link
+  points there, so strict mode still fails on a link to a file that does not exist;
+* the settings table of ``docs/settings.md`` is rendered from the pydantic models (the
+  core's ``Config`` and every bundled backend's settings model) at build time, so it
+  cannot drift from the code. ``python scripts/docs_hooks.py --write`` writes the same
+  table into the file for readers of the raw markdown; ``tests/test_docs.py`` fails when
+  the file is out of date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+__all__ = [
+    "BUNDLED",
+    "TABLE_BEGIN",
+    "TABLE_END",
+    "settings_models",
+    "settings_table",
+    "with_settings_table",
+    "rewrite_links",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+#: the distributions whose settings the table documents (third-party plugins document their own)
+BUNDLED = ("meshcomm", "meshcomm-sockets", "meshcomm-mpi", "meshcomm-gloo")
+TABLE_BEGIN = "<!-- settings-table:begin: generated from the pydantic models by scripts/docs_hooks.py, do not edit -->"
+TABLE_END = "<!-- settings-table:end -->"
+_REPO_PREFIX = "_repo/"
+_LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+# -- the settings table ---------------------------------------------------------------------
+def settings_models() -> list[tuple[str, type[BaseModel]]]:
+    """(section, model) for the core's Config and every bundled backend's settings model.
+
+    Raises RuntimeError naming the missing backends when a bundled plugin is not installed
+    (the table would silently lose its rows)."""
+    from meshcomm.config import Config
+    from meshcomm.registry import Registry
+
+    registry = Registry().load(environ={})
+    out: list[tuple[str, type[BaseModel]]] = [("core", Config)]
+    found = set()
+    for spec in sorted(registry.specs.values(), key=lambda s: (s.priority, s.name)):
+        if spec.distribution in BUNDLED:
+            found.add(spec.distribution)
+            if spec.settings is not None:
+                out.append((spec.name, spec.settings))
+    missing = sorted(set(BUNDLED[1:]) - found)
+    if missing:
+        raise RuntimeError(
+            f"the settings table needs every bundled backend installed; missing {missing} "
+            "(bash scripts/setup.sh installs them into .venv)"
+        )
+    return out
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(repr(a).replace("'", "") for a in typing.get_args(annotation))
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    text = re.sub(r"\b(typing|pathlib|collections\.abc)\.", "", text)
+    text = text.replace("Literal[", "one of [")
+    return text
+
+
+def _default(value: Any) -> str:
+    if value is None or value == "":
+        return "–"
+    if isinstance(value, bool):
+        return "`1`" if value else "`0`"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def settings_table() -> str:
+    """The markdown table: one row per environment variable, in the models' order."""
+    from meshcomm.config import env_names
+
+    rows: dict[str, dict[str, Any]] = {}
+    for section, model in settings_models():
+        envs = env_names(model)
+        for name, field in model.model_fields.items():
+            if name not in envs:
+                continue
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            var = envs[name]
+            row = rows.setdefault(var, {"used": [], "default": _default(field.default),
+                                        "type": _type_name(field.annotation),
+                                        "description": field.description or "",
+                                        "accepts": str(extra.get("accepts", ""))})
+            row["used"].append(section)
+    lines = [
+        "| variable | default | type | used by | meaning | accepts |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for var, row in rows.items():
+        lines.append(
+            f"| `{var}` | {row['default']} | {_cell(row['type'])} | {', '.join(row['used'])} "
+            f"| {_cell(row['description'])} | {_cell(row['accepts'])} |"
+        )
+    return "\n".join(lines)
+
+
+def with_settings_table(markdown: str) -> str:
+    """``markdown`` with the text between the table markers replaced by the current table."""
+    begin, end = markdown.find(TABLE_BEGIN), markdown.find(TABLE_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"docs/settings.md lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
+    return markdown[: begin + len(TABLE_BEGIN)] + "\n" + settings_table() + "\n" + markdown[end:]
+
+
+# -- links ----------------------------------------------------------------------------------
+def _targets(markdown: str) -> list[tuple[int, int, str]]:
+    """(start, end, target) of every relative link outside fenced code blocks."""
+    out = []
+    pos, fenced = 0, False
+    for line in markdown.splitlines(keepends=True):
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            for m in _LINK.finditer(line):
+                target = m.group(2)
+                if "://" not in target and not target.startswith(("#", "mailto:")):
+                    out.append((pos + m.start(2), pos + m.end(2), target))
+        pos += len(line)
+    return out
+
+
+def rewrite_links(markdown: str, real: Path, virtual_dir: str) -> tuple[str, list[str]]:
+    """Links of the file at ``real`` rewritten for a page that lives at ``virtual_dir`` (a
+    folder inside docs/): targets inside docs/ become relative to it, other files of the
+    repository point to their copy under ``_repo/``. Returns the text and the repository
+    paths (relative to the root) that need a copy."""
+    copies: list[str] = []
+    pieces, last = [], 0
+    for start, end, target in _targets(markdown):
+        path, _, anchor = target.partition("#")
+        if not path:
+            continue
+        dest = (real.parent / path).resolve()
+        if not dest.is_relative_to(ROOT) or not dest.exists():
+            continue  # left as it is: mkdocs reports it
+        if dest.is_relative_to(DOCS):
+            rel = dest.relative_to(DOCS).as_posix()
+        else:
+            rel = _REPO_PREFIX + dest.relative_to(ROOT).as_posix()
+            copies.append(dest.relative_to(ROOT).as_posix())
+        depth = len([p for p in virtual_dir.split("/") if p not in ("", ".")])
+        new = "../" * depth + rel + (f"#{anchor}" if anchor else "")
+        pieces.append(markdown[last:start] + new)
+        last = end
+    pieces.append(markdown[last:])
+    return "".join(pieces), copies
+
+
+def _real_path(src_uri: str) -> Path:
+    return ROOT / "README.md" if src_uri == "index.md" else DOCS / src_uri
+
+
+# -- mkdocs hooks -------------------------------------------------------------------------
+def on_files(files: Any, config: Any) -> Any:
+    """Add the README as index.md and every repository file the pages link to."""
+    from mkdocs.structure.files import File
+
+    if files.get_file_from_path("index.md") is None:
+        files.append(File.generated(config, "index.md", content=(ROOT / "README.md").read_text()))
+    wanted: set[str] = set()
+    for f in list(files.documentation_pages()):
+        real = _real_path(f.src_uri)
+        if real.exists():
+            _, copies = rewrite_links(real.read_text(), real, str(Path(f.src_uri).parent))
+            wanted.update(copies)
+    for rel in sorted(wanted):
+        if files.get_file_from_path(_REPO_PREFIX + rel) is None:
+            files.append(File.generated(config, _REPO_PREFIX + rel, abs_src_path=str(ROOT / rel)))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """Rewrite links for the site; render the settings table into settings.md."""
+    src_uri = page.file.src_uri
+    if src_uri == "settings.md":
+        markdown = with_settings_table(markdown)
+    text, _ = rewrite_links(markdown, _real_path(src_uri), str(Path(src_uri).parent))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--write``: render the settings table into docs/settings.md; ``--check``: exit 1 if stale."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="write the table into docs/settings.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 when docs/settings.md is out of date")
+    args = ap.parse_args(argv)
+    path = DOCS / "settings.md"
+    old = path.read_text()
+    new = with_settings_table(old)
+    if args.write and new != old:
+        path.write_text(new)
+        print(f"wrote {path}")
+    if args.check and new != old:
+        print(f"{path} is out of date: run python scripts/docs_hooks.py --write", file=sys.stderr)
+        return 1
+    if not (args.write or args.check):
+        print(settings_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
