@@ -146,7 +146,7 @@ def _from_starter(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, 
 
 
 class Config(Settings):
-    """meshcomm's core settings (plugins add their own sections, see the README).
+    """meshcomm's core settings (plugins add their own sections; every variable: docs/settings.md).
 
     ``Config()`` reads the environment; ``Config.load(environ)`` reads a given mapping instead.
     """

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="comma-separated hosts (ssh names; also the IPs ranks use), "
                                        "each optionally with its number of ranks: a:2,b:2")
-    where.add_argument("--hostfile", help="JSON launcher hostfile (see README)")
+    where.add_argument("--hostfile", help="JSON launcher hostfile (see docs/launch.md)")
     p.add_argument("--ranks-per-host", type=int, default=None, metavar="N",
                    help="ranks on every host that does not give its own number")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
