@@ -19,7 +19,7 @@ synchronisation (raw ``MPI.COMM_WORLD.Barrier`` and a MAX ``Allreduce``), float3
 ``i % 7 + rank`` and a checked result:
 
 * ``raw``: ``comm.Allreduce(x, out, MPI.SUM)`` on ``MPI.COMM_WORLD`` into a preallocated
-  ``out`` (what bench/peers.py times; meshcomm is not even imported beyond its timer);
+  ``out`` (what meshcomm/bench/peers.py times; meshcomm is not even imported beyond its timer);
 * ``meshcomm``: ``mc.all_sum(x)`` after ``mc.init(backend="mpi")`` (a new result array
   per call, the core's call check, the backend's Allreduce on its duplicated communicator).
 

@@ -65,6 +65,13 @@ def test_format_size():
     assert [format_size(s) for s in (8, 1024, 1536, 64 * MiB)] == ["8 B", "1 KiB", "1.5 KiB", "64 MiB"]
 
 
+def test_format_size_is_exact_or_bytes():
+    # one style for every label: never a rounded "16.0 KiB" for a buffer that is not 16 KiB
+    assert [format_size(s) for s in (0, 1008, 16380, 16 * KiB, 1280 * KiB, 1537 * KiB, 3 << 30)] == [
+        "0 B", "1008 B", "16380 B", "16 KiB", "1.25 MiB", "1537 KiB", "3 GiB"]
+    assert all(parse_size(format_size(s).replace(" ", "")) == s for s in (8, 1008, 16380, 1280 * KiB, 1537 * KiB))
+
+
 # -- bus bandwidth -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("op, n, factor", [
@@ -190,6 +197,46 @@ def test_cli_bad_arguments(capsys):
     assert main(["bench", "--sizes", "64MiB:8B"]) == 2
     assert main(["bench", "--dtype", "float99"]) == 2
     assert main(["bench", "--iters", "0"]) == 2
+
+
+def test_nccl_tests_flags_and_summary_lines(capsys, fresh_registry):
+    assert main(["bench", "-b", "8", "-e", "1KiB", "-f", "4", "-n", "2", "-w", "0"]) == 0
+    out = capsys.readouterr().out.rstrip("\n").splitlines()
+    rows = [line.split()[0:2] for line in out if not line.startswith("#")]
+    assert rows == [["8", "B"], ["32", "B"], ["128", "B"], ["512", "B"], ["1", "KiB"]]
+    assert all(line.split()[-2] == "2" for line in out if not line.startswith("#"))  # -n 2: two iterations
+    assert out[-2] == "# Out of bounds values : 0 OK"
+    assert out[-1].startswith("# Avg bus bandwidth    : ") and out[-1].endswith(" GB/s")
+    assert main(["bench", "--warmup_iters", "1", "--maxbytes", "16", "--iters", "1"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith("#")
+            and line.strip()] == ["8", "16"]
+
+
+def test_nccl_flags_and_sizes_together_are_refused(capsys):
+    assert main(["bench", "--sizes", "8B", "-e", "1KiB"]) == 2
+    assert "either --sizes or -b/-e/-f" in capsys.readouterr().err
+
+
+def test_compare_refuses_what_it_does_not_measure(capsys):
+    assert main(["bench", "--compare", "--op", "all"]) == 2
+    assert "float32 all_sum" in capsys.readouterr().err
+    assert main(["bench", "--compare", "--json", "x.json"]) == 2
+    assert main(["bench", "--compare", "--ranks", "0"]) == 2
+
+
+def test_compare_runs_the_side_by_side_table(tmp_path):
+    import subprocess
+
+    out_dir = tmp_path / "cmp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "bench", "--compare", "--ranks", "2", "--sizes", "8B:1KiB:4",
+         "--min-time", "0.02", "--systems", "meshcomm-sockets", "--no-plot", "--out-dir", str(out_dir)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "### 2 ranks" in proc.stdout and "| 1 KiB |" in proc.stdout
+    doc = json.loads((out_dir / "compare.json").read_text())
+    assert sorted(int(b) for b in doc["runs"]["2"]["meshcomm-sockets"]["rows"]) == [8, 32, 128, 512, 1024]
+    assert (out_dir / "compare.md").read_text() in proc.stdout
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):

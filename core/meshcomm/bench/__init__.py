@@ -9,7 +9,10 @@ Run it on every rank of a job, e.g. ``meshcomm launch -n 2 -- -m meshcomm bench 
   slowest rank per iteration) for meshcomm or any other library;
 * :mod:`.runner` sweeps operations and sizes over a meshcomm group, checking every result;
 * :mod:`.report` prints progress, the table and JSON; :mod:`.plot` draws the optional PNG;
-* :mod:`.cli` adds the ``bench`` subcommand to ``meshcomm``.
+* :mod:`.cli` adds the ``bench`` subcommand to ``meshcomm``;
+* :mod:`.compare` (``meshcomm bench --compare``) runs one job per installed backend and raw
+  peer (:mod:`.peers`: mpi4py, torch gloo, MLX) and prints them side by side, with the
+  machine's limits (:mod:`.limits`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ Start it on every rank of a job::
 Rank 0 prints progress on stderr, the table on stdout and writes ``--json``/``--plot``.
 The exit status is 1 on every rank if any result was wrong (the table marks those sizes
 and gives them no figures), 2 for bad arguments.
+
+nccl-tests' flags work too: ``-b/--minbytes``, ``-e/--maxbytes``, ``-f/--stepfactor``
+(a sweep, instead of ``--sizes``), ``-n/--iters``, ``-w/--warmup_iters``.
+
+``meshcomm bench --compare`` is not started under ``meshcomm launch``: it runs one job per
+installed backend and raw peer (mpi4py, torch gloo, MLX) itself and prints the side-by-side
+table (:mod:`.compare`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import numpy as np
 
 from .collectives import OPS
 
-__all__ = ["add_parser", "parse_ops", "parse_dtype"]
+__all__ = ["add_parser", "parse_ops", "parse_dtype", "sweep_text"]
 
 
 def parse_ops(text: str) -> list[str]:
@@ -51,6 +58,22 @@ def parse_dtype(text: str) -> np.dtype:
     return dt
 
 
+def sweep_text(args: argparse.Namespace) -> str:
+    """The ``--sizes`` text of these arguments: ``--sizes`` itself, or nccl-tests'
+    ``-b/-e/-f`` as ``MIN:MAX:FACTOR`` (unset ones default to 8B, 64MiB and 2)."""
+    nccl = [args.minbytes, args.maxbytes, args.stepfactor]
+    if all(v is None for v in nccl):
+        return str(args.sizes or _DEFAULT_SIZES)
+    if args.sizes is not None:
+        raise ValueError("give either --sizes or -b/-e/-f (nccl-tests' --minbytes/--maxbytes/--stepfactor), "
+                         f"not both (got --sizes {args.sizes!r})")
+    low, high, factor = (v if v is not None else d for v, d in zip(nccl, ("8B", "64MiB", "2"), strict=True))
+    return f"{low}:{high}:{factor}"
+
+
+_DEFAULT_SIZES = "8B:64MiB"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` on the ``meshcomm`` command's subparsers."""
     p = sub.add_parser(
@@ -62,17 +85,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--op", default="all_sum",
                    help=f"operation(s), comma-separated, or all: {', '.join(OPS)} (default all_sum)")
-    p.add_argument("--sizes", default="8B:64MiB",
+    p.add_argument("--sizes", default=None,
                    help="LOW:HIGH[:FACTOR] sweep (x2 by default, HIGH always included) or sizes, "
                         "comma-separated; units B, KiB, MiB, GiB (default 8B:64MiB)")
+    p.add_argument("-b", "--minbytes", default=None, metavar="SIZE",
+                   help="nccl-tests style: smallest size of the sweep (default 8B)")
+    p.add_argument("-e", "--maxbytes", default=None, metavar="SIZE",
+                   help="nccl-tests style: largest size of the sweep (default 64MiB)")
+    p.add_argument("-f", "--stepfactor", default=None, metavar="F",
+                   help="nccl-tests style: multiply the size by F between steps (default 2)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--iters", type=int, default=None,
+    p.add_argument("-n", "--iters", type=int, default=None,
                    help="timed iterations per size (default: adapt so each size takes about --min-time)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls per size first (default 3)")
+    p.add_argument("-w", "--warmup", "--warmup_iters", dest="warmup", type=int, default=3,
+                   help="untimed calls per size first (default 3)")
     p.add_argument("--min-time", type=float, default=0.3,
                    help="seconds of timed calls per size when --iters is not given (default 0.3)")
     p.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON (rank 0)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of time and busbw vs size (needs matplotlib)")
+    cmp = p.add_argument_group(
+        "comparison", "--compare: float32 all_sum on every installed backend and raw peer (mpi4py, torch gloo, "
+        "MLX), one job each, side by side (run it directly, not under meshcomm launch; --sizes defaults to "
+        "8B:64MiB:4, and --min-time applies)")
+    cmp.add_argument("--compare", action="store_true", help="run the comparison instead of one job's sweep")
+    from .compare import add_arguments
+
+    add_arguments(cmp)
     p.set_defaults(func=_run)
 
 
@@ -84,22 +122,45 @@ def _run(args: argparse.Namespace) -> int:
     from .sizes import parse_sizes
 
     try:
+        sweep = sweep_text(args)
+        sizes = parse_sizes(sweep)
+        if args.min_time <= 0:
+            raise ValueError(f"--min-time must be positive, got {args.min_time}")
+        if args.compare:
+            _compare_args(args, sweep)
         ops = parse_ops(args.op)
-        sizes = parse_sizes(args.sizes)
         dtype = parse_dtype(args.dtype)
         if args.iters is not None and args.iters < 1:
             raise ValueError(f"--iters must be at least 1, got {args.iters}")
         if args.warmup < 0:
             raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
-        if args.min_time <= 0:
-            raise ValueError(f"--min-time must be positive, got {args.min_time}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             from .plot import pyplot
             pyplot()  # raises MissingMatplotlib with the install hint
     except (ValueError, RuntimeError) as exc:
         _err(str(exc))
         return 2
+    if args.compare:
+        from .compare import run
+
+        return run(args)
     return _bench(args, ops, sizes, dtype)
+
+
+def _compare_args(args: argparse.Namespace, sweep: str) -> None:
+    """Check ``--compare``'s arguments and set ``args.sizes`` to its sweep (all_sum, float32 only)."""
+    from . import compare
+
+    if args.op.strip() != "all_sum" or args.dtype != "float32" or args.iters is not None:
+        raise ValueError("--compare times float32 all_sum with adaptive iterations against the raw peers; "
+                         "drop --op, --dtype and --iters/-n (or run meshcomm bench without --compare)")
+    if args.json or args.plot:
+        raise ValueError("--compare writes compare.json/.md/.png into --out-dir; drop --json and --plot")
+    if any(n < 1 for n in args.ranks) or args.rounds < 1:
+        raise ValueError(f"--ranks and --rounds must be at least 1, got {args.ranks} and {args.rounds}")
+    if args.sizes is None and args.minbytes is None and args.maxbytes is None and args.stepfactor is None:
+        sweep = compare.DEFAULT_SIZES
+    args.sizes = sweep
 
 
 def _bench(args: argparse.Namespace, ops: list[str], sizes: list[int], dtype: np.dtype) -> int:

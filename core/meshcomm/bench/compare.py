@@ -1,7 +1,8 @@
 """meshcomm's all_sum on every installed backend against the raw peers, in one run.
 
-    python bench/compare.py                       # 2 and 4 ranks, 8 B .. 64 MiB (x4), all systems
-    python bench/compare.py --ranks 2 --sizes 8B:1MiB:4 --out-dir /tmp/cmp
+    meshcomm bench --compare                      # 2 and 4 ranks, 8 B .. 64 MiB (x4), all systems
+    meshcomm bench --compare --ranks 2 --sizes 8B:1MiB:4 --out-dir /tmp/cmp
+    python bench/compare.py ...                   # the same, from a checkout (more options)
 
 For each rank count it runs one job per system, one after the other, each timing float32
 ``all_sum`` over the same sizes with the same buffers and the same timer
@@ -20,7 +21,7 @@ result:
 * ``torch-gloo``: ``torch.distributed`` gloo ``all_reduce`` in place;
 * ``mlx-ring``: ``mx.distributed.all_sum`` under ``mlx.launch --backend ring``.
 
-It also measures the machine's limits (``bench/limits.py``: one-core memcpy and add
+It also measures the machine's limits (:mod:`.limits`: one-core memcpy and add
 bandwidth, loopback TCP) and prints, per rank count, a Markdown table of median
 microseconds per size and system, the best peer, and each meshcomm backend's time
 divided by the best peer's (below 1: meshcomm is faster), and a TCP model (the ring
@@ -50,13 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from . import limits
+from .sizes import format_size
 
-import limits  # noqa: E402  (bench/limits.py, next to this script)
-from meshcomm.bench.sizes import format_size  # noqa: E402
+__all__ = ["main", "run", "add_arguments", "DEFAULT_SIZES"]
 
-__all__ = ["main"]
+#: one rank of a raw peer (run as a script by each peer's launcher)
+_PEERS_SCRIPT = Path(__file__).resolve().with_name("peers.py")
+#: the sweep of a comparison unless told otherwise (x4: half the jobs of the default x2)
+DEFAULT_SIZES = "8B:64MiB:4"
 
 PEERS = ("mpi4py", "mpi4py-tcp", "torch-gloo", "mlx-ring")
 #: peers whose transport is TCP, like meshcomm-sockets (Open MPI's default uses shared memory)
@@ -107,7 +110,7 @@ def _meshcomm(backend: str, min_time: float, *, tcp_only: bool = False) -> Syste
 
 
 def _peer(name: str, min_time: float) -> System:
-    peers = str(HERE / "peers.py")
+    peers = str(_PEERS_SCRIPT)
 
     def command(n: int, sizes: str, out: Path) -> tuple[list[str], dict[str, str]]:
         args = ["--sizes", sizes, "--min-time", str(min_time), "--json", str(out)]
@@ -238,7 +241,7 @@ def _table(n: int, results: dict[str, dict[str, Any]], lim: dict[str, float]) ->
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
     """Median time vs size, log-log, one panel per rank count."""
-    from meshcomm.bench.plot import pyplot
+    from .plot import pyplot
 
     plt = pyplot()
     runs = doc["runs"]
@@ -271,19 +274,34 @@ def _limits_text(lim: dict[str, float]) -> str:
             f"polling / {lim['tcp_latency'] * 1e6:.1f} us blocking")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse._ActionsContainer, *, out_dir: str = "meshcomm-compare") -> None:
+    """The comparison's options (``--sizes`` and ``--min-time`` are ``meshcomm bench``'s own)."""
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts (default 2 4)")
-    p.add_argument("--sizes", default="8B:64MiB:4", help="size sweep (default 8B:64MiB:4)")
-    p.add_argument("--min-time", type=float, default=0.3, help="timed seconds per size and system")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every job this many times, keep each size's lowest median (default 1)")
     p.add_argument("--systems", help="comma list of systems to run (default: all installed)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job before it is abandoned")
-    p.add_argument("--out-dir", default=str(HERE / "results"), help="where compare.{json,md,png} go")
+    p.add_argument("--out-dir", default=out_dir, help=f"where compare.{{json,md,png}} go (default {out_dir})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--tag", help="append -TAG to every system name (e.g. mpich, for a run in an MPICH venv)")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, *, out_dir: str = "meshcomm-compare") -> int:
+    """``python -m meshcomm.bench.compare`` (and ``bench/compare.py``); ``meshcomm bench --compare``
+    calls :func:`run` with the same options."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"size sweep (default {DEFAULT_SIZES})")
+    p.add_argument("--min-time", type=float, default=0.3, help="timed seconds per size and system")
+    add_arguments(p, out_dir=out_dir)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every installed system at every rank count; tables on stdout, files in ``args.out_dir``.
+
+    ``args`` carries ``ranks, sizes, min_time, rounds, systems, timeout, out_dir, no_plot, tag``.
+    Returns 0 when every job gave figures, else 1.
+    """
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = sys.stderr
@@ -294,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s for s in systems if s.name in want]
     if args.tag:
         systems = [System(f"{s.name}-{args.tag}", s.command) for s in systems]
-    for s in skipped:
-        log.write(f"skipped {s}\n")
+    for why in skipped:
+        log.write(f"skipped {why}\n")
     load_before = os.getloadavg()[0]
     log.write("measuring machine limits ...\n")
     lim = limits.measure_all()

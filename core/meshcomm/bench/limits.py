@@ -1,10 +1,10 @@
 """What this machine allows at best: single-core copy and add bandwidth, loopback TCP.
 
-These bound every all_sum in ``bench/compare.py``: a ring all-reduce on n ranks moves
+These bound every all_sum in ``meshcomm bench --compare``: a ring all-reduce on n ranks moves
 2(n-1)/n of the buffer through the network stack and adds (n-1)/n of it on each rank,
 and every library copies its result at least once. Run alone::
 
-    python bench/limits.py            # prints the three figures as JSON
+    python -m meshcomm.bench.limits   # prints the three figures as JSON
 
 * ``memcpy``: ``np.copyto`` of 64 MiB float32, bytes copied per second (one core);
 * ``add``: ``np.add(a, b, out=a)`` on 64 MiB float32, bytes of ``a`` per second;
@@ -77,7 +77,7 @@ def add_bw(nbytes: int = _BYTES, reps: int = 10) -> float:
 
 def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
     """Loopback TCP throughput between two processes, payload bytes/s (best of ``reps``)."""
-    payload = memoryview(np.ones(_BYTES, dtype=np.uint8))
+    payload = np.ones(_BYTES, dtype=np.uint8).data
     best = 0.0
     for _ in range(reps):
         with socket.create_server(("127.0.0.1", 0)) as srv:

@@ -1,10 +1,11 @@
 """One rank of a raw peer library's all_sum sweep, timed exactly like ``meshcomm bench``.
 
-``bench/compare.py`` starts this on every rank of a job::
+``meshcomm bench --compare`` (:mod:`.compare`) runs this file as a script on every rank
+of a job (it imports meshcomm absolutely, so it needs no package context)::
 
-    python bench/peers.py mpi4py --sizes 8B:64MiB:4 --json out.json     # under mpiexec
-    python bench/peers.py torch  ...   # MLX_RANK/MLX_WORLD_SIZE/BENCH_TORCH_PORT set
-    python bench/peers.py mlx    ...   # under mlx.launch --backend ring
+    python .../meshcomm/bench/peers.py mpi4py --sizes 8B:64MiB:4 --json out.json   # under mpiexec
+    python .../meshcomm/bench/peers.py torch  ...   # MLX_RANK/MLX_WORLD_SIZE/BENCH_TORCH_PORT set
+    python .../meshcomm/bench/peers.py mlx    ...   # under mlx.launch --backend ring
 
 Each library gets the same float32 buffers as meshcomm (``rank_input``: ``i % 7 + rank``)
 and the same timer (:func:`meshcomm.bench.measure.time_op`: warm-up, a barrier before
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from meshcomm.bench.collectives import describe_mismatch, rank_input
 from meshcomm.bench.measure import Sync, time_op
 from meshcomm.bench.sizes import parse_sizes

@@ -1,7 +1,10 @@
 """Human and machine output of a sweep: progress lines, the table, the JSON document.
 
 Times are shown in microseconds and bandwidths in GB/s (10^9 bytes per second, as
-nccl-tests prints them); the JSON keeps seconds and bytes per second.
+nccl-tests prints them); the JSON keeps seconds and bytes per second. Each operation's
+table ends like an nccl-tests run: ``# Out of bounds values : N OK`` (here: sizes whose
+result was wrong) and ``# Avg bus bandwidth    : X GB/s``, the mean of the checked sizes'
+bus bandwidths (:func:`avg_busbw`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from .runner import Result
 from .sizes import format_size
 
-__all__ = ["progress_line", "format_table", "environment", "to_json", "write_json"]
+__all__ = ["progress_line", "format_table", "avg_busbw", "environment", "to_json", "write_json"]
 
 
 def _gbs(v: float | None) -> str:
@@ -31,6 +34,13 @@ def progress_line(r: Result) -> str:
         return f"{r.op:<11} {format_size(r.nbytes):>9}  WRONG RESULT: {r.error}"
     return (f"{r.op:<11} {format_size(r.nbytes):>9}  median {r.stats.median * 1e6:10.1f} us  "
             f"busbw {_gbs(r.busbw):>7} GB/s  ({r.stats.iters} iters)")
+
+
+def avg_busbw(results: Iterable[Result]) -> float | None:
+    """Mean bus bandwidth (bytes/s) over the rows that have one, as nccl-tests' summary line
+    averages every size it ran; None when no row has one (barrier, or every size wrong)."""
+    values = [r.busbw for r in results if r.ok and r.busbw is not None]
+    return sum(values) / len(values) if values else None
 
 
 def format_table(results: Sequence[Result], *, title: str = "") -> str:
@@ -54,6 +64,11 @@ def format_table(results: Sequence[Result], *, title: str = "") -> str:
             else:
                 out.append(f"{format_size(r.nbytes):>10} {r.count:>10} {r.dtype:>8} {'-':>11} {'-':>11} "
                            f"{'-':>11} {'-':>11} {'-':>11} {'-':>6}  WRONG (ranks {r.wrong_ranks})")
+        wrong = sum(1 for r in rows if not r.ok)
+        out.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        avg = avg_busbw(rows)
+        if avg is not None:
+            out.append(f"# Avg bus bandwidth    : {_gbs(avg)} GB/s")
         out.append("")
     return "\n".join(out)
 

@@ -75,9 +75,15 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def format_size(nbytes: int) -> str:
-    """``67108864`` → ``"64 MiB"``; exact binary units when they divide, else one decimal."""
+    """The one size label of ``meshcomm bench`` and ``--compare``: ``8 B``, ``1 KiB``,
+    ``1.5 KiB``, ``64 MiB``.
+
+    The largest binary unit not above ``nbytes`` that states it exactly with at most two
+    decimals; sizes no unit states exactly (``1008``, ``16380``: sizes rounded to split
+    evenly over the ranks) are given in bytes, so a label never looks rounder than the
+    buffer was.
+    """
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= div:
-            q = nbytes / div
-            return f"{int(q)} {unit}" if nbytes % div == 0 else f"{q:.1f} {unit}"
+        if nbytes >= div and (nbytes * 100) % div == 0:  # exact with at most two decimals
+            return f"{nbytes / div:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{nbytes} B"
