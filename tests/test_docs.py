@@ -335,3 +335,17 @@ def test_settings_page_names_every_variable() -> None:
             names.update(re.findall(r"[\"']((?:MLX|MESHCOMM)_[A-Z0-9_]+)[\"']", py.read_text()))
     missing = sorted(n for n in names - INTERNAL_VARS if f"`{n}`" not in text and n not in text)
     assert not missing, f"docs/settings.md does not mention {missing}"
+
+
+def test_launch_page_matches_the_command_line() -> None:
+    """Every option of `meshcomm launch --help` is on docs/launch.md, and the synopsis there
+    names no option the command does not have."""
+    page = (DOCS / "launch.md").read_text()
+    res = _run([str(BIN / "meshcomm"), "launch", "--help"], ROOT)
+    assert res.returncode == 0, res.stdout
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", res.stdout)) - {"--help"}
+    synopsis = next(b for b in parse_blocks(DOCS / "launch.md") if b.first_line.startswith("meshcomm launch"))
+    shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", synopsis.code))
+    assert not sorted(f for f in flags if f not in page), "docs/launch.md lacks these options"
+    assert not sorted(shown - flags), "the synopsis in docs/launch.md names options launch does not have"
+
