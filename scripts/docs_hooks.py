@@ -8,9 +8,9 @@ Three jobs, so that the site is built from the files people read on a checkout:
   points there, so strict mode still fails on a link to a file that does not exist;
 * the settings table of ``docs/settings.md`` is rendered from the pydantic models (the
   core's ``Config`` and every bundled backend's settings model) at build time, so it
-  cannot drift from the code. ``python scripts/docs_hooks.py --write`` writes the same
-  table into the file for readers of the raw markdown; ``tests/test_docs.py`` fails when
-  the file is out of date.
+  cannot drift from the code, and the README's list of every variable name from that
+  page. ``python scripts/docs_hooks.py --write`` writes both into the files for readers
+  of the raw markdown; ``tests/test_docs.py`` fails when either is out of date.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ __all__ = [
     "settings_table",
     "with_settings_table",
     "rewrite_links",
+    "NAMES_BEGIN",
+    "NAMES_END",
+    "variable_names",
+    "with_variable_names",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +45,8 @@ DOCS = ROOT / "docs"
 BUNDLED = ("meshcomm", "meshcomm-sockets", "meshcomm-mpi", "meshcomm-gloo")
 TABLE_BEGIN = "<!-- settings-table:begin: generated from the pydantic models by scripts/docs_hooks.py, do not edit -->"
 TABLE_END = "<!-- settings-table:end -->"
+NAMES_BEGIN = "<!-- settings-names:begin: generated from docs/settings.md by scripts/docs_hooks.py, do not edit -->"
+NAMES_END = "<!-- settings-names:end -->"
 _REPO_PREFIX = "_repo/"
 _LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -132,6 +138,35 @@ def with_settings_table(markdown: str) -> str:
     return markdown[: begin + len(TABLE_BEGIN)] + "\n" + settings_table() + "\n" + markdown[end:]
 
 
+def variable_names() -> list[str]:
+    """Every variable docs/settings.md documents (generated table included), in page order."""
+    text = with_settings_table((DOCS / "settings.md").read_text())
+    names: list[str] = []
+    for name in re.findall(r"`((?:MLX|MESHCOMM)_[A-Z0-9_]+)`", text):
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def with_variable_names(markdown: str) -> str:
+    """``markdown`` (the README) with the list between the name markers replaced by the
+    current names, wrapped at 90 columns."""
+    begin, end = markdown.find(NAMES_BEGIN), markdown.find(NAMES_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README.md lacks the markers {NAMES_BEGIN!r} ... {NAMES_END!r}")
+    words = [f"`{n}`," for n in variable_names()]
+    words[-1] = words[-1].rstrip(",") + "."
+    lines, line = [], ""
+    for w in words:
+        if line and len(line) + 1 + len(w) > 90:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}" if line else w
+    lines.append(line)
+    return markdown[: begin + len(NAMES_BEGIN)] + "\n" + "\n".join(lines) + "\n" + markdown[end:]
+
+
 # -- links ----------------------------------------------------------------------------------
 def _targets(markdown: str) -> list[tuple[int, int, str]]:
     """(start, end, target) of every relative link outside fenced code blocks."""
@@ -204,24 +239,30 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     src_uri = page.file.src_uri
     if src_uri == "settings.md":
         markdown = with_settings_table(markdown)
+    elif src_uri == "index.md" and NAMES_BEGIN in markdown:
+        markdown = with_variable_names(markdown)
     text, _ = rewrite_links(markdown, _real_path(src_uri), str(Path(src_uri).parent))
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--write``: render the settings table into docs/settings.md; ``--check``: exit 1 if stale."""
+    """``--write``: render the settings table into docs/settings.md and the variable names
+    into README.md; ``--check``: exit 1 if either is stale."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="write the table into docs/settings.md")
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/settings.md is out of date")
     args = ap.parse_args(argv)
-    path = DOCS / "settings.md"
-    old = path.read_text()
-    new = with_settings_table(old)
-    if args.write and new != old:
-        path.write_text(new)
-        print(f"wrote {path}")
-    if args.check and new != old:
-        print(f"{path} is out of date: run python scripts/docs_hooks.py --write", file=sys.stderr)
+    stale = 0
+    for path, render in ((DOCS / "settings.md", with_settings_table), (ROOT / "README.md", with_variable_names)):
+        old = path.read_text()
+        new = render(old)
+        if args.write and new != old:
+            path.write_text(new)
+            print(f"wrote {path}")
+        if args.check and new != old:
+            print(f"{path} is out of date: run python scripts/docs_hooks.py --write", file=sys.stderr)
+            stale = 1
+    if stale:
         return 1
     if not (args.write or args.check):
         print(settings_table())
