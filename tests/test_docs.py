@@ -318,10 +318,16 @@ def _hooks():
 
 
 def test_settings_table_is_current() -> None:
+    """The generated parts committed in the markdown match what the build renders."""
     hooks = _hooks()
     text = (DOCS / "settings.md").read_text()
     assert hooks.with_settings_table(text) == text, (
         "docs/settings.md's table differs from the pydantic models: run "
+        ".venv/bin/python scripts/docs_hooks.py --write"
+    )
+    readme = (ROOT / "README.md").read_text()
+    assert hooks.with_variable_names(readme) == readme, (
+        "README.md's list of variables differs from docs/settings.md: run "
         ".venv/bin/python scripts/docs_hooks.py --write"
     )
 
