@@ -350,19 +350,19 @@ def test_environment_says_what_is_missing() -> None:
     assert reason is not None
     for var in ("MLX_RANK", "MLX_WORLD_SIZE", "MESHCOMM_GLOO_PORT", "MESHCOMM_GLOO_FILE"):
         assert var in reason
-    ok = load_settings(GlooSettings, environ={"MLX_WORLD_SIZE": "2", "MESHCOMM_GLOO_PORT": "1234"})
-    assert environment(Config(rank=1), ok) is None
+    ok = load_settings(GlooSettings, environ={"MESHCOMM_GLOO_PORT": "1234"})
+    assert environment(Config(rank=1, world_size=2), ok) is None  # rank and size: the core's Config
 
 
 def test_bad_settings_name_the_variable() -> None:
-    from meshcomm.config import load_settings
+    from meshcomm.config import Config, load_settings
     from meshcomm.errors import ConfigError
     from meshcomm_gloo.settings import GlooSettings
 
     with pytest.raises(ConfigError, match="MESHCOMM_GLOO_PORT='70000'.*65535"):
         load_settings(GlooSettings, environ={"MESHCOMM_GLOO_PORT": "70000"})
-    with pytest.raises(ConfigError, match="MLX_WORLD_SIZE='zero'"):
-        load_settings(GlooSettings, environ={"MLX_WORLD_SIZE": "zero"})
+    with pytest.raises(ConfigError, match="MLX_WORLD_SIZE='zero'"):  # the core's setting, not gloo's
+        Config.load({"MLX_WORLD_SIZE": "zero"})
 
 
 def test_rank_beyond_world_size_is_a_config_error() -> None:
@@ -371,8 +371,8 @@ def test_rank_beyond_world_size_is_a_config_error() -> None:
     from meshcomm_gloo.plugin import factory
     from meshcomm_gloo.settings import GlooSettings
 
-    with pytest.raises(ConfigError, match="MLX_RANK=2 is not below MLX_WORLD_SIZE=2"):
-        factory(Config(rank=2), GlooSettings(world_size=2, port=_free_port()))
+    with pytest.raises(ConfigError, match="rank 2 is not below the world size 2"):  # checked by the core's Config
+        factory(Config.load({"MLX_RANK": "2", "MLX_WORLD_SIZE": "2"}), GlooSettings(port=_free_port()))
 
 
 def test_unavailable_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -149,12 +149,11 @@ def test_mpirun_launches_gloo_ranks_with_a_coordinator() -> None:
 
 # -- where the rendezvous comes from (no processes) ------------------------------------------------
 def _resolve(env: dict[str, str]):  # type: ignore[no-untyped-def]
-    from meshcomm.config import load_settings
+    from meshcomm.config import Config, load_settings
     from meshcomm_gloo.placing import resolve
     from meshcomm_gloo.settings import GlooSettings
 
-    rank = int(env["MLX_RANK"]) if "MLX_RANK" in env else None
-    return resolve(rank, load_settings(GlooSettings, environ=env), env)
+    return resolve(Config.load(env), load_settings(GlooSettings, environ=env), env)
 
 
 def test_resolve_prefers_explicit_settings_then_file_then_coordinator(tmp_path: Path) -> None:
@@ -181,16 +180,16 @@ def test_resolve_under_torchrun_is_a_client_of_the_agent_store() -> None:
 
 
 def test_missing_names_every_way_to_start() -> None:
-    from meshcomm.config import load_settings
+    from meshcomm.config import Config, load_settings
     from meshcomm_gloo.placing import missing
     from meshcomm_gloo.settings import GlooSettings
 
-    lacking = " ".join(missing(None, load_settings(GlooSettings, environ={}), {}))
+    lacking = " ".join(missing(Config.load({}), load_settings(GlooSettings, environ={})))
     for var in ("MLX_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "MLX_WORLD_SIZE", "MLX_COORDINATOR",
                 "MASTER_ADDR", "MESHCOMM_GLOO_PORT", "MESHCOMM_GLOO_FILE"):
         assert var in lacking, lacking
-    assert missing(None, load_settings(GlooSettings, environ={}),
-                   {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MLX_COORDINATOR": "h:1"}) == []
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MLX_COORDINATOR": "h:1"}
+    assert missing(Config.load(env), load_settings(GlooSettings, environ={})) == []
 
 
 # -- rank programs ------------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 In order of precedence:
 
-* rank and world size: ``MLX_RANK``/``MLX_WORLD_SIZE``; else the first scheduler family
-  :func:`meshcomm.placement.placement` finds (Slurm, Open MPI, PMIx, MPICH, torchrun);
+* rank and world size: the core's :class:`~meshcomm.plugin.Config` (``MLX_RANK``/
+  ``MLX_WORLD_SIZE``, else the first launcher family :func:`meshcomm.plugin.placement`
+  finds: Slurm, Open MPI, PMIx, MPICH, torchrun); gloo reads no rank variable itself;
 * the store: ``MESHCOMM_GLOO_PORT`` (with ``MESHCOMM_GLOO_ADDR``; rank 0 hosts a TCPStore),
-  else ``MESHCOMM_GLOO_FILE`` (a FileStore), else the coordinator
-  (:func:`meshcomm.placement.coordinator`: ``MLX_COORDINATOR``, ``MASTER_ADDR``/``MASTER_PORT``
-  or the Slurm step; from ``MASTER_*`` it is the port above ``MASTER_PORT``), where rank 0
-  hosts the TCPStore. Under torchrun
+  else ``MESHCOMM_GLOO_FILE`` (a FileStore), else the core config's coordinator
+  (``MLX_COORDINATOR``, ``MASTER_ADDR``/``MASTER_PORT`` or the Slurm step; from ``MASTER_*``
+  it is the port above ``MASTER_PORT``), where rank 0 hosts the TCPStore. Under torchrun
   (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves a TCPStore at
   ``MASTER_ADDR:MASTER_PORT``: every rank connects to it as a client, and meshcomm's keys
   live under a namespace naming the run, the restart and this process's start-up count.
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from meshcomm.plugin import BackendUnavailableError, ConfigError, coordinator, placement
+from meshcomm.plugin import BackendUnavailableError, Config
 
 if TYPE_CHECKING:
     from .settings import GlooSettings
 
-__all__ = ["Rendezvous", "resolve", "missing", "job_id", "rank_and_size"]
+__all__ = ["Rendezvous", "resolve", "missing", "job_id"]
 
 _RANK_VARS = "MLX_RANK (or a scheduler's rank: SLURM_PROCID, OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, RANK)"
 _SIZE_VARS = "MLX_WORLD_SIZE (or a scheduler's size: SLURM_NTASKS, OMPI_COMM_WORLD_SIZE, PMI_SIZE, WORLD_SIZE)"
@@ -70,63 +70,40 @@ def job_id(environ: Mapping[str, str]) -> str:
     return environ.get("MESHCOMM_JOB_ID", "").strip() or environ.get("TORCHELASTIC_RUN_ID", "").strip()
 
 
-def _rank_size(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str]
-               ) -> tuple[int | None, int | None, str]:
-    """Rank (the core's, else the scheduler's) and size (MLX_WORLD_SIZE, else the scheduler's)."""
-    where = placement(environ)
-    rank = config_rank if config_rank is not None else (where.rank if where is not None else None)
-    size: int | None
-    if settings.world_size is not None:
-        size, size_from = settings.world_size, "MLX_WORLD_SIZE"
-    else:
-        size = where.size if where is not None else None
-        size_from = where.source if where is not None else "nothing"
-    if environ.get("MLX_RANK", "").strip():
-        rank_from = "MLX_RANK"
-    else:
-        rank_from = where.source if where is not None and where.rank == rank else "the core config"
-    return rank, size, f"rank from {rank_from}, size from {size_from}"
+def _said(config: Config) -> str:
+    """Whose variables gave rank and size, for messages (the config already checked rank < size)."""
+    source = config.placement_source or "MLX_RANK"
+    if source in ("MLX_RANK", "argument rank"):
+        return f"rank from {source}, size from MLX_WORLD_SIZE"
+    return f"rank and size from {source}"
 
 
-def rank_and_size(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str] | None = None
-                  ) -> tuple[int | None, int | None]:
-    """This rank and the world size as far as they are known (None where nothing says)."""
-    rank, size, _ = _rank_size(config_rank, settings, os.environ if environ is None else environ)
-    return rank, size
-
-
-def missing(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str] | None = None
-            ) -> list[str]:
+def missing(config: Config, settings: GlooSettings) -> list[str]:
     """What is still needed to start (empty when the environment is complete)."""
-    env = os.environ if environ is None else environ
-    rank, size, _ = _rank_size(config_rank, settings, env)
     out = []
-    if rank is None:
+    if config.rank is None:
         out.append(_RANK_VARS)
-    if size is None:
+    if config.world_size is None:
         out.append(_SIZE_VARS)
-    if settings.port is None and settings.file is None and coordinator(env) is None:
+    if settings.port is None and settings.file is None and config.coordinator is None:
         out.append(_STORE_VARS)
     return out
 
 
-def resolve(config_rank: int | None, settings: GlooSettings, environ: Mapping[str, str] | None = None
-            ) -> Rendezvous:
-    """The rendezvous of this rank; BackendUnavailableError naming what is missing, ConfigError for a
-    rank not below the size."""
+def resolve(config: Config, settings: GlooSettings, environ: Mapping[str, str] | None = None) -> Rendezvous:
+    """The rendezvous of this rank; BackendUnavailableError naming what is missing.
+
+    ``environ`` (default ``os.environ``) is read for the job id and torchrun's agent store only.
+    """
     env = os.environ if environ is None else environ
-    lacking = missing(config_rank, settings, env)
+    lacking = missing(config, settings)
     if lacking:
         raise BackendUnavailableError(
             f"gloo backend: missing {'; '.join(lacking)}. Start the job with `meshcomm launch --backend gloo`, "
             "under a scheduler (srun, mpirun, torchrun) with MLX_COORDINATOR=host:port, or set those variables "
             "on every rank")
-    rank, size, said = _rank_size(config_rank, settings, env)
+    rank, size, said = config.rank, config.world_size, _said(config)
     assert rank is not None and size is not None
-    if rank >= size:
-        raise ConfigError(
-            f"gloo backend: MLX_RANK={rank} is not below MLX_WORLD_SIZE={size} ({said}); ranks run from 0 to "
-            f"{size - 1}")
     job = job_id(env)
     if settings.port is not None:
         return Rendezvous(rank, size, "host" if rank == 0 else "client", settings.addr, settings.port, None, "",
@@ -134,7 +111,7 @@ def resolve(config_rank: int | None, settings: GlooSettings, environ: Mapping[st
     if settings.file is not None:
         return Rendezvous(rank, size, "file", "", 0, settings.file, "", job,
                           f"{said}; store from MESHCOMM_GLOO_FILE")
-    coord = coordinator(env)
+    coord = config.coordinator_address()
     assert coord is not None
     origin = f"{said}; store at the coordinator from {coord.source}"
     if coord.source.startswith("MASTER_ADDR") and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

@@ -61,7 +61,9 @@ def available() -> str | None:
 
 def environment(config: Config, settings: Any) -> str | None:
     """None when this process was started for gloo (rank, world size and a rendezvous are set)."""
-    missing = settings.missing(config.rank) if isinstance(settings, GlooSettings) else ["gloo settings"]
+    from .placing import missing as lacking
+
+    missing = lacking(config, settings) if isinstance(settings, GlooSettings) else ["gloo settings"]
     return None if not missing else "not set: " + ", ".join(missing)
 
 
@@ -121,9 +123,7 @@ def _check_secret(config: Config, settings: GlooSettings) -> None:
             "but MESHCOMM_JOB_SECRET is not: give every rank the same secret, e.g. export MESHCOMM_JOB_SECRET="
             "$(python -c 'import secrets;print(secrets.token_hex(16))') once and pass it to every rank "
             "(meshcomm launch sets one itself)")
-    from .placing import rank_and_size
-
-    rank, size = rank_and_size(config.rank, settings)
+    rank, size = config.rank, config.world_size
     if rank == 0 and (size or 2) > 1 and not _WARNED["no_secret"]:
         _WARNED["no_secret"] = True
         log.warning(NO_SECRET_WARNING)

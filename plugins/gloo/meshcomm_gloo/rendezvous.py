@@ -37,7 +37,7 @@ def make_store(config: Config, settings: GlooSettings) -> tuple[Any, int, int, s
     Where the store is and who hosts it comes from :func:`.placing.resolve`; every value in it
     is sealed with the job secret (:mod:`.sealing`).
     """
-    rdv = resolve(config.rank, settings)
+    rdv = resolve(config, settings)
     rank, size, where = rdv.rank, rdv.size, rdv.describe()
     sealer = Sealer((settings.secret or "").encode(), rdv.job)
     inner: Any

@@ -2,8 +2,9 @@
 
 Every field is built with :func:`meshcomm.config.setting`, so it names its environment
 variable and what it accepts; a bad value raises a ConfigError naming the variable.
-The rank comes from the core config (``MLX_RANK``); when neither it nor these settings
-say where the job is, :mod:`.placing` reads the scheduler's variables and the coordinator.
+Rank, world size and the coordinator come from the core's Config (``MLX_RANK``,
+``MLX_WORLD_SIZE``, ``MLX_COORDINATOR`` or any launcher's variables); :mod:`.placing`
+combines them with these settings.
 """
 
 from __future__ import annotations
@@ -42,13 +43,6 @@ class GlooSettings(BaseModel):
         accepts="the path of a file on a file system every rank shares (it must not hold an old job's data)",
         description="rendezvous through a FileStore instead of a TCPStore (used when no port is set)",
     )
-    world_size: int | None = setting(
-        None,
-        env="MLX_WORLD_SIZE",
-        accepts="an integer >= 1, the same on every rank",
-        description="number of ranks in the job",
-        ge=1,
-    )
     ifname: str | None = setting(
         None,
         env="MESHCOMM_GLOO_IFNAME",
@@ -65,12 +59,3 @@ class GlooSettings(BaseModel):
         False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
         description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
     )
-
-    def missing(self, rank: int | None) -> list[str]:
-        """Names of the variables still needed to start (empty when the environment is complete).
-
-        Also consults the scheduler's rank variables and the coordinator (:mod:`.placing`).
-        """
-        from .placing import missing
-
-        return missing(rank, self)
