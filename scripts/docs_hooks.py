@@ -1,6 +1,6 @@
 """mkdocs hooks for the documentation site (mkdocs.yml) and the settings table's generator.
 
-Three jobs, so that the site is built from the files people read on a checkout:
+Four jobs, so that the site is built from the files people read on a checkout:
 
 * the README is the site's home page (``index.md``), its links rewritten to the site;
 * a link from a page to a file of the repository outside ``docs/`` (``scripts/demo.sh``,
@@ -10,7 +10,8 @@ Three jobs, so that the site is built from the files people read on a checkout:
   core's ``Config`` and every bundled backend's settings model) at build time, so it
   cannot drift from the code, and the README's list of every variable name from that
   page. ``python scripts/docs_hooks.py --write`` writes both into the files for readers
-  of the raw markdown; ``tests/test_docs.py`` fails when either is out of date.
+  of the raw markdown; ``tests/test_docs.py`` fails when either is out of date;
+* the API reference drops the Sphinx roles of the docstrings (``:func:`x``` shows ``x``).
 """
 
 from __future__ import annotations
@@ -243,6 +244,14 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         markdown = with_variable_names(markdown)
     text, _ = rewrite_links(markdown, _real_path(src_uri), str(Path(src_uri).parent))
     return text
+
+
+_ROLE = re.compile(r":(?:func|class|data|mod|meth|attr|exc|obj):(<code>)")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """Docstrings use Sphinx roles (``:func:`name```); the reference shows just the name."""
+    return _ROLE.sub(r"\1", html)
 
 
 def main(argv: list[str] | None = None) -> int:
