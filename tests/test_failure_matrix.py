@@ -152,7 +152,7 @@ def test_failure(backend: str, kind: str) -> None:
     if backend == "mpi" and kind == "sigkill" and _mpich():
         # MPICH's mpiexec (Hydra) ends the job itself the moment a rank is killed: it kills
         # the survivors at once (they get no chance to print) and exits with the signal
-        # number, 9 (documented in docs/backends/mpi.md and the README).
+        # number, 9 (documented in docs/backends/mpi.md and docs/errors-and-failures.md).
         survivors, want_rc = (), 9
     for r in survivors:
         errs = job.errors(r)
@@ -165,7 +165,7 @@ def test_failure(backend: str, kind: str) -> None:
             if name not in want or peer != "1":
                 problems.append(f"rank {r} raised {name} peer={peer}; want {' or '.join(want)} peer=1")
         elif kind == "send" and backend == "sockets":
-            # documented limit (README, failures): sockets has no exit notice carrying a rank's
+            # documented limit (docs/errors-and-failures.md): sockets has no exit notice carrying a rank's
             # last call, so a collective met by a send is seen as the sender's exit once its
             # program ends: PeerLostError naming it, never a result
             if name not in ("PeerLostError", "CollectiveMismatchError") or peer not in ("1", "None"):

@@ -102,7 +102,7 @@ def launch(options: LaunchOptions) -> int:
     if not isinstance(support, (RankEnvLauncher, ExternalLauncher)):
         raise ConfigError(
             f"backend {spec.name!r} cannot be started by meshcomm launch: its plugin gave no launcher "
-            "support (see 'Launcher support' in the README)"
+            "support (see 'Launcher support' in docs/writing-a-backend.md)"
         )
     argv = list(options.program)
     interpreter = options.python or sys.executable

@@ -1,8 +1,8 @@
 """An example third-party backend: ranks on one machine talk over Unix domain sockets.
 
 It implements only rank, size, send and recv; every collective, split and barrier
-comes from meshcomm's generic algorithms. It is what the README's "Writing a backend"
-section describes, installed by the test suite without touching meshcomm itself.
+comes from meshcomm's generic algorithms. It is what docs/writing-a-backend.md
+describes, installed by the test suite without touching meshcomm itself.
 """
 
 from __future__ import annotations
