@@ -120,13 +120,14 @@ def settings_table() -> str:
                                         "accepts": str(extra.get("accepts", ""))})
             row["used"].append(section)
     lines = [
-        "| variable | default | type | used by | meaning | accepts |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| variable | default | type | used by | meaning (and what it accepts) |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for var, row in rows.items():
+        accepts = f" *Accepts:* {_cell(row['accepts'])}." if row["accepts"] else ""
         lines.append(
             f"| `{var}` | {row['default']} | {_cell(row['type'])} | {', '.join(row['used'])} "
-            f"| {_cell(row['description'])} | {_cell(row['accepts'])} |"
+            f"| {_cell(row['description']).rstrip('.')}.{accepts} |"
         )
     return "\n".join(lines)
 
