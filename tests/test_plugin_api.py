@@ -82,3 +82,25 @@ def test_register_checks_the_launcher_type() -> None:
 
     with pytest.raises(TypeError, match="rank_env"):
         api.BackendRegistrar(reg)("x", factory=lambda c, s: None, launcher=NoLauncher())  # type: ignore[arg-type, return-value]
+
+
+def test_job_secret_settings_and_check_are_shared(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from meshcomm_gloo.settings import GlooSettings
+    from meshcomm_sockets.plugin import SocketsSettings
+
+    for model in (SocketsSettings, GlooSettings):  # one definition of the two variables
+        assert issubclass(model, api.JobSecretSettings)
+        s = api.load_settings(model, environ={"MESHCOMM_JOB_SECRET": "k", "MESHCOMM_REQUIRE_SECRET": "1"})
+        assert (s.secret, s.require_secret) == ("k", True)
+    log = logging.getLogger("meshcomm.test-secret")
+    required = api.JobSecretSettings(require_secret=True)
+    with pytest.raises(api.ConfigError, match="demo backend, rank 1: MESHCOMM_REQUIRE_SECRET is set"):
+        api.check_job_secret(required, who="demo backend", rank=1, size=1, warning="w", log=log)
+    none = api.JobSecretSettings()
+    with caplog.at_level(logging.WARNING, logger="meshcomm.test-secret"):
+        for rank in (0, 1, 0):
+            api.check_job_secret(none, who="demo", rank=rank, size=2, warning="no secret (test)", log=log)
+        api.check_job_secret(none, who="demo", rank=0, size=1, warning="alone (test)", log=log)
+    assert [r.getMessage() for r in caplog.records] == ["no secret (test)"]

@@ -22,7 +22,9 @@ What is here, by job:
   :func:`reduce_scatter_by_all_reduce`);
 * settings: :class:`Config` (the core's settings a factory receives), :func:`setting`
   (a pydantic field that names its environment variable), :func:`load_settings`,
-  :class:`Settings` (a model that reads the environment when constructed);
+  :class:`Settings` (a model that reads the environment when constructed),
+  :class:`JobSecretSettings` and :func:`check_job_secret` (``MESHCOMM_JOB_SECRET`` and
+  ``MESHCOMM_REQUIRE_SECRET``, the same for every backend that authenticates);
 * where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
   rendezvous address from any launcher family), :func:`exchange` and
   :func:`local_address` (the coordinator's address exchange);
@@ -57,6 +59,7 @@ from .errors import (
     PeerLostError,
 )
 from .hookspecs import hookimpl
+from .jobsecret import JobSecretSettings, check_job_secret
 from .launch.safety import check_env_name, secret_names
 from .launch.spec import (
     CleanupLauncher,
@@ -77,7 +80,7 @@ __all__ = [
     "Backend", "in_place", "algorithms", "split_plan", "split_members", "SplitPlan",
     "reduce_scatter_by_all_reduce",
     # settings
-    "Config", "Settings", "setting", "load_settings",
+    "Config", "Settings", "setting", "load_settings", "JobSecretSettings", "check_job_secret",
     # where the rank runs
     "placement", "coordinator", "Placement", "Coordinator", "exchange", "local_address",
     # meshcomm launch

@@ -17,8 +17,8 @@ from meshcomm.plugin import (
     BackendRegistrar,
     BackendUnavailableError,
     Config,
-    ConfigError,
     DistributedError,
+    check_job_secret,
     hookimpl,
 )
 
@@ -42,7 +42,6 @@ NO_SECRET_WARNING = (
     "connections are never authenticated or encrypted (use a WireGuard or ssh tunnel between hosts). Set "
     "MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
 )
-_WARNED = {"no_secret": False}
 
 
 def available() -> str | None:
@@ -87,7 +86,8 @@ def factory(config: Config, settings: Any) -> Backend:
     from .errors import StoreAuthError, translate
     from .rendezvous import WORLD_PREFIX, connect, make_store
 
-    _check_secret(config, settings)
+    check_job_secret(settings, who="gloo backend", rank=config.rank, size=config.world_size,
+                     warning=NO_SECRET_WARNING, log=log)
     store, rank, size, where = make_store(config, settings)
     try:
         peers = admit(store, rank, size)
@@ -111,22 +111,6 @@ def factory(config: Config, settings: Any) -> Backend:
                         op="start-up (connecting to every rank)", timeout=config.timeout) from exc
     return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers,
                        ends=ends)
-
-
-def _check_secret(config: Config, settings: GlooSettings) -> None:
-    """Without MESHCOMM_JOB_SECRET: a ConfigError if required, else one warning from rank 0."""
-    if settings.secret:
-        return
-    if settings.require_secret:
-        raise ConfigError(
-            f"gloo backend, rank {config.rank if config.rank is not None else '?'}: MESHCOMM_REQUIRE_SECRET is set "
-            "but MESHCOMM_JOB_SECRET is not: give every rank the same secret, e.g. export MESHCOMM_JOB_SECRET="
-            "$(python -c 'import secrets;print(secrets.token_hex(16))') once and pass it to every rank "
-            "(meshcomm launch sets one itself)")
-    rank, size = config.rank, config.world_size
-    if rank == 0 and (size or 2) > 1 and not _WARNED["no_secret"]:
-        _WARNED["no_secret"] = True
-        log.warning(NO_SECRET_WARNING)
 
 
 @hookimpl

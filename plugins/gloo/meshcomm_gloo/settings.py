@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshcomm.plugin import setting
-from pydantic import BaseModel, ConfigDict
+from meshcomm.plugin import JobSecretSettings, setting
 
 __all__ = ["GlooSettings"]
 
 
-class GlooSettings(BaseModel):
-    """Rendezvous of the gloo backend: a TCPStore hosted by rank 0, or a shared file."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class GlooSettings(JobSecretSettings):
+    """Rendezvous of the gloo backend: a TCPStore hosted by rank 0, or a shared file; the job
+    secret (``secret``, ``require_secret``) tags every value in the store."""
 
     addr: str = setting(
         "127.0.0.1",
@@ -48,14 +46,4 @@ class GlooSettings(BaseModel):
         env="MESHCOMM_GLOO_IFNAME",
         accepts="a network interface name such as eth0 or lo (GLOO_SOCKET_IFNAME is honoured too)",
         description="network interface gloo's data connections use (default: the host name's address)",
-    )
-
-    secret: str | None = setting(
-        None, env="MESHCOMM_JOB_SECRET", accepts="any string, the same on every rank",
-        description="per-job secret: every value in the rendezvous store carries an HMAC tag made with it "
-        "(meshcomm launch generates one)",
-    )
-    require_secret: bool = setting(
-        False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
-        description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
     )

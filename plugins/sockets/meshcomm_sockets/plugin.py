@@ -14,11 +14,12 @@ from meshcomm.plugin import (
     BackendRegistrar,
     Config,
     ConfigError,
+    JobSecretSettings,
     JobSpec,
+    check_job_secret,
     hookimpl,
     setting,
 )
-from pydantic import BaseModel, ConfigDict
 
 __all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher", "NO_SECRET_WARNING"]
 
@@ -36,23 +37,14 @@ NO_SECRET_WARNING = (
 )
 
 
-class SocketsSettings(BaseModel):
-    """Settings of the sockets backend (besides the core's MLX_HOSTFILE, MLX_RANK, MLX_TIMEOUT)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class SocketsSettings(JobSecretSettings):
+    """Settings of the sockets backend (besides the core's MLX_HOSTFILE, MLX_RANK, MLX_TIMEOUT);
+    ``secret`` and ``require_secret`` (every connection proves the job secret) are inherited."""
 
     bind: str | None = setting(
         None, env="MESHCOMM_SOCKETS_BIND",
         accepts="a local address to listen on, e.g. 0.0.0.0 or ::",
         description="listen here instead of this rank's hostfile address (peers still use the hostfile's)",
-    )
-    secret: str | None = setting(
-        None, env="MESHCOMM_JOB_SECRET", accepts="any string, the same on every rank",
-        description="per-job secret every connection must prove (meshcomm launch generates one)",
-    )
-    require_secret: bool = setting(
-        False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
-        description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
     )
     integrity: Literal["auto", "payload", "header"] = setting(
         "auto", env="MESHCOMM_SOCKETS_INTEGRITY", accepts="auto, payload or header (the same on every rank)",
@@ -133,19 +125,8 @@ def _seq_start() -> int:
     return value
 
 
-def _check_secret(rank: int, secret: bytes, settings: SocketsSettings, size: int) -> None:
-    """A job of several ranks without a secret: an error under MESHCOMM_REQUIRE_SECRET, else
-    a warning from rank 0."""
-    if secret or size < 2:
-        return
-    if settings.require_secret:
-        raise ConfigError(
-            f"rank {rank}: MESHCOMM_REQUIRE_SECRET is set but MESHCOMM_JOB_SECRET is not: give every "
-            "rank the same secret, e.g. export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;"
-            "print(secrets.token_hex(16))') once and pass it to every rank (meshcomm launch sets one itself)"
-        )
-    if rank == 0:
-        log.warning(NO_SECRET_WARNING)
+def _check_secret(rank: int, settings: SocketsSettings, size: int) -> None:
+    check_job_secret(settings, who="sockets backend", rank=rank, size=size, warning=NO_SECRET_WARNING, log=log)
 
 
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
@@ -167,13 +148,13 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
                 f"MLX_RANK={config.rank} but MLX_HOSTFILE={str(config.hostfile)!r} lists {len(peers)} "
                 f"ranks; expected 0 <= MLX_RANK < {len(peers)}"
             )
-        _check_secret(config.rank, secret, settings, len(peers))
+        _check_secret(config.rank, settings, len(peers))
         if settings.listen_fd is not None:
             listener = socket.socket(fileno=settings.listen_fd)
     else:
         from .rendezvous import peers_from_coordinator
 
-        _check_secret(config.rank, secret, settings, config.world_size or 1)
+        _check_secret(config.rank, settings, config.world_size or 1)
         peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
     conns = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib, settings.integrity),
                       timeout=startup, bind=settings.bind, listener=listener)
