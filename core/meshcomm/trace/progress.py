@@ -31,9 +31,11 @@ STATES = {IDLE: "idle", RUNNING: "in", FINISHED: "finished", FAILED: "failed in"
 MAGIC = b"MCP1"
 SLOTS = 32
 _HEAD = struct.Struct("<4siii d 24s 64s q i")  # magic rank pid state time op group seq peer
-_STATE = struct.Struct("<i d")  # state and time, at offset _STATE_AT
+_NOW = struct.Struct("<i d 24s 64s q i")  # the header after magic, rank and pid: what changes per operation
+_STATE = struct.Struct("<i d")  # state and time
 _STATE_AT = 12  # after magic, rank and pid
 _SLOT = struct.Struct("<64s q")
+_SEQ = struct.Struct("<q")  # a slot's sequence, after its group name
 SIZE = _HEAD.size + SLOTS * _SLOT.size
 
 
@@ -59,20 +61,25 @@ class ProgressWriter:
         finally:
             os.close(fd)
         self._rank = rank
+        self._pid = os.getpid()
         self._slots: dict[str, int] = {}
+        self._bytes: dict[str, bytes] = {}  #: names already encoded (no encoding per operation)
         _HEAD.pack_into(self._mm, 0, MAGIC, rank, os.getpid(), IDLE, 0.0, b"", b"", 0, -1)
 
     def begin(self, op: str, group: str, seq: int, peer: int, now: float) -> None:
         """This rank entered ``op`` (collective number ``seq`` of ``group``, or a send/recv with ``peer``)."""
-        _HEAD.pack_into(self._mm, 0, MAGIC, self._rank, os.getpid(), RUNNING, now, op.encode()[:24],
-                        group.encode()[:64], seq, peer)
+        enc = self._bytes
+        op_b = enc.get(op) or enc.setdefault(op, op.encode()[:24])
+        group_b = enc.get(group) or enc.setdefault(group, group.encode()[:64])
+        _NOW.pack_into(self._mm, _STATE_AT, RUNNING, now, op_b, group_b, seq, peer)
         if peer < 0:
             slot = self._slots.get(group)
             if slot is None:
                 if len(self._slots) >= SLOTS:
                     return  # more groups than slots: the newest ones go unrecorded
                 slot = self._slots[group] = _HEAD.size + len(self._slots) * _SLOT.size
-            _SLOT.pack_into(self._mm, slot, group.encode()[:64], seq)
+                _SLOT.pack_into(self._mm, slot, group_b, 0)
+            _SEQ.pack_into(self._mm, slot + 64, seq)
 
     def end(self, ok: bool, now: float) -> None:
         """The operation begun last ended (``ok``: it returned)."""

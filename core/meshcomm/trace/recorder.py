@@ -53,7 +53,7 @@ active: Recorder | None = None
 _lock = threading.Lock()
 
 #: one event: group, sequence, op, peer (-1: a collective), bytes, dtype, start, end, ok
-Event = tuple[str, int, str, int, int, str, float, float, bool]
+Event = tuple[str, int, str, int, int, Any, float, float, bool]
 
 
 def rank_file(folder: str | os.PathLike[str], rank: int) -> Path:
@@ -85,19 +85,49 @@ def _closure(run: Callable[..., Any], name: str) -> Any:
         return None
 
 
-def _payload(run: Callable[..., Any]) -> tuple[int, str]:
-    """Bytes and dtype this rank passes to the operation (0 and "" when it passes none)."""
+#: where the payload is in each operation's closure, by code object: (kind, index, index)
+_WHERE: dict[Any, tuple[int, int, int]] = {}
+_NONE, _ARRAY, _BYTES, _SHAPE = 0, 1, 2, 3
+
+
+def _locate(names: tuple[str, ...]) -> tuple[int, int, int]:
     for name in ("a", "flat"):
-        arr = _closure(run, name)
-        if isinstance(arr, np.ndarray):
-            return int(arr.nbytes), arr.dtype.name
-    data = _closure(run, "data")
-    if isinstance(data, bytes):
-        return len(data), "object"
-    shape, dt = _closure(run, "shp"), _closure(run, "dt")
-    if isinstance(shape, tuple) and isinstance(dt, np.dtype):
-        return int(np.prod(shape, dtype=np.int64)) * dt.itemsize, dt.name
+        if name in names:
+            return _ARRAY, names.index(name), 0
+    if "data" in names:
+        return _BYTES, names.index("data"), 0
+    if "shp" in names and "dt" in names:
+        return _SHAPE, names.index("shp"), names.index("dt")
+    return _NONE, 0, 0
+
+
+def _payload(run: Callable[..., Any]) -> tuple[int, Any]:
+    """Bytes and dtype (a NumPy dtype, "object", or "") this rank passes to the operation; the
+    closure's layout is looked up once per operation kind."""
+    code = getattr(run, "__code__", None)
+    cells = getattr(run, "__closure__", None)
+    if code is None or cells is None:
+        return 0, ""
+    where = _WHERE.get(code)
+    if where is None:
+        where = _WHERE[code] = _locate(code.co_freevars)
+    kind, i, j = where
+    try:
+        if kind == _ARRAY:
+            arr = cells[i].cell_contents
+            return int(arr.nbytes), arr.dtype
+        if kind == _BYTES:
+            return len(cells[i].cell_contents), "object"
+        if kind == _SHAPE:
+            dt = cells[j].cell_contents
+            return int(np.prod(cells[i].cell_contents, dtype=np.int64)) * dt.itemsize, dt
+    except (ValueError, AttributeError, TypeError):
+        pass
     return 0, ""
+
+
+def _dtype_name(dt: Any) -> str:
+    return dt if isinstance(dt, str) else np.dtype(dt).name
 
 
 class Recorder:
@@ -115,16 +145,22 @@ class Recorder:
         self.inspector: StallInspector | None = None
         self.started = time.time()
         self.reason = ""  #: why the file was last written: "exit" or "failure"
-        self._groups: weakref.WeakKeyDictionary[Group, _GroupState] = weakref.WeakKeyDictionary()
+        #: id(group) -> (weak reference to it, its state); the reference tells a reused id apart
+        self._groups: dict[int, tuple[weakref.ref[Group], _GroupState]] = {}
         self._names: dict[str, _GroupState] = {}
-        self._groups[world] = self._names["world"] = _GroupState("world", world.rank(), world.size())
+        self._add(world, "world")
+
+    def _add(self, group: Group, name: str) -> _GroupState:
+        st = self._names[name] = _GroupState(name, group.rank(), group.size())
+        self._groups[id(group)] = (weakref.ref(group), st)
+        return st
 
     def _state(self, group: Group) -> _GroupState:
-        st = self._groups.get(group)
-        if st is None:  # a group this recorder did not see being made (another world)
-            name = f"{group.backend}:{group._label}"
-            st = self._groups[group] = self._names[name] = _GroupState(name, group.rank(), group.size())
-        return st
+        entry = self._groups.get(id(group))
+        if entry is not None and entry[0]() is group:
+            return entry[1]
+        # a group this recorder did not see being made (another world)
+        return self._add(group, f"{group.backend}:{group._label}")
 
     def call(self, group: Group, op: str, run: Callable[[], T]) -> T:
         """Run ``run()`` (operation ``op`` on ``group``) and record it."""
@@ -156,9 +192,7 @@ class Recorder:
                 self.ring.append((st.name, seq, op, peer, nbytes, dtype, t0, t1, ok))
                 self.recorded += 1
         if op == "split":
-            color = _closure(run, "color")
-            name = f"{st.name}/{seq}.{color}"
-            self._groups[result] = self._names[name] = _GroupState(name, result.rank(), result.size())  # type: ignore[index, attr-defined]
+            self._add(result, f"{st.name}/{seq}.{_closure(run, 'color')}")  # type: ignore[arg-type]
         return result
 
     def snapshot(self, reason: str) -> dict[str, Any]:
@@ -177,7 +211,7 @@ class Recorder:
             "dropped": self.recorded - len(events),
             "groups": {st.name: {"rank": st.rank, "size": st.size} for st in self._names.values()},
             "fields": ["group", "seq", "op", "peer", "bytes", "dtype", "start", "end", "ok"],
-            "events": [list(e) for e in events],
+            "events": [[*e[:5], _dtype_name(e[5]), *e[6:]] for e in events],
         }
 
     def dump(self, reason: str) -> Path | None:
