@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from meshcomm.bench.sizes import format_size
+
 __all__ = ["main", "worker", "SIZES"]
 
 #: message sizes in bytes: 8 B, then x8 up to 64 MiB
@@ -118,20 +120,13 @@ def _run(nranks: int, max_bytes: int, timeout: float) -> dict:
     raise SystemExit(f"bench: rank 0 printed no result:\n{outs[0][-2000:]}")
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k:
-            return f"{n // k} {unit}"
-    return f"{n} B"
-
-
 def _table(runs: list[dict]) -> str:
     lines = ["| ranks | size | meshcomm all_sum (µs) | all_sum(x, out=x) (µs) | torch all_reduce (µs) | ratio "
              "| ratio out=x |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         for row in run["rows"]:
-            lines.append(f"| {run['ranks']} | {_fmt_bytes(row['bytes'])} | {row['meshcomm'] * 1e6:,.0f} | "
+            lines.append(f"| {run['ranks']} | {format_size(row['bytes'])} | {row['meshcomm'] * 1e6:,.0f} | "
                          f"{row['out'] * 1e6:,.0f} | {row['torch'] * 1e6:,.0f} | "
                          f"{row['meshcomm'] / row['torch']:.3f} | {row['out'] / row['torch']:.3f} |")
     return "\n".join(lines)

@@ -31,18 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from meshcomm.bench.sizes import format_size
 
 __all__ = ["main"]
 
 SIZES = [8, 32, 128, 512, 2 << 10, 8 << 10, 32 << 10, 128 << 10, 512 << 10,
          1 << 20, 4 << 20, 16 << 20, 64 << 20]
-
-
-def _fmt_size(n: int) -> str:
-    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n // div} {unit}"
-    return f"{n} B"
 
 
 def _plan(nbytes: int, quick: bool) -> tuple[int, int]:
@@ -119,7 +113,7 @@ def _worker(quick: bool, sizes: list[int]) -> int:
               f"{'added µs':>9} | {'out=':>10} | {'ratio out=':>10} |")
         print(f"|{'-' * 10}|{'-' * 13}|{'-' * 12}|{'-' * 12}|{'-' * 8}|{'-' * 11}|{'-' * 12}|{'-' * 12}|")
         for nbytes, t_raw, t_alloc, t_mc, ratio, added, t_out, ratio_out in rows:
-            print(f"| {_fmt_size(nbytes):>8} | {t_raw:11.1f} | {t_alloc:10.1f} | {t_mc:10.1f} | "
+            print(f"| {format_size(nbytes):>8} | {t_raw:11.1f} | {t_alloc:10.1f} | {t_mc:10.1f} | "
                   f"{ratio:6.3f} | {added:9.1f} | {t_out:10.1f} | {ratio_out:10.3f} |")
         sys.stdout.flush()
     return 0
