@@ -1,6 +1,6 @@
 """mkdocs hooks for the documentation site (mkdocs.yml) and the settings table's generator.
 
-Four jobs, so that the site is built from the files people read on a checkout:
+Five jobs, so that the site is built from the files people read on a checkout:
 
 * the README is the site's home page (``index.md``), its links rewritten to the site;
 * a link from a page to a file of the repository outside ``docs/`` (``scripts/demo.sh``,
@@ -11,6 +11,7 @@ Four jobs, so that the site is built from the files people read on a checkout:
   cannot drift from the code, and the README's list of every variable name from that
   page. ``python scripts/docs_hooks.py --write`` writes both into the files for readers
   of the raw markdown; ``tests/test_docs.py`` fails when either is out of date;
+* a page of docs/ that the nav of mkdocs.yml does not list is appended to the nav;
 * the API reference drops the Sphinx roles of the docstrings (``:func:`x``` shows ``x``).
 """
 
@@ -218,6 +219,32 @@ def _real_path(src_uri: str) -> Path:
 
 
 # -- mkdocs hooks -------------------------------------------------------------------------
+def _nav_paths(nav: Any) -> set[str]:
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, dict):
+        return set().union(*(_nav_paths(v) for v in nav.values())) if nav else set()
+    if isinstance(nav, list):
+        return set().union(*(_nav_paths(v) for v in nav)) if nav else set()
+    return set()
+
+
+def on_config(config: Any) -> Any:
+    """A page of docs/ that mkdocs.yml's nav does not list yet is appended to it under its
+    own title (e.g. a page another change adds), so that it is reachable and the strict
+    build does not depend on two files being edited together."""
+    if not config.nav:
+        return config
+    listed = _nav_paths(config.nav)
+    for page in sorted(DOCS.rglob("*.md")):
+        rel = page.relative_to(DOCS).as_posix()
+        if rel not in listed:
+            title = next((ln[2:].strip().strip("`") for ln in page.read_text().splitlines()
+                          if ln.startswith("# ")), page.stem)
+            config.nav.append({title: rel})
+    return config
+
+
 def on_files(files: Any, config: Any) -> Any:
     """Add the README as index.md and every repository file the pages link to."""
     from mkdocs.structure.files import File
