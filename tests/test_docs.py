@@ -148,6 +148,11 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{argv} did not finish within {BLOCK_TIMEOUT} s:\n{out}") from None
+    finally:
+        try:  # what a failed block left behind (e.g. a background rank) goes with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return subprocess.CompletedProcess(argv, proc.returncode, out, "")
 
 
