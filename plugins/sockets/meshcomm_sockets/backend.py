@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 from meshcomm import algorithms
@@ -31,6 +29,24 @@ from .engine import Call, Fabric, Link, as_bytes
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
 
 __all__ = ["SocketsBackend", "RING_MIN_BYTES", "FRAME_BYTES"]
+
+
+class _Op:
+    """``with backend._op(...) as call``: the backend's current call, cleared at the end
+    (a reused object instead of a generator-based context manager: made once per group)."""
+
+    __slots__ = ("backend", "outer")
+
+    def __init__(self, backend: SocketsBackend, outer: bool) -> None:
+        self.backend = backend
+        self.outer = outer
+
+    def __enter__(self) -> Call:
+        return self.backend._call  # type: ignore[return-value]  # set by _op() just before
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer:
+            self.backend._call = None
 
 
 class SocketsBackend(Backend):
@@ -55,6 +71,7 @@ class SocketsBackend(Backend):
         self._received: defaultdict[int, int] = defaultdict(lambda: self._seq_start)
         self._splits = 0
         self._call: Call | None = None
+        self._outer, self._nested = _Op(self, True), _Op(self, False)
         #: how collectives travel: TCP; the world group's is chosen at start-up (topology.py)
         self.path: Path = TcpPath(self)
 
@@ -68,19 +85,14 @@ class SocketsBackend(Backend):
         """The TCP link to group rank ``r``."""
         return self.fabric.links[self.members[r]]
 
-    @contextmanager
-    def _op(self, name: str, buf: np.ndarray, arg: int = 0) -> Iterator[Call]:
-        """The call ``name`` on ``buf`` (``arg``: its root) for the frames sent inside."""
-        if self._call is not None:  # nested (a collective built from another): one call
-            yield self._call
-            return
-        self._seq = wire.next_seq(self._seq)
-        self._call = Call(self.gid, self._seq, wire.OP_CODES[name], dtype_code(buf.dtype), buf.size, self.label,
-                          arg)
-        try:
-            yield self._call
-        finally:
-            self._call = None
+    def _op(self, name: str, buf: np.ndarray, arg: int = 0) -> _Op:
+        """The call ``name`` on ``buf`` (``arg``: its root) for the frames sent inside
+        (``with self._op(...) as call``); a collective built from another is one call."""
+        if self._call is not None:
+            return self._nested
+        self._seq = seq = (self._seq + 1) & wire.SEQ_MASK  # wire.next_seq, inline: the latency path
+        self._call = Call(self.gid, seq, wire.OP_CODES[name], dtype_code(buf.dtype), buf.size, self.label, arg)
+        return self._outer
 
     def _p2p(self, counter: defaultdict[int, int], peer: int, buf: np.ndarray) -> Call:
         if self._call is not None:

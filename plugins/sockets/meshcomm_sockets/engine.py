@@ -29,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 from meshcomm.dtypes import dtype_from_code
@@ -89,18 +88,21 @@ def watch_resume() -> None:
         pass
 
 
-@dataclass(frozen=True)
 class Call:
-    """The operation a frame belongs to; identical on every rank taking part in it."""
+    """The operation a frame belongs to; identical on every rank taking part in it.
 
-    group: int
-    seq: int
-    op: int
-    dtype: int
-    total: int
-    label: str
-    #: the call's argument every rank must agree on: the root of a rooted operation, else 0
-    arg: int = 0
+    ``arg`` is the call's argument every rank must agree on: the root of a rooted
+    operation, else 0. Never changed once made (a plain class, not a frozen dataclass:
+    one is made per call, and this is the latency path)."""
+
+    __slots__ = ("group", "seq", "op", "dtype", "total", "label", "arg")
+
+    def __init__(self, group: int, seq: int, op: int, dtype: int, total: int, label: str, arg: int = 0) -> None:
+        self.group, self.seq, self.op, self.dtype, self.total, self.label, self.arg = (
+            group, seq, op, dtype, total, label, arg)
+
+    def __repr__(self) -> str:
+        return f"Call({self.label} {self.describe()}, group {self.group})"
 
     def describe(self) -> str:
         return _describe(self.op, self.seq, self.dtype, self.total, self.arg)

@@ -65,6 +65,11 @@ class SocketsSettings(JobSecretSettings):
         description="size of one shared-memory slot, KiB (default: 512, or 2048 when a host has more "
         "ranks than cores; the host's first rank decides for all)", ge=4, le=65536,
     )
+    direct: bool = setting(
+        True, env="MESHCOMM_SOCKETS_DIRECT", accepts="1/0, true/false",
+        description="ranks on the same host read each other's arrays in place (process_vm_readv) for "
+        "collectives of 256 KiB and more: one copy instead of two (0: always copy through shared memory)",
+    )
     host_id: str | None = setting(
         None, env="MESHCOMM_HOST_ID", accepts="any string",
         description="names this rank's host for shared memory (default: hostname + boot id + /dev/shm)",
@@ -170,7 +175,7 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
         world.path = choose_path(world, enabled=settings.shm, piece=piece,
                                  host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
-                                 spin_us=settings.spin_us, seq_start=start)
+                                 spin_us=settings.spin_us, seq_start=start, direct=settings.direct)
     return world
 
 

@@ -36,6 +36,7 @@ still shows the previous number", an equality test that survives the wrap.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import mmap
@@ -51,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from meshcomm import algorithms
 from meshcomm.dtypes import reducer
 from meshcomm.errors import (
     CollectiveMismatchError,
@@ -59,15 +61,24 @@ from meshcomm.errors import (
     PeerLostError,
 )
 
+from . import cma
 from .engine import Call, Fabric, _describe
 
 __all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "ShmSetupError", "SEQ_WRAP", "next_piece",
-           "new_name", "check_name", "check_piece", "remove_dir", "MIN_PIECE", "MAX_PIECE"]
+           "new_name", "check_name", "check_piece", "remove_dir", "MIN_PIECE", "MAX_PIECE", "DIRECT_MIN_BYTES"]
 
 SHM_DIR = Path("/dev/shm")
-_LINE = 16  # int64 words per rank's control line (two cache lines)
+_LINE = 24  # int64 words per rank's control line (three cache lines)
 _SEQ, _WAIT = 0, 1  # then, per slot parity p, the call descriptor at 2 + 5p: op, dtype, total, seq, arg
 _DESC = 5
+#: direct reads (cma.py): the rank's pid, the address and value of its 16-byte probe token,
+#: and per parity p the addresses of the call's send and receive buffers at _ADDR + 2p
+_PID, _TOKEN_AT, _TOKEN, _ADDR = 12, 13, 14, 16
+#: collectives of at least this many bytes read peers' arrays directly when every local
+#: rank can (below it the two-copy slots are faster: one wait instead of two or three)
+DIRECT_MIN_BYTES = 256 * 1024
+#: elements a rank reduces per direct read (a peer's chunk is read into a buffer this size)
+_DIRECT_CHUNK_BYTES = 256 * 1024
 #: piece numbers run 1..SEQ_WRAP (even, so parity alternates across the wrap)
 SEQ_WRAP = 1 << 32
 
@@ -229,6 +240,11 @@ class ShmGroup:
         path = self.dir / _SEGMENT
         self.peer_fifos: dict[int, int] = {}
         self.fifo = -1
+        #: (parity, dtype) -> each local rank's whole slot of that parity viewed as dtype
+        self._slots: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        #: word offsets of the other local ranks' control lines
+        self._others = [i * _LINE for i in range(len(local)) if i != local.index(fabric.rank)]
+        self._mine = local.index(fabric.rank) * _LINE
         try:
             if create:
                 os.mkdir(self.dir, 0o700)  # fails if the name exists: never someone else's
@@ -250,7 +266,13 @@ class ShmGroup:
             finally:
                 os.close(fd)
             self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=_LINE * self.n).reshape(self.n, _LINE)
+            #: the same control words as Python ints (reading one is several times cheaper)
+            self.words = memoryview(self.map)[: 8 * _LINE * self.n].cast("q")
             self.ctrl[self.me, _SEQ] = self.seq  # every rank does before the start-up barrier
+            self._token = np.frombuffer(secrets.token_bytes(16), np.int64).copy()
+            self.ctrl[self.me, _PID] = os.getpid()
+            self.ctrl[self.me, _TOKEN_AT] = self._token.ctypes.data
+            self.ctrl[self.me, _TOKEN : _TOKEN + 2] = self._token
             self.data = np.frombuffer(self.map, dtype=np.uint8, offset=8 * _LINE * self.n)
             # my wake-up FIFO; peers' FIFOs are opened in connect_fifos()
             fifo_path = self.dir / f"{_FIFO}{self.me}"
@@ -262,6 +284,8 @@ class ShmGroup:
             self.close()
             raise
         self.links = [fabric.links[q] for q in local if q != fabric.rank]
+        #: every local rank reads the others' arrays directly (set by topology after probe_direct)
+        self.direct = False
 
     def connect_fifos(self) -> None:
         """Open every local peer's FIFO (after all created theirs)."""
@@ -272,6 +296,25 @@ class ShmGroup:
                 self.peer_fifos[i] = fd
                 if not stat.S_ISFIFO(os.fstat(fd).st_mode):
                     raise ShmSetupError(f"{path} is not a FIFO; not using it")
+
+    def probe_direct(self) -> bool:
+        """Whether this rank can read every local peer's memory (after the start-up barrier):
+        it reads each peer's random token at the address the peer published and compares it
+        with the value in the segment, so a peer in another PID namespace (where its pid
+        names some other process) or one the kernel will not let us read fails the probe."""
+        if not cma.supported():
+            return False
+        got = np.empty(2, np.int64)
+        for i in range(self.n):
+            if i == self.me:
+                continue
+            try:
+                cma.read(int(self.ctrl[i, _PID]), int(self.ctrl[i, _TOKEN_AT]), got)
+            except OSError:
+                return False
+            if not (got == self.ctrl[i, _TOKEN : _TOKEN + 2]).all():
+                return False
+        return True
 
     def unlink(self) -> None:
         """Remove the directory and its names (after everyone opened them; the host's first
@@ -290,6 +333,9 @@ class ShmGroup:
         self.peer_fifos.clear()
         try:
             self.ctrl = self.data = np.zeros(0)  # drop views before closing the map
+            self._slots.clear()
+            if hasattr(self, "words"):
+                self.words.release()
             if hasattr(self, "map"):
                 self.map.close()
         except (BufferError, ValueError):
@@ -297,21 +343,33 @@ class ShmGroup:
 
     # -- slots ----------------------------------------------------------------------------
     def slot(self, i: int, k: int, dtype: np.dtype, count: int) -> np.ndarray:
-        off = (2 * i + (k & 1)) * self.piece
-        return self.data[off : off + count * dtype.itemsize].view(dtype)
+        """The first ``count`` elements of local rank ``i``'s slot for piece ``k``."""
+        return self.slots(k, dtype)[i][:count]
+
+    def slots(self, k: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every local rank's whole slot for piece ``k`` as ``dtype`` (views made once)."""
+        key = (k & 1, dtype)
+        views = self._slots.get(key)
+        if views is None:
+            per = self.piece // dtype.itemsize
+            views = [self.data[(2 * i + (k & 1)) * self.piece :][: per * dtype.itemsize].view(dtype)
+                     for i in range(self.n)]
+            self._slots[key] = views
+        return views
 
     # -- synchronisation ------------------------------------------------------------------
     def _publish(self, call: Call) -> None:
-        line = self.ctrl[self.me]
-        d = 2 + _DESC * (self.seq & 1)  # a peer reads it before we can reach the same parity again
-        line[d : d + _DESC] = (call.op, call.dtype, call.total, call.seq, call.arg)
-        self.prev, self.seq = self.seq, next_piece(self.seq)
+        w, me = self.words, self._mine
+        d = me + 2 + _DESC * (self.seq & 1)  # a peer reads it before we can reach the same parity again
+        w[d], w[d + 1], w[d + 2], w[d + 3], w[d + 4] = call.op, call.dtype, call.total, call.seq, call.arg
+        self.prev = seq = self.seq
+        self.seq = seq = seq % SEQ_WRAP + 1  # next_piece, inline: this is the hot path
         _fence()
-        line[_SEQ] = self.seq
+        w[me + _SEQ] = seq
         _fence()
         for i, fd in self.peer_fifos.items():
-            w = int(self.ctrl[i, _WAIT])
-            if w and (w == self.seq or w == self.prev):  # it waits for this piece (or the last)
+            waits = w[i * _LINE + _WAIT]
+            if waits and (waits == seq or waits == self.prev):  # it waits for this piece (or the last)
                 try:
                     os.write(fd, b"\0")
                 except BlockingIOError:
@@ -331,7 +389,11 @@ class ShmGroup:
 
     def _ready(self) -> bool:
         """Every local rank published piece ``seq`` (none still shows the previous one)."""
-        return not (self.ctrl[:, _SEQ] == self.prev).any()
+        w, prev = self.words, self.prev
+        for o in self._others:
+            if w[o + _SEQ] == prev:
+                return False
+        return True
 
     def _wait(self, call: Call) -> None:
         if not self._ready():
@@ -397,10 +459,16 @@ class ShmGroup:
                     poller.unregister(fd)  # data of a later operation: not our concern now
 
     def _check(self, call: Call) -> None:
-        mine = (call.op, call.dtype, call.total, call.seq, call.arg)
+        w = self.words
         d = 2 + _DESC * (self.prev & 1)
-        if (self.ctrl[:, d : d + _DESC] == mine).all():  # one comparison for the common case
+        op, dtype, total, seq, arg = call.op, call.dtype, call.total, call.seq, call.arg
+        for o in self._others:
+            o += d
+            if w[o] != op or w[o + 1] != dtype or w[o + 2] != total or w[o + 3] != seq or w[o + 4] != arg:
+                break
+        else:
             return
+        mine = (op, dtype, total, seq, arg)
         for i in range(self.n):
             theirs = tuple(int(v) for v in self.ctrl[i, d : d + _DESC])
             if theirs != mine:
@@ -448,8 +516,22 @@ class ShmGroup:
             f(out, self.slot(i, k, dt, count)[part], out=out)
 
     # -- collectives ----------------------------------------------------------------------
+    def _is_direct(self, nbytes: int) -> bool:
+        """Take the direct path (the same answer on every local rank making this call)."""
+        return self.direct and nbytes >= DIRECT_MIN_BYTES
+
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         f, dt = reducer(op), sendbuf.dtype
+        if sendbuf.nbytes <= self.piece and sendbuf.nbytes < DIRECT_MIN_BYTES:  # one piece: the latency path
+            views, n = self.slots(self.seq, dt), sendbuf.size
+            self._step(call, (views[self.me][:n], sendbuf), None)
+            f(views[0][:n], views[1][:n], out=recvbuf)
+            for i in range(2, self.n):
+                f(recvbuf, views[i][:n], out=recvbuf)
+            return
+        if self._is_direct(sendbuf.nbytes):
+            self._direct_all_reduce(call, sendbuf, recvbuf, f)
+            return
         self._run(call, sendbuf, sendbuf.size, True,
                   lambda k, lo, hi: self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi]))
 
@@ -457,6 +539,12 @@ class ShmGroup:
         """This local rank's block (``len(recvbuf)`` elements at ``me * len``) of the reduction."""
         f, dt = reducer(op), sendbuf.dtype
         first, last = self.me * recvbuf.size, (self.me + 1) * recvbuf.size
+        if self._is_direct(sendbuf.nbytes):
+            sendbuf = _apart(sendbuf, recvbuf)
+            self._announce(sendbuf, recvbuf)
+            self._step(call, None, lambda: self._reduce_block(call, sendbuf, first, last, recvbuf, f))
+            self._step(call, None, None)  # nobody still reads this rank's input
+            return
 
         def use(k: int, lo: int, hi: int) -> None:
             a, b = max(lo, first), min(hi, last)
@@ -467,6 +555,19 @@ class ShmGroup:
 
     def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         dt, m = sendbuf.dtype, sendbuf.size
+        if self._is_direct(sendbuf.nbytes):
+            sendbuf = _apart(sendbuf, recvbuf)
+            self._announce(sendbuf, recvbuf)
+
+            def gather() -> None:
+                for i in range(self.n):
+                    if i != self.me:
+                        self._read(call, i, 0, 0, recvbuf[i * m : (i + 1) * m])
+
+            self._step(call, None, gather)
+            recvbuf[self.me * m : (self.me + 1) * m] = sendbuf
+            self._step(call, None, None)  # nobody still reads this rank's input
+            return
 
         def use(k: int, lo: int, hi: int) -> None:
             for i in range(self.n):
@@ -479,6 +580,11 @@ class ShmGroup:
     def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
         """``root`` is a local index."""
         dt = buf.dtype
+        if self._is_direct(buf.nbytes):
+            self._announce(buf, buf)
+            self._step(call, None, None if self.me == root else lambda: self._read(call, root, 0, 0, buf))
+            self._step(call, None, None)  # nobody still reads the root's array
+            return
 
         def use(k: int, lo: int, hi: int) -> None:
             buf[lo:hi] = self.slot(root, k, dt, hi - lo)
@@ -487,6 +593,87 @@ class ShmGroup:
 
     def barrier(self, call: Call) -> None:
         self._step(call, None, None)
+
+    # -- the direct path (one copy, see cma.py) --------------------------------------------
+    def _announce(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """Publish where this rank's buffers are, with the next piece (its parity's words)."""
+        a = _ADDR + 2 * (self.seq & 1)
+        self.ctrl[self.me, a] = sendbuf.ctypes.data
+        self.ctrl[self.me, a + 1] = recvbuf.ctypes.data
+
+    def _read(self, call: Call, i: int, which: int, offset: int, into: np.ndarray) -> None:
+        """Fill ``into`` from local rank ``i``'s send (``which`` 0) or receive (1) buffer of
+        this call, starting ``offset`` bytes in (addresses of the piece just waited for)."""
+        address = int(self.ctrl[i, _ADDR + 2 * (self.prev & 1) + which]) + offset
+        try:
+            cma.read(int(self.ctrl[i, _PID]), address, into)
+        except cma.CmaError as exc:
+            peer = self.local[i]
+            # it may have failed because of someone else and said so (ABORT): that wins
+            mine = self.fabric.pending_abort() or self.fabric.stalled_error(f"found local rank {peer} gone")
+            if mine is not None:
+                raise mine from None
+            if exc.errno == errno.ESRCH:
+                raise PeerLostError(f"rank {self.fabric.rank}: rank {peer} (same host) died during "
+                                    f"{call.describe()} in group {call.label}; check its output.", peer=peer) from None
+            raise DistributedError(f"rank {self.fabric.rank}: cannot read rank {peer}'s array (same host) during "
+                                   f"{call.describe()} in group {call.label}: {exc.strerror}. Set "
+                                   "MESHCOMM_SOCKETS_DIRECT=0 to copy through shared memory instead.") from None
+
+    def _reduce_block(self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray,
+                      f: np.ufunc) -> None:
+        """``out`` = elements ``first:last`` of every local rank's send buffer combined with
+        ``f`` in rank order (the expression of :meth:`_combine`: the same bytes whichever
+        path or rank computes them), a chunk at a time read straight from each peer.
+        ``out`` may be this rank's own ``sendbuf[first:last]`` (in place), nothing else of it."""
+        item = sendbuf.itemsize
+        per = max(1, _DIRECT_CHUNK_BYTES // item)
+        tmp = [np.empty(min(per, last - first), sendbuf.dtype) for _ in range(3 if self.n > 2 else 2)]
+        alias = np.may_share_memory(sendbuf[first:last], out)
+        for lo in range(first, last, per):
+            hi = min(lo + per, last)
+            acc = out[lo - first : hi - first]
+            own = sendbuf[lo:hi]
+            if alias:  # in place: this rank's input is overwritten by the first step
+                own = tmp[-1][: hi - lo]
+                own[...] = sendbuf[lo:hi]
+
+            def part(i: int, t: np.ndarray, lo: int = lo, hi: int = hi, own: np.ndarray = own) -> np.ndarray:
+                if i == self.me:
+                    return own
+                into = t[: hi - lo]
+                self._read(call, i, 0, lo * item, into)
+                return into
+
+            f(part(0, tmp[0]), part(1, tmp[1]), out=acc)
+            for i in range(2, self.n):
+                f(acc, part(i, tmp[0]), out=acc)
+
+    def _direct_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc) -> None:
+        """Each local rank reduces its block reading the others' inputs, then reads the
+        others' blocks from their outputs: one copy of every byte and three waits."""
+        bounds = algorithms.block_bounds(sendbuf.size, self.n)
+        item = sendbuf.itemsize
+        if sendbuf.ctypes.data != recvbuf.ctypes.data:  # in place is fine; any other overlap is not
+            sendbuf = _apart(sendbuf, recvbuf)
+        self._announce(sendbuf, recvbuf)
+        mine = slice(bounds[self.me], bounds[self.me + 1])
+        self._step(call, None, lambda: self._reduce_block(call, sendbuf, mine.start, mine.stop, recvbuf[mine], f))
+
+        def gather() -> None:
+            for i in range(self.n):
+                if i != self.me and bounds[i] < bounds[i + 1]:
+                    self._read(call, i, 1, bounds[i] * item, recvbuf[bounds[i] : bounds[i + 1]])
+
+        self._announce(sendbuf, recvbuf)
+        self._step(call, None, gather)
+        self._step(call, None, None)  # nobody still reads this rank's arrays
+
+
+def _apart(sendbuf: np.ndarray, recvbuf: np.ndarray) -> np.ndarray:
+    """``sendbuf``, or a copy of it if it overlaps ``recvbuf`` (peers read a rank's input
+    while it writes its output)."""
+    return sendbuf.copy() if np.may_share_memory(sendbuf, recvbuf) else sendbuf
 
 
 def segment_size(ranks: int, piece: int) -> int:

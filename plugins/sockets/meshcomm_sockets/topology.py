@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import cma
 from .paths import HostsPath, LocalPath, Path, TcpPath
 from .shm import SHM_DIR, ShmGroup, check_name, check_piece, host_key, new_name, remove_dir
 
@@ -54,14 +55,14 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
 
 
 def choose_path(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-                job_id: str | None, spin_us: int = 200, seq_start: int = 0) -> Path:
+                job_id: str | None, spin_us: int = 200, seq_start: int = 0, direct: bool = True) -> Path:
     """Decide how ranks wait and the path of the world's collectives; map the host's segment.
 
     Every frame of this exchange carries a payload tag whatever MESHCOMM_SOCKETS_INTEGRITY
     says (it steers the job: who shares memory, and which file to map)."""
     with world.fabric.sealed():
         return _choose(world, enabled=enabled, piece=piece, host_id=host_id, job_id=job_id, spin_us=spin_us,
-                       seq_start=seq_start)
+                       seq_start=seq_start, direct=direct)
 
 
 def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: int, seq_start: int) -> ShmGroup:
@@ -77,7 +78,7 @@ def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: i
 
 
 def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-            job_id: str | None, spin_us: int, seq_start: int) -> Path:
+            job_id: str | None, spin_us: int, seq_start: int, direct: bool) -> Path:
     from .backend import SocketsBackend
 
     tcp = TcpPath(world)
@@ -103,7 +104,9 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
     if max(len(v) for v in hosts.values()) < 2:
         return tcp  # one rank per host: nothing to share
     shm: ShmGroup | None = None
-    ok = np.ones(1, np.uint8)
+    ok = np.ones(2, np.uint8)  # shared memory works here; this rank can read every local peer directly
+    if direct:
+        cma.allow_siblings()
     done = False
     try:
         if len(local) > 1:
@@ -132,7 +135,7 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
                                     "using TCP", r, local[0], exc.strerror if exc.strerror else exc)
                 else:  # the host's first rank said why
                     ok[0] = 0
-        world.barrier()  # every FIFO exists
+        world.barrier()  # every FIFO exists, every probe token is in the segment
         try:
             if shm is not None and ok[0]:
                 shm.connect_fifos()
@@ -140,8 +143,10 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
             ok[0] = 0
             log.warning("meshcomm sockets rank %d: cannot open the local ranks' FIFOs: %s; using TCP", r,
                         exc.strerror if exc.strerror else exc)
-        flags = np.empty(n, np.uint8)
-        world.all_gather(ok, flags)
+        ok[1] = 1 if direct and shm is not None and ok[0] and shm.probe_direct() else 0
+        table2 = np.empty(2 * n, np.uint8)
+        world.all_gather(ok, table2)
+        flags, can_read = table2[0::2], table2[1::2]
         if shm is not None and r == local[0]:
             shm.unlink()  # every local rank opened everything (or gave up)
         world.barrier()
@@ -158,6 +163,12 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
             log.warning("meshcomm sockets rank 0: shared memory is off for this job, collectives use TCP: "
                         "ranks %s could not set it up (their warnings say why)", bad)
         return tcp
+    if shm is not None:
+        shm.direct = bool(can_read[local].all())
+        if direct and not shm.direct and r == local[0]:
+            log.info("meshcomm sockets rank %d: local ranks %s cannot read each other's memory "
+                     "(process_vm_readv; see ptrace_scope): large collectives copy through shared memory",
+                     r, [q for q in local if not can_read[q]])
     if len(hosts) == 1 and shm is not None:
         return LocalPath(shm)
     leaders = [v[0] for v in sorted(hosts.values())]
