@@ -79,8 +79,3 @@ class WorldGuard:
                 "a different call with it. Make every call on a world from one thread, or serialise "
                 "the threads' calls with one lock taken in the same order on every rank."
             )
-
-    def busy(self) -> bool:
-        """True while any operation is in flight."""
-        with self._mutex:
-            return bool(self._active)
