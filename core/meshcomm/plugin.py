@@ -26,7 +26,8 @@ What is here, by job:
   :class:`JobSecretSettings` and :func:`check_job_secret` (``MESHCOMM_JOB_SECRET`` and
   ``MESHCOMM_REQUIRE_SECRET``, the same for every backend that authenticates);
 * where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
-  rendezvous address from any launcher family), :func:`exchange` and
+  rendezvous address from any launcher family; :data:`FAMILIES` names each family's
+  variables), :func:`exchange` and
   :func:`local_address` (the coordinator's address exchange);
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
   :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
@@ -70,7 +71,7 @@ from .launch.spec import (
     RankPlace,
 )
 from .operations import wire_names
-from .placement import Coordinator, Placement, coordinator, placement
+from .placement import FAMILIES, Coordinator, Family, Placement, coordinator, placement
 from .registry import Availability, BackendRegistrar, EnvironmentCheck, Factory
 
 __all__ = [
@@ -82,7 +83,7 @@ __all__ = [
     # settings
     "Config", "Settings", "setting", "load_settings", "JobSecretSettings", "check_job_secret",
     # where the rank runs
-    "placement", "coordinator", "Placement", "Coordinator", "exchange", "local_address",
+    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "Family", "exchange", "local_address",
     # meshcomm launch
     "LauncherSupport", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "JobSpec", "RankPlace",
     "check_env_name", "secret_names",

@@ -14,13 +14,16 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LAUNCHER_VARIABLES", "launched_world_size", "launch_reason", "unavailable_reason"]
+from meshcomm.plugin import FAMILIES
 
+__all__ = ["MPI_FAMILIES", "LAUNCHER_VARIABLES", "launched_world_size", "launch_reason", "unavailable_reason"]
+
+#: the launcher families of the core's table (:data:`meshcomm.plugin.FAMILIES`) that are MPI
+#: launchers: Open MPI's mpiexec, a PMIx launcher (prterun, ``srun --mpi=pmix``), MPICH/Hydra
+MPI_FAMILIES = ("Open MPI", "PMIx", "MPICH (PMI)")
 #: variables an MPI launcher sets in every rank: (rank variable, size variable, launcher)
-LAUNCHER_VARIABLES: tuple[tuple[str, str | None, str], ...] = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI mpiexec"),
-    ("PMIX_RANK", None, "a PMIx launcher (Open MPI 5 prterun, srun --mpi=pmix)"),
-    ("PMI_RANK", "PMI_SIZE", "MPICH/Hydra mpiexec"),
+LAUNCHER_VARIABLES: tuple[tuple[str, str | None, str], ...] = tuple(
+    (f.rank, f.size, f"the {f.name} launcher") for f in FAMILIES if f.name in MPI_FAMILIES
 )
 
 
