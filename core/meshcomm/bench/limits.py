@@ -148,8 +148,9 @@ def _rtt_median(rounds: int, spin: bool) -> float:
 def tcp_latency(rounds: int = 2000, reps: int = 3, *, spin: bool = False) -> float:
     """One-way loopback TCP latency between two processes: half the lowest of ``reps`` median
     8-byte round trips. Blocking receives (``spin=False``) include the kernel's wake-up of
-    the sleeping receiver, which on this VM is bimodal (about 3.5 us, or about 35 us when the
-    wake-up crosses to an idle vCPU); ``spin=True`` polls and measures the TCP stack alone."""
+    the sleeping receiver, which can be bimodal on a VM (much slower when the wake-up crosses
+    to an idle vCPU; docs/benchmarks.md has figures); ``spin=True`` polls and measures the TCP
+    stack alone."""
     return min(_rtt_median(rounds, spin) for _ in range(reps)) / 2
 
 
