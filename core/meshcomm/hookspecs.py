@@ -5,7 +5,8 @@ A plugin is a module (or object) listed in the entry-point group ``meshcomm``::
     [project.entry-points.meshcomm]
     mybackend = "meshcomm_mybackend.plugin"
 
-whose hook implementations are marked with :data:`hookimpl`.
+whose hook implementations are marked with :data:`hookimpl`. Plugins import ``hookimpl``
+and everything else they use from :mod:`meshcomm.plugin`, not from here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def meshcomm_register_backends(register: BackendRegistrar) -> None:
     """Register this plugin's backends by calling ``register(name, factory=..., ...)``.
 
-    :param register: the registrar; see :class:`meshcomm.registry.BackendRegistrar` for
-        its arguments (factory, availability check, environment check, settings model,
-        launcher support, priority).
+    :param register: the registrar (:class:`meshcomm.plugin.BackendRegistrar`), typed
+        keyword arguments: factory, availability check, environment check, settings model,
+        launcher support (:data:`meshcomm.plugin.LauncherSupport`), priority, multiprocess,
+        description.
     """
