@@ -71,3 +71,27 @@ def test_contract_checks_catch_a_wrong_backend() -> None:
     for t in ts:
         t.join(60)
     assert out[0] and "differs from NumPy" in out[0][0][1]
+
+
+def test_split_plan_orders_by_key_then_rank_and_indexes_colours() -> None:
+    def plan(g: mc.Group) -> algorithms.SplitPlan:
+        r = g.rank()
+        return algorithms.split_plan(g._b, color=[7, -3, 7, 7][r], key=[5, 0, -1, 5][r])
+
+    plans = run_threaded(4, plan)
+    # colour 7: ranks 0 (key 5), 2 (key -1: sorts as its rank, 2) and 3 (key 5): 2 first, then 0, 3
+    assert [p.members for p in plans] == [[2, 0, 3], [1], [2, 0, 3], [2, 0, 3]]
+    assert [p.rank for p in plans] == [1, 0, 0, 2]
+    assert [p.color_index for p in plans] == [1, 0, 1, 1]  # colours sorted: -3, 7
+
+
+def test_split_with_a_colour_beyond_64_bits_raises_on_every_rank() -> None:
+    def split(g: mc.Group) -> str:
+        try:
+            algorithms.split_plan(g._b, 1 << 70 if g.rank() == 1 else 0, -1)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    msgs = run_threaded(3, split, timeout=10)
+    assert all("rank 1 passed a colour or key outside the 64-bit range" in m for m in msgs), msgs
