@@ -27,7 +27,7 @@ import numpy as np
 
 from .collectives import OPS
 
-__all__ = ["add_parser", "parse_ops", "parse_dtype", "sweep_text"]
+__all__ = ["add_parser", "add_compare_arguments", "parse_ops", "parse_dtype", "sweep_text", "COMPARE_SIZES"]
 
 
 def parse_ops(text: str) -> list[str]:
@@ -72,6 +72,20 @@ def sweep_text(args: argparse.Namespace) -> str:
 
 
 _DEFAULT_SIZES = "8B:64MiB"
+#: the sweep of ``--compare`` unless told otherwise (x4: half the jobs of x2)
+COMPARE_SIZES = "8B:64MiB:4"
+
+
+def add_compare_arguments(p: argparse._ActionsContainer, *, out_dir: str = "meshcomm-compare") -> None:
+    """``--compare``'s own options (:mod:`.compare`; ``--sizes`` and ``--min-time`` are the sweep's)."""
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts (default 2 4)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every job this many times, keep each size's lowest median (default 1)")
+    p.add_argument("--systems", help="comma list of systems to run (default: all installed)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job before it is abandoned")
+    p.add_argument("--out-dir", default=out_dir, help=f"where compare.{{json,md,png}} go (default {out_dir})")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--tag", help="append -TAG to every system name (e.g. mpich, for a run in an MPICH venv)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,9 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "MLX), one job each, side by side (run it directly, not under meshcomm launch; --sizes defaults to "
         "8B:64MiB:4, and --min-time applies)")
     cmp.add_argument("--compare", action="store_true", help="run the comparison instead of one job's sweep")
-    from .compare import add_arguments
-
-    add_arguments(cmp)
+    add_compare_arguments(cmp)
     p.set_defaults(func=_run)
 
 
@@ -149,8 +161,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare_args(args: argparse.Namespace, sweep: str) -> None:
     """Check ``--compare``'s arguments and set ``args.sizes`` to its sweep (all_sum, float32 only)."""
-    from . import compare
-
     if args.op.strip() != "all_sum" or args.dtype != "float32" or args.iters is not None:
         raise ValueError("--compare times float32 all_sum with adaptive iterations against the raw peers; "
                          "drop --op, --dtype and --iters/-n (or run meshcomm bench without --compare)")
@@ -159,7 +169,7 @@ def _compare_args(args: argparse.Namespace, sweep: str) -> None:
     if any(n < 1 for n in args.ranks) or args.rounds < 1:
         raise ValueError(f"--ranks and --rounds must be at least 1, got {args.ranks} and {args.rounds}")
     if args.sizes is None and args.minbytes is None and args.maxbytes is None and args.stepfactor is None:
-        sweep = compare.DEFAULT_SIZES
+        sweep = COMPARE_SIZES
     args.sizes = sweep
 
 

@@ -52,14 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from . import limits
+from .cli import COMPARE_SIZES, add_compare_arguments
 from .sizes import format_size
 
-__all__ = ["main", "run", "add_arguments", "DEFAULT_SIZES"]
+__all__ = ["main", "run"]
 
 #: one rank of a raw peer (run as a script by each peer's launcher)
 _PEERS_SCRIPT = Path(__file__).resolve().with_name("peers.py")
-#: the sweep of a comparison unless told otherwise (x4: half the jobs of the default x2)
-DEFAULT_SIZES = "8B:64MiB:4"
 
 PEERS = ("mpi4py", "mpi4py-tcp", "torch-gloo", "mlx-ring")
 #: peers whose transport is TCP, like meshcomm-sockets (Open MPI's default uses shared memory)
@@ -274,25 +273,13 @@ def _limits_text(lim: dict[str, float]) -> str:
             f"polling / {lim['tcp_latency'] * 1e6:.1f} us blocking")
 
 
-def add_arguments(p: argparse._ActionsContainer, *, out_dir: str = "meshcomm-compare") -> None:
-    """The comparison's options (``--sizes`` and ``--min-time`` are ``meshcomm bench``'s own)."""
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts (default 2 4)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every job this many times, keep each size's lowest median (default 1)")
-    p.add_argument("--systems", help="comma list of systems to run (default: all installed)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per job before it is abandoned")
-    p.add_argument("--out-dir", default=out_dir, help=f"where compare.{{json,md,png}} go (default {out_dir})")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--tag", help="append -TAG to every system name (e.g. mpich, for a run in an MPICH venv)")
-
-
 def main(argv: list[str] | None = None, *, out_dir: str = "meshcomm-compare") -> int:
     """``python -m meshcomm.bench.compare`` (and ``bench/compare.py``); ``meshcomm bench --compare``
     calls :func:`run` with the same options."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"size sweep (default {DEFAULT_SIZES})")
+    p.add_argument("--sizes", default=COMPARE_SIZES, help=f"size sweep (default {COMPARE_SIZES})")
     p.add_argument("--min-time", type=float, default=0.3, help="timed seconds per size and system")
-    add_arguments(p, out_dir=out_dir)
+    add_compare_arguments(p, out_dir=out_dir)
     return run(p.parse_args(argv))
 
 
