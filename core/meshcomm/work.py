@@ -105,6 +105,8 @@ class WorldWorker:
 
     def pending(self) -> bool:
         """True while an operation is queued or running."""
+        if self._thread is None:  # nothing was ever queued (submit starts the thread): the blocking path
+            return False
         with self._cv:
             return bool(self._queue) or self._running > 0
 

@@ -68,4 +68,14 @@ for count_bytes in (limit - 4, limit, 3 * limit + 12, (4 << 20) + 8):
         assert np.array_equal(gathered, np.concatenate(xs)), f"rank {r}: all_gather"
         b = mc.broadcast(x, root=n - 1)
         assert np.array_equal(b, xs[n - 1]), f"rank {r}: broadcast"
+        blocks = mc.all_to_all(x)  # block j of rank q's x goes to rank j
+        want = np.concatenate([xs[q][r * m : (r + 1) * m] for q in range(n)])
+        assert np.array_equal(blocks, want), f"rank {r}: all_to_all"
+        for root in range(n):
+            got = mc.gather(x, root=root)
+            assert (got is None) == (r != root), f"rank {r}: gather returned {type(got)}"
+            if r == root:
+                assert np.array_equal(got, np.concatenate(xs)), f"rank {r}: gather"
+            part = mc.scatter(x, root=root)
+            assert np.array_equal(part, xs[root][r * m : (r + 1) * m]), f"rank {r}: scatter from {root}"
 print(json.dumps({"digest": digest.hexdigest()}), flush=True)

@@ -134,6 +134,18 @@ class SocketsBackend(Backend):
         with self._op("broadcast", buf, root) as call:
             self.path.broadcast(call, buf, root)
 
+    def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        with self._op("all_to_all", sendbuf) as call:
+            self.path.all_to_all(call, sendbuf, recvbuf)
+
+    def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        with self._op("gather", sendbuf, root) as call:
+            self.path.gather(call, sendbuf, recvbuf, root)
+
+    def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        with self._op("scatter", recvbuf, root) as call:  # recvbuf: the same size on every rank
+            self.path.scatter(call, sendbuf, recvbuf, root)
+
     def barrier(self) -> None:
         token = np.zeros(0, np.uint8)
         with self._op("barrier", token) as call:

@@ -45,6 +45,9 @@ class Path(Protocol):
     def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
     def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None: ...
     def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None: ...
+    def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None: ...
+    def gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None: ...
+    def scatter(self, call: Call, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None: ...
     def barrier(self, call: Call) -> None: ...
     def close(self) -> None: ...
 
@@ -84,6 +87,17 @@ class TcpPath:
     def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
         self._agree()
         algorithms.broadcast(self.group, buf, root)
+
+    def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        algorithms.all_to_all(self.group, sendbuf, recvbuf)  # every rank hears from every other
+
+    def gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        self._agree()  # the ranks that only send learn of a root that called something else
+        algorithms.gather(self.group, sendbuf, recvbuf, root)
+
+    def scatter(self, call: Call, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        self._agree()  # the root only sends
+        algorithms.scatter(self.group, sendbuf, recvbuf, root)
 
     def barrier(self, call: Call) -> None:
         algorithms.barrier(self.group)
@@ -161,13 +175,34 @@ class TcpPath:
         fab.progress([right] if right is left else [right, left])
 
 
-class LocalPath:
-    """Every collective through the shared memory of the one host all ranks are on."""
+class LocalPath(TcpPath):
+    """Every collective through the shared memory of the one host all ranks are on (large
+    all-to-all, gather and scatter too when ranks read each other's arrays directly; small
+    ones over TCP)."""
 
     name = "local"
 
-    def __init__(self, shm: ShmGroup) -> None:
+    def __init__(self, group: SocketsBackend, shm: ShmGroup) -> None:
+        super().__init__(group)
         self.shm = shm
+
+    def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        if self.shm.is_direct(sendbuf.nbytes):
+            self.shm.all_to_all(call, sendbuf, recvbuf)
+        else:
+            super().all_to_all(call, sendbuf, recvbuf)
+
+    def gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        if self.shm.is_direct(sendbuf.nbytes):
+            self.shm.gather(call, sendbuf, recvbuf, root)
+        else:
+            super().gather(call, sendbuf, recvbuf, root)
+
+    def scatter(self, call: Call, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        if self.shm.is_direct(recvbuf.nbytes * self.shm.n):
+            self.shm.scatter(call, sendbuf, recvbuf, root)
+        else:
+            super().scatter(call, sendbuf, recvbuf, root)
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         self.shm.all_reduce(call, sendbuf, recvbuf, op)

@@ -516,7 +516,7 @@ class ShmGroup:
             f(out, self.slot(i, k, dt, count)[part], out=out)
 
     # -- collectives ----------------------------------------------------------------------
-    def _is_direct(self, nbytes: int) -> bool:
+    def is_direct(self, nbytes: int) -> bool:
         """Take the direct path (the same answer on every local rank making this call)."""
         return self.direct and nbytes >= DIRECT_MIN_BYTES
 
@@ -529,7 +529,7 @@ class ShmGroup:
             for i in range(2, self.n):
                 f(recvbuf, views[i][:n], out=recvbuf)
             return
-        if self._is_direct(sendbuf.nbytes):
+        if self.is_direct(sendbuf.nbytes):
             self._direct_all_reduce(call, sendbuf, recvbuf, f)
             return
         self._run(call, sendbuf, sendbuf.size, True,
@@ -539,7 +539,7 @@ class ShmGroup:
         """This local rank's block (``len(recvbuf)`` elements at ``me * len``) of the reduction."""
         f, dt = reducer(op), sendbuf.dtype
         first, last = self.me * recvbuf.size, (self.me + 1) * recvbuf.size
-        if self._is_direct(sendbuf.nbytes):
+        if self.is_direct(sendbuf.nbytes):
             sendbuf = _apart(sendbuf, recvbuf)
             self._announce(sendbuf, recvbuf)
             self._step(call, None, lambda: self._reduce_block(call, sendbuf, first, last, recvbuf, f))
@@ -555,7 +555,7 @@ class ShmGroup:
 
     def all_gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         dt, m = sendbuf.dtype, sendbuf.size
-        if self._is_direct(sendbuf.nbytes):
+        if self.is_direct(sendbuf.nbytes):
             sendbuf = _apart(sendbuf, recvbuf)
             self._announce(sendbuf, recvbuf)
 
@@ -580,7 +580,7 @@ class ShmGroup:
     def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
         """``root`` is a local index."""
         dt = buf.dtype
-        if self._is_direct(buf.nbytes):
+        if self.is_direct(buf.nbytes):
             self._announce(buf, buf)
             self._step(call, None, None if self.me == root else lambda: self._read(call, root, 0, 0, buf))
             self._step(call, None, None)  # nobody still reads the root's array
@@ -593,6 +593,54 @@ class ShmGroup:
 
     def barrier(self, call: Call) -> None:
         self._step(call, None, None)
+
+    def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """Direct only (:meth:`is_direct`): block ``me`` of every rank's ``sendbuf`` into
+        block i of ``recvbuf``, read straight from rank i."""
+        m = sendbuf.size // self.n
+        item = sendbuf.itemsize
+        sendbuf = _apart(sendbuf, recvbuf)
+        self._announce(sendbuf, recvbuf)
+
+        def exchange() -> None:
+            for i in range(self.n):
+                if i != self.me:
+                    self._read(call, i, 0, self.me * m * item, recvbuf[i * m : (i + 1) * m])
+
+        self._step(call, None, exchange)
+        recvbuf[self.me * m : (self.me + 1) * m] = sendbuf[self.me * m : (self.me + 1) * m]
+        self._step(call, None, None)  # nobody still reads this rank's input
+
+    def gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+        """Direct only: the root reads every rank's ``sendbuf`` (``root``: a local index)."""
+        m = sendbuf.size
+        self._announce(sendbuf, sendbuf)
+
+        def collect() -> None:
+            if self.me == root and recvbuf is not None:
+                for i in range(self.n):
+                    if i != self.me:
+                        self._read(call, i, 0, 0, recvbuf[i * m : (i + 1) * m])
+                recvbuf[self.me * m : (self.me + 1) * m] = sendbuf
+
+        self._step(call, None, collect)
+        self._step(call, None, None)  # the root has read everything
+
+    def scatter(self, call: Call, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+        """Direct only: every rank reads its block of the root's ``sendbuf``."""
+        m = recvbuf.size
+        if self.me == root and sendbuf is not None:
+            sendbuf = _apart(sendbuf, recvbuf)
+        self._announce(sendbuf if sendbuf is not None else recvbuf, recvbuf)
+
+        def take() -> None:
+            if self.me != root:
+                self._read(call, root, 0, self.me * m * recvbuf.itemsize, recvbuf)
+            elif sendbuf is not None:
+                recvbuf[...] = sendbuf[self.me * m : (self.me + 1) * m]
+
+        self._step(call, None, take)
+        self._step(call, None, None)  # nobody still reads the root's array
 
     # -- the direct path (one copy, see cma.py) --------------------------------------------
     def _announce(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:

@@ -170,7 +170,7 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
                      "(process_vm_readv; see ptrace_scope): large collectives copy through shared memory",
                      r, [q for q in local if not can_read[q]])
     if len(hosts) == 1 and shm is not None:
-        return LocalPath(shm)
+        return LocalPath(world, shm)
     leaders = [v[0] for v in sorted(hosts.values())]
     leader_group = (
         SocketsBackend(world.fabric, leaders, group_id=0x4C454144, label="world/host-leaders",
