@@ -152,7 +152,7 @@ def merge_dir(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None
     path = Path(out) if out is not None else Path(folder) / MERGED_NAME
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(chrome_trace(ranks), f, separators=(",", ":"))
+        f.write(json.dumps(chrome_trace(ranks), separators=(",", ":")))
     os.replace(tmp, path)
     return path, missing
 
