@@ -40,6 +40,9 @@ MLX_TIMEOUT = 5.0
 #: seconds allowed on top of MLX_TIMEOUT + 5 s for start-up and the launcher's teardown
 ALLOWANCE = {"sockets": 10.0, "mpi": 12.0, "gloo": 14.0}
 BACKENDS = ("sockets", "mpi", "gloo")
+#: the sockets backend again with 1 MiB arrays: ranks read each other's arrays in place
+#: (process_vm_readv) instead of going through the shared slots
+LARGE = "sockets-1MiB"
 DEATHS = ("raise", "exit3", "exit0", "sigkill", "sigstop")
 MISMATCHES = ("shape", "dtype", "op", "root", "send")
 KINDS = (*DEATHS, *MISMATCHES, "threads")
@@ -105,6 +108,8 @@ def _kill_all(marker: str) -> None:
 def run_job(backend: str, kind: str) -> Job:
     marker = f"mcfm-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
+    if backend == LARGE:
+        backend, env["FAILURE_ELEMENTS"] = "sockets", str(1 << 18)
     env.update(MLX_TIMEOUT=f"{MLX_TIMEOUT:g}", PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--backend", backend,
@@ -130,9 +135,10 @@ def run_job(backend: str, kind: str) -> Job:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, LARGE])
 def test_failure(backend: str, kind: str) -> None:
     job = run_job(backend, kind)
+    backend = backend.split("-")[0]
     problems = []
     limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
     if job.took > limit:

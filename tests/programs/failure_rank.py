@@ -34,8 +34,12 @@ def error(exc: mc.DistributedError) -> None:
     print(f"ERROR {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}".replace("\n", " | "), flush=True)
 
 
+#: elements of every array (the failure matrix also runs 1 MiB arrays: the sockets backend's direct path)
+E = int(os.environ.get("FAILURE_ELEMENTS", "4"))
+
+
 def run(kind: str, r: int, n: int) -> None:
-    ones = np.ones(4, np.float32)
+    ones = np.ones(E, np.float32)
     if kind in ("raise", "exit3", "exit0", "sigkill", "sigstop") and r == 1:
         time.sleep(0.3)  # let the others enter all_sum first
         if kind == "raise":
@@ -45,10 +49,10 @@ def run(kind: str, r: int, n: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
         print("rank 1 resumed after SIGSTOP", flush=True)
     if kind == "shape":
-        x = np.ones(5 if r == 1 else 4, np.float32)
+        x = np.ones(E + 1 if r == 1 else E, np.float32)
         report(mc.all_sum(x), x * n)
     elif kind == "dtype":
-        x = np.ones(4, np.float64 if r == 1 else np.float32)
+        x = np.ones(E, np.float64 if r == 1 else np.float32)
         report(mc.all_sum(x), x * n)
     elif kind == "op":
         x = ones * (r + 1)
