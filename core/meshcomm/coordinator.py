@@ -43,6 +43,7 @@ from typing import Any
 
 from .errors import CommTimeoutError, DistributedError
 from .placement import Coordinator
+from .sockio import recv_exact
 
 __all__ = ["exchange", "local_address", "RendezvousError", "MAX_PENDING", "NO_SECRET_WARNING"]
 
@@ -470,23 +471,6 @@ def _ranks(qs: Sequence[int]) -> str:
 
 # -- every other rank: the client --------------------------------------------------------------
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        sock.settimeout(min(left, 1.0))
-        try:
-            chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            continue
-        if not chunk:
-            raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
 class _Refused(Exception):
     """The coordinator closed the connection without an authenticated answer (retry)."""
 
@@ -529,7 +513,7 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
     """One connection to the coordinator: handshake, then replies until the table."""
     limit = min(deadline, time.monotonic() + HANDSHAKE_LIMIT)
     try:
-        challenge = _recv_exact(sock, _CHALLENGE.size, limit)
+        challenge = recv_exact(sock, _CHALLENGE.size, limit)
     except (OSError, TimeoutError) as exc:
         raise _Refused(f"no challenge from {coord} ({exc})") from None
     magic, nonce_s = _CHALLENGE.unpack(challenge)
@@ -550,11 +534,11 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
     counter, missing = 0, None
     while True:
         try:
-            head = _recv_exact(sock, _REPLY.size, deadline)
+            head = recv_exact(sock, _REPLY.size, deadline)
             kind, length = _REPLY.unpack(head)
             if length > MAX_REPLY:
                 raise _forged(rank, coord, f"a reply of {length} bytes")
-            rest = _recv_exact(sock, length + _MAC, deadline)
+            rest = recv_exact(sock, length + _MAC, deadline)
         except TimeoutError:
             said = (f"; it was still waiting for ranks {_ranks(missing)}" if missing
                     else "" if missing is not None else "; it never answered this rank's HELLO")

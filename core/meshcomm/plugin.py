@@ -28,7 +28,8 @@ What is here, by job:
 * where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
   rendezvous address from any launcher family; :data:`FAMILIES` names each family's
   variables), :func:`exchange` and
-  :func:`local_address` (the coordinator's address exchange);
+  :func:`local_address` (the coordinator's address exchange), :func:`recv_exact` (bytes
+  from a socket by a deadline, for start-up handshakes);
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
   :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
   :class:`RankPlace`, and :func:`check_env_name` / :func:`secret_names` for commands
@@ -73,6 +74,7 @@ from .launch.spec import (
 from .operations import wire_names
 from .placement import FAMILIES, Coordinator, Family, Placement, coordinator, placement
 from .registry import Availability, BackendRegistrar, EnvironmentCheck, Factory
+from .sockio import recv_exact
 
 __all__ = [
     # registering
@@ -83,7 +85,7 @@ __all__ = [
     # settings
     "Config", "Settings", "setting", "load_settings", "JobSecretSettings", "check_job_secret",
     # where the rank runs
-    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "Family", "exchange", "local_address",
+    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "Family", "exchange", "local_address", "recv_exact",
     # meshcomm launch
     "LauncherSupport", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "JobSpec", "RankPlace",
     "check_env_name", "secret_names",

@@ -29,10 +29,9 @@ import threading
 import time
 from typing import NamedTuple
 
-from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError
+from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError, recv_exact
 
 from . import wire
-from .engine import WAIT_SLICE
 from .hostfile import Peer
 
 __all__ = ["establish", "open_listener", "tune", "Connection", "MAX_PENDING"]
@@ -40,6 +39,8 @@ __all__ = ["establish", "open_listener", "tune", "Connection", "MAX_PENDING"]
 log = logging.getLogger("meshcomm.sockets")
 
 _HANDSHAKE_LIMIT = 5.0  # seconds a connecting stranger gets to complete the handshake
+#: what recv_exact's errors say they interrupted
+_HANDSHAKE = "the handshake"
 #: handshakes in progress at once on a listening rank; more connections are closed at once
 MAX_PENDING = 64
 # the kernel queues this many connections before dropping SYNs (a dropped SYN costs its sender
@@ -109,23 +110,6 @@ def open_listener(rank: int, me: Peer, bind: str | None, backlog: int) -> socket
     return sock
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("handshake timed out")
-        sock.settimeout(min(left, WAIT_SLICE))  # any MLX_TIMEOUT, even beyond a time_t
-        try:
-            chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            continue  # a slice ended: the loop checks the deadline
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        buf += chunk
-    return bytes(buf)
-
-
 def _connect_once(peer: Peer, deadline: float) -> socket.socket:
     left = max(0.05, deadline - time.monotonic())
     return socket.create_connection((peer.ip, peer.port), timeout=min(left, 10.0))
@@ -143,11 +127,11 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
             last = exc.strerror or str(exc)
         else:
             try:
-                nonce_a = wire.parse_challenge(_recv_exact(sock, wire.CHALLENGE_SIZE, deadline))
+                nonce_a = wire.parse_challenge(recv_exact(sock, wire.CHALLENGE_SIZE, deadline, during=_HANDSHAKE))
                 nonce_c = os.urandom(16)
                 sock.sendall(wire.hello(secret, nonce_a, wire.Hello(world, rank, q, nonce_c, version)))
-                head = _recv_exact(sock, wire.WELCOME_FIXED, deadline)
-                rest = _recv_exact(sock, wire.welcome_size(head) - len(head), deadline)
+                head = recv_exact(sock, wire.WELCOME_FIXED, deadline, during=_HANDSHAKE)
+                rest = recv_exact(sock, wire.welcome_size(head) - len(head), deadline, during=_HANDSHAKE)
                 w = wire.parse_welcome(secret, nonce_c, head + rest)
             except (OSError, wire.HandshakeError) as exc:
                 sock.close()
@@ -218,8 +202,8 @@ def _greet(sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline:
         nonce_a = os.urandom(16)
         sock.settimeout(max(0.01, limit - time.monotonic()))
         sock.sendall(wire.challenge(nonce_a))
-        head = _recv_exact(sock, wire.HELLO_FIXED, limit)
-        rest = _recv_exact(sock, wire.hello_size(head) - len(head), limit)
+        head = recv_exact(sock, wire.HELLO_FIXED, limit, during=_HANDSHAKE)
+        rest = recv_exact(sock, wire.hello_size(head) - len(head), limit, during=_HANDSHAKE)
         out.put(_Hello(wire.parse_hello(secret, nonce_a, head + rest), sock, addr, nonce_a))
     except (OSError, wire.HandshakeError) as exc:
         log.warning("meshcomm sockets rank %d: rejected a connection from %s: %s", rank, addr[:2], exc)
