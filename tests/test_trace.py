@@ -200,6 +200,20 @@ def test_summary_plot_writes_a_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_merge_command(tmp_path: Path) -> None:
+    _made_up(tmp_path)
+    out = tmp_path / "merged.json"
+    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "merge", str(tmp_path), "-o", str(out)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0 and f"merged trace written to {out}" in res.stdout, res.stderr
+    assert len(_ops(json.loads(out.read_text()))) == 32
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "merge", str(empty)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "no rank files" in res.stderr
+
+
 def test_summary_of_a_file_that_is_not_a_trace_says_so(tmp_path: Path) -> None:
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
