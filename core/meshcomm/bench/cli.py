@@ -86,6 +86,8 @@ def add_compare_arguments(p: argparse._ActionsContainer, *, out_dir: str = "mesh
     p.add_argument("--out-dir", default=out_dir, help=f"where compare.{{json,md,png}} go (default {out_dir})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--tag", help="append -TAG to every system name (e.g. mpich, for a run in an MPICH venv)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="keep N foreign processes spinning on the CPU during every job (a busy machine; default 0)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

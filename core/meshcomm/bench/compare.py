@@ -36,6 +36,7 @@ peers; a system whose library is missing is skipped and named.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,21 @@ def _best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rows": merged, "wall": sum(r["wall"] for r in ok)}
 
 
+@contextlib.contextmanager
+def busy_machine(count: int) -> Iterator[None]:
+    """``count`` foreign processes spinning on the CPU while inside (a machine someone else
+    uses too), ended on the way out however it is left."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+             for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
 def tcp_model(n: int, nbytes: int, lim: dict[str, float]) -> float:
     """Seconds a ring all-reduce needs on loopback TCP alone: 2(n-1) one-way latencies (polling,
     the stack's floor) plus 2(n-1)/n of the buffer at one stream's throughput (no adds, no
@@ -283,10 +299,26 @@ def main(argv: list[str] | None = None, *, out_dir: str = "meshcomm-compare") ->
     return run(p.parse_args(argv))
 
 
+def _run_ranks(args: argparse.Namespace, systems: list[System], n: int, log: Any) -> dict[str, Any]:
+    """Every system's job on ``n`` ranks, ``args.rounds`` times (order alternating, so drift
+    hits all alike); per system the best round per size."""
+    per: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+    for rnd in range(args.rounds):
+        order = systems if rnd % 2 == 0 else systems[::-1]
+        for s in order:
+            log.write(f"{n} ranks: {s.name} (round {rnd + 1}/{args.rounds}) ... ")
+            log.flush()
+            res = _run_job(s, n, args.sizes, args.timeout)
+            per[s.name].append(res)
+            log.write(f"{res['error']}\n" if "error" in res else f"{res['wall']:.0f} s\n")
+    return {name: _best_of(r) for name, r in per.items()}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every installed system at every rank count; tables on stdout, files in ``args.out_dir``.
 
-    ``args`` carries ``ranks, sizes, min_time, rounds, systems, timeout, out_dir, no_plot, tag``.
+    ``args`` carries ``ranks, sizes, min_time, rounds, systems, timeout, out_dir, no_plot, tag``
+    and optionally ``busy`` (foreign processes spinning during the jobs, not during the limits).
     Returns 0 when every job gave figures, else 1.
     """
     out_dir = Path(args.out_dir)
@@ -306,26 +338,22 @@ def run(args: argparse.Namespace) -> int:
     lim = limits.measure_all()
     log.write(f"  {_limits_text(lim)}\n")
     runs: dict[str, dict[str, Any]] = {}
-    for n in args.ranks:
-        per: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
-        for rnd in range(args.rounds):
-            order = systems if rnd % 2 == 0 else systems[::-1]  # alternate so drift hits all alike
-            for s in order:
-                log.write(f"{n} ranks: {s.name} (round {rnd + 1}/{args.rounds}) ... ")
-                log.flush()
-                res = _run_job(s, n, args.sizes, args.timeout)
-                per[s.name].append(res)
-                log.write(f"{res['error']}\n" if "error" in res else f"{res['wall']:.0f} s\n")
-        runs[str(n)] = {name: _best_of(r) for name, r in per.items()}
+    busy = getattr(args, "busy", 0)
+    with busy_machine(busy):
+        for n in args.ranks:
+            runs[str(n)] = _run_ranks(args, systems, n, log)
+        load_during = os.getloadavg()[0]
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0], "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
+        "python": sys.version.split()[0], "loadavg_before": load_before, "loadavg_after": load_during,
+        "busy_processes": busy,
         "sizes": args.sizes, "min_time": args.min_time, "rounds": args.rounds, "limits": lim,
         "skipped": skipped, "runs": {n: {k: {**v, "rows": {str(b): t for b, t in v.get("rows", {}).items()}}
                                          for k, v in r.items()} for n, r in runs.items()},
     }
     md = [f"float32 all_sum, median µs per call (slowest rank per iteration), {os.cpu_count()} cores, "
-          f"load {load_before:.1f} before / {doc['loadavg_after']:.1f} after; limits: {_limits_text(lim)}"]
+          + (f"{busy} foreign busy process{'es' if busy > 1 else ''} spinning during every job, " if busy else "")
+          + f"load {load_before:.1f} before / {load_during:.1f} at the end; limits: {_limits_text(lim)}"]
     for n, results in runs.items():
         md += ["", f"### {n} ranks", "", _table(int(n), results, lim)]
         md += [f"\n{name}: {res['error']}" for name, res in results.items() if "error" in res]
