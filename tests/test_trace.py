@@ -9,6 +9,7 @@ whose times are known, and the recorder's ring on a size-1 world in this process
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -108,6 +109,27 @@ def test_stall_inspector_names_the_rank_that_has_not_joined(backend: str, tmp_pa
         assert "not joined: rank 2 (finished all_sum #1 of world" in line, line
         assert f"joined: ranks {1 - r}" in line
     assert not [ln for ln in _lines(res.stderr, 2, "meshcomm:") if ln.startswith("stall:")]
+
+
+def test_stall_inspector_under_a_plain_mpirun(tmp_path: Path) -> None:
+    """Without meshcomm launch, under Open MPI's mpirun: the records go to its session directory."""
+    pytest.importorskip("meshcomm_mpi")
+    from meshcomm_mpi.launcher import mpiexec_command
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_",
+                                                                      "MESHCOMM_"))}
+    env.update(MPI_ENV, PYTHONUNBUFFERED="1", MLX_TIMEOUT="60", MESHCOMM_STALL_AFTER="1", TMPDIR=str(tmp_path))
+    cmd = mpiexec_command(3, [sys.executable, PROG, "stall", "4"])
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    if "PMIX_SERVER_TMPDIR" not in subprocess.run(
+            mpiexec_command(1, [sys.executable, "-c", "import os; print(*os.environ)"]), env=env,
+            capture_output=True, text=True, timeout=120).stdout:
+        pytest.skip("this mpiexec is not a PMIx launcher (MPICH's Hydra): no session directory to share")
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("meshcomm: stall:")]
+    assert sorted(ln.split()[3] for ln in lines) == ["0", "1"], res.stderr
+    assert all("not joined: rank 2 (finished all_sum #1 of world" in ln for ln in lines), lines
+    assert not [p for p in tmp_path.rglob("meshcomm-*")], "the session directory was left behind"
 
 
 def test_failed_rank_writes_its_trace_and_the_launcher_merges(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ The stall inspector of a waiting rank must learn what the other ranks are doing 
 the help of the transport it is stuck in. Every rank of a job started by ``meshcomm
 launch`` keeps ``<MESHCOMM_JOB_DIR>/progress/rank-<R>.bin`` up to date (a few bytes
 written into shared memory per operation, no system call) and the inspector reads the
-others' files. The record holds the operation the rank is in or last finished, and for
+others' files. Under a plain PMIx launcher (Open MPI's ``mpirun``) the records go to the
+launcher's per-job session directory, ``$PMIX_SERVER_TMPDIR/meshcomm-<PMIX_NAMESPACE>``,
+which the launcher removes when the job ends. The record holds the operation the rank is in or last finished, and for
 each group it used, the sequence number of the last collective it started there::
 
     header: magic "MCP1", world rank, pid, state (0 idle, 1 in an operation, 2 finished,
@@ -20,11 +22,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ProgressWriter", "Progress", "read_progress", "progress_dir", "IDLE", "RUNNING", "FINISHED", "FAILED"]
+__all__ = ["ProgressWriter", "Progress", "read_progress", "progress_dir", "job_progress_dir", "IDLE", "RUNNING",
+           "FINISHED", "FAILED"]
 
 IDLE, RUNNING, FINISHED, FAILED = 0, 1, 2, 3
 STATES = {IDLE: "idle", RUNNING: "in", FINISHED: "finished", FAILED: "failed in"}
@@ -42,6 +47,18 @@ SIZE = _HEAD.size + SLOTS * _SLOT.size
 def progress_dir(job_dir: str | os.PathLike[str]) -> Path:
     """Where the ranks of the job with directory ``job_dir`` keep their records."""
     return Path(job_dir) / "progress"
+
+
+def job_progress_dir(environ: Mapping[str, str]) -> Path | None:
+    """Where this job's ranks on this host keep their records: the launcher's job directory
+    (``MESHCOMM_JOB_DIR``), else a PMIx launcher's session directory; None when neither is set."""
+    job_dir = environ.get("MESHCOMM_JOB_DIR", "")
+    if job_dir:
+        return progress_dir(job_dir)
+    tmp, namespace = environ.get("PMIX_SERVER_TMPDIR", ""), environ.get("PMIX_NAMESPACE", "")
+    if tmp and namespace and os.path.isdir(tmp):
+        return Path(tmp) / ("meshcomm-" + re.sub(r"[^A-Za-z0-9_.-]", "_", namespace))
+    return None
 
 
 def _text(raw: bytes) -> str:

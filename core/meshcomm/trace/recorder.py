@@ -9,7 +9,8 @@ the end. :func:`start` sets it up from the world's settings:
   rank's program fails (:func:`meshcomm.exits.end_rank` calls :func:`dump` before it
   aborts the worlds);
 * ``MESHCOMM_STALL_AFTER`` > 0: the stall inspector (:mod:`meshcomm.trace.stall`) and,
-  under ``meshcomm launch``, this rank's progress record (:mod:`meshcomm.trace.progress`).
+  under ``meshcomm launch`` or a PMIx ``mpirun``, this rank's progress record
+  (:mod:`meshcomm.trace.progress`).
 
 Sequence numbers let the merge pair one operation's records across ranks: the n-th
 collective of a group on every member is number n (every member calls the group's
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .progress import ProgressWriter, progress_dir
+from .progress import ProgressWriter, job_progress_dir
 from .stall import Current, StallInspector
 
 if TYPE_CHECKING:
@@ -241,8 +242,7 @@ def start(config: Config, world: Group) -> Recorder | None:
     with _lock:
         if active is not None:
             return active
-        job_dir = os.environ.get("MESHCOMM_JOB_DIR")
-        folder = progress_dir(job_dir) if job_dir and stall > 0 else None
+        folder = job_progress_dir(os.environ) if stall > 0 else None
         writer = None
         if folder is not None:
             try:

@@ -7,7 +7,8 @@ configured) naming the ranks that have not joined it and what each was last seen
 read from their progress records (:mod:`meshcomm.trace.progress`). A collective of group
 G number S has been *joined* by a rank whose record shows it started collective S (or a
 later one) of G; for a send or recv the line shows the peer's record. Without a job
-directory (not started by ``meshcomm launch``) the line names only this rank's wait.
+directory (not started by ``meshcomm launch`` or a PMIx ``mpirun``) the line names only
+this rank's wait.
 """
 
 from __future__ import annotations
