@@ -267,8 +267,14 @@ def test_a_broken_block_fails(tmp_path: Path) -> None:
 
 
 def test_readme_is_a_short_front_door() -> None:
+    """At most README_MAX_LINES lines, not counting the generated list of variable names
+    (it grows with every setting), and the two commands exactly as .ci/run relies on them."""
     text = (ROOT / "README.md").read_text()
-    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md has {len(text.splitlines())} lines"
+    hooks = _hooks()
+    begin, end = text.find(hooks.NAMES_BEGIN), text.find(hooks.NAMES_END)
+    names = text[begin:end].count("\n") - 1 if 0 <= begin < end else 0
+    lines = len(text.splitlines()) - max(names, 0)
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines besides the variable list"
     for line in TWO_COMMANDS:
         assert line in text, f"README.md lost the command {line!r}"
 
