@@ -56,7 +56,7 @@ class SocketsBackend(Backend):
     checks_calls = True
 
     def __init__(self, fabric: Fabric, members: list[int], *, group_id: int = 0, label: str = "world",
-                 chunk_bytes: int = 256 * 1024, owner: bool = False, seq_start: int = 0) -> None:
+                 chunk_bytes: int = 4 << 20, owner: bool = False, seq_start: int = 0) -> None:
         self.fabric = fabric
         self.members = members
         self.gid = group_id

@@ -53,7 +53,7 @@ class SocketsSettings(JobSecretSettings):
         "that leave the host, header on loopback links, which no one off the host can be on",
     )
     chunk_kib: int = setting(
-        256, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
+        4096, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
         description="chunk size of the pipelined ring, KiB (the same on every rank)", ge=4, le=65536,
     )
     shm: bool = setting(
