@@ -536,7 +536,7 @@ class Fabric:
             f"on-path attacker or faulty network equipment) or it was not sent by rank {link.peer}. Nothing it "
             "carried was used, and the job stops: this connection can no longer be trusted. Run jobs on a "
             "trusted network or through an encrypted tunnel (WireGuard, ssh), with MESHCOMM_JOB_SECRET set; "
-            "see the README's Security section."
+            "see docs/security.md."
         )
 
     def _check(self, link: Link, exp: _Expect) -> None:
