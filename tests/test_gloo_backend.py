@@ -82,7 +82,7 @@ def _all_ok(res: list[tuple[int, str, str]]) -> None:
 
 
 # -- the contract ----------------------------------------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_contract(n: int) -> None:
     res = finish(start(n, ["-m", "meshcomm.testing.contract", "--backend", "gloo", "--more"]), timeout=150)
     _all_ok(res)

@@ -330,7 +330,7 @@ def _mpirun(n: int, argv: list[str], timeout: float, **env: str) -> subprocess.C
                           cwd=HERE.parent.parent)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_contract(n: int) -> None:
     """The whole API contract, every check on every rank, on a real MPI job."""
     res = _mpirun(n, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"], timeout=150)
