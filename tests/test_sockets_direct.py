@@ -47,3 +47,12 @@ def test_a_rank_in_another_pid_namespace_falls_back_to_copies(tmp_path):
 def test_direct_and_copied_calls_that_differ_are_a_mismatch(tmp_path):
     reports = _run(tmp_path, 3, mode=["mismatch"])
     assert [reports[r]["error"] for r in range(3)] == ["CollectiveMismatchError"] * 3, reports
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_in_place_and_out_over_the_tcp_ring(tmp_path, n):
+    """direct_out over TCP: ``all_sum(y, out=y)`` runs the pipelined ring in place (small
+    chunks: many frames of a block in flight) and gives what a fresh buffer gives."""
+    reports = _run(tmp_path, n, env={"MESHCOMM_SOCKETS_SHM": "0", "MESHCOMM_SOCKETS_CHUNK_KIB": "64"})
+    assert [reports[r]["path"] for r in range(n)] == ["tcp"] * n, reports
+    assert len({reports[r]["digest"] for r in range(n)}) == 1

@@ -54,6 +54,10 @@ class SocketsBackend(Backend):
 
     #: every collective's descriptor (op, dtype, count, root) is checked in-band on every rank
     checks_calls = True
+    #: results go straight into the caller's ``out=`` (in place too: every path copies or
+    #: reads its own input before it writes the same memory, and over TCP a block is only
+    #: received after every send of it has left, because its final value depends on them)
+    direct_out = True
 
     def __init__(self, fabric: Fabric, members: list[int], *, group_id: int = 0, label: str = "world",
                  chunk_bytes: int = 4 << 20, owner: bool = False, seq_start: int = 0) -> None:

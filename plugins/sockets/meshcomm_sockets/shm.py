@@ -676,14 +676,16 @@ class ShmGroup:
         ``out`` may be this rank's own ``sendbuf[first:last]`` (in place), nothing else of it."""
         item = sendbuf.itemsize
         per = max(1, _DIRECT_CHUNK_BYTES // item)
-        tmp = [np.empty(min(per, last - first), sendbuf.dtype) for _ in range(3 if self.n > 2 else 2)]
         alias = np.may_share_memory(sendbuf[first:last], out)
+        # two peers' chunks at once (the first step combines ranks 0 and 1), and in place a
+        # copy of this rank's own chunk, which the first step overwrites
+        tmp = [np.empty(min(per, last - first), sendbuf.dtype) for _ in range(3 if alias else 2)]
         for lo in range(first, last, per):
             hi = min(lo + per, last)
             acc = out[lo - first : hi - first]
             own = sendbuf[lo:hi]
-            if alias:  # in place: this rank's input is overwritten by the first step
-                own = tmp[-1][: hi - lo]
+            if alias:
+                own = tmp[2][: hi - lo]
                 own[...] = sendbuf[lo:hi]
 
             def part(i: int, t: np.ndarray, lo: int = lo, hi: int = hi, own: np.ndarray = own) -> np.ndarray:
