@@ -78,6 +78,7 @@ def test_format_size_is_exact_or_bytes():
     ("all_sum", 1, 0.0), ("all_sum", 2, 1.0), ("all_sum", 4, 1.5), ("all_sum", 8, 1.75),
     ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("sum_scatter", 4, 0.75),
     ("broadcast", 4, 1.0), ("sendrecv", 2, 1.0), ("barrier", 3, 1.0),
+    ("all_to_all", 4, 0.75), ("gather", 4, 0.75), ("scatter", 2, 0.5), ("reduce", 4, 1.0),
 ])
 def test_bus_factor(op, n, factor):
     assert bus_factor(op, n) == pytest.approx(factor)
@@ -177,6 +178,37 @@ def test_wrong_all_sum_on_one_rank_voids_the_figures(monkeypatch):
         with pytest.raises(ResultCheckError, match="all_sum at 64 B"):
             require_ok(ranks_rows)
     assert "elements differ" in next(r for r in rows[1] if r.op == "all_sum").error
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_second_round_ops_sizes_and_results(n):
+    """all_to_all, gather, scatter and reduce (issue 16) on threaded ranks: results checked
+    on every rank, sizes in whole elements per rank, busbw = algbw x the nccl-tests factor."""
+    ops = ["all_to_all", "gather", "scatter", "reduce"]
+    rows = run_threaded(n, lambda g: run_sweep(g, ops, [8, 100, 4 * KiB], np.float32, iters=2, warmup=1))
+    for ranks_rows in rows:
+        require_ok(ranks_rows)
+        assert {r.op for r in ranks_rows} == set(ops)
+        for r in ranks_rows:
+            assert r.busbw == pytest.approx(r.algbw * bus_factor(r.op, n))
+            if r.op != "reduce":
+                assert r.nbytes % (4 * n) == 0
+
+
+def test_a_non_root_that_gets_an_array_voids_the_figures(monkeypatch):
+    real = meshcomm.gather
+
+    def broken(x, root=0, *, group=None):
+        got = real(x, root, group=group)
+        return np.asarray(x) if got is None and group is not None and group.rank() == 2 else got
+
+    monkeypatch.setattr(meshcomm, "gather", broken)
+    rows = run_threaded(3, lambda g: run_sweep(g, ["gather", "reduce"], [64], iters=2, warmup=1))
+    for ranks_rows in rows:
+        gathered = next(r for r in ranks_rows if r.op == "gather")
+        assert not gathered.ok and gathered.wrong_ranks == [2]
+        assert next(r for r in ranks_rows if r.op == "reduce").ok
+    assert "non-root" in next(r for r in rows[2] if r.op == "gather").error
 
 
 def test_cli_exits_1_and_marks_wrong_rows(monkeypatch, capsys, tmp_path, fresh_registry):

@@ -1,10 +1,11 @@
 """What each benchmarked operation sends, what it must return, and its bus-bandwidth factor.
 
 Sizes follow nccl-tests: ``size`` is the whole buffer of the operation — the input of
-``all_sum``/``sum_scatter``/``broadcast``/``sendrecv`` and the *output* of
-``all_gather`` (each rank contributes ``size / n``). Element counts are rounded down so
-they split evenly over the ranks (at least one element per rank), so the bytes actually
-moved can differ slightly from the size asked for; results report the actual size.
+``all_sum``/``sum_scatter``/``broadcast``/``sendrecv``/``reduce``/``all_to_all``/``scatter``
+(root's) and the *output* of ``all_gather``/``gather`` (each rank contributes ``size / n``).
+Element counts are rounded down so they split evenly over the ranks (at least one element
+per rank), so the bytes actually moved can differ slightly from the size asked for; results
+report the actual size.
 
 Inputs are small integers (``i % 7 + rank``) so every sum is exact in every dtype and the
 expected result can be compared bit for bit; a buffer whose elements are all equal would
@@ -12,11 +13,12 @@ hide reordering bugs, so the pattern varies along the array.
 
 Bus bandwidth (nccl-tests' ``busbw``) rescales algorithm bandwidth ``size / time`` to
 what each link must carry, so results are comparable across rank counts:
-``all_sum`` 2(n-1)/n, ``all_gather`` and ``sum_scatter`` (n-1)/n, ``broadcast`` and
-``sendrecv`` 1. ``sendrecv`` sends ``size`` bytes to rank r+1 while receiving from rank
-r-1; meshcomm's ``send`` blocks until the transport has the data, so even ranks send
-first and odd ranks receive first (no deadlock, but on two ranks the two directions run
-one after the other).
+``all_sum`` 2(n-1)/n, ``all_gather``, ``sum_scatter``, ``all_to_all``, ``gather`` and
+``scatter`` (n-1)/n, ``broadcast``, ``reduce`` and ``sendrecv`` 1. The rooted operations
+use root 0; a non-root's ``gather``/``reduce`` must return None. ``sendrecv`` sends
+``size`` bytes to rank r+1 while receiving from rank r-1; meshcomm's ``send`` blocks until
+the transport has the data, so even ranks send first and odd ranks receive first (no
+deadlock, but on two ranks the two directions run one after the other).
 """
 
 from __future__ import annotations
@@ -65,10 +67,13 @@ class Case:
     count: int  #: elements of that buffer
     call: Callable[[], Any]
     expected: np.ndarray | None  #: what this rank must get back (None: nothing to check)
+    none_off_root: bool = False  #: with ``expected`` None: the result must be None (gather, reduce)
 
     def check(self, result: Any) -> str | None:
         """None if ``result`` is right, else a description of what is wrong."""
         if self.expected is None:
+            if self.none_off_root and result is not None:
+                return f"got a {type(result).__name__} on a non-root rank, expected None"
             return None
         return describe_mismatch(result, self.expected)
 
@@ -134,6 +139,43 @@ def _sendrecv(g: Group, nbytes: int, dtype: np.dtype) -> Case:
     return Case(count * dtype.itemsize, count, call, rank_input(count, dtype, src))
 
 
+def _all_to_all(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    per = max(1, nbytes // dtype.itemsize // n)
+    x = rank_input(per * n, dtype, r)
+    expected = np.concatenate([rank_input(per * n, dtype, k)[r * per:(r + 1) * per] for k in range(n)])
+    op = _meshcomm_op("all_to_all")
+    return Case(per * n * dtype.itemsize, per * n, lambda: op(x, group=g), expected)
+
+
+def _gather(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    per = max(1, nbytes // dtype.itemsize // n)
+    x = rank_input(per, dtype, r)
+    expected = np.concatenate([rank_input(per, dtype, k) for k in range(n)]) if r == 0 else None
+    op = _meshcomm_op("gather")
+    return Case(per * n * dtype.itemsize, per * n, lambda: op(x, 0, group=g), expected, none_off_root=True)
+
+
+def _scatter(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    per = max(1, nbytes // dtype.itemsize // n)
+    x = rank_input(per * n, dtype, r)  # non-root contents differ, so a block not from root shows
+    expected = rank_input(per * n, dtype, 0)[r * per:(r + 1) * per].copy()
+    op = _meshcomm_op("scatter")
+    return Case(per * n * dtype.itemsize, per * n, lambda: op(x, 0, group=g), expected)
+
+
+def _reduce(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    n, r = g.size(), g.rank()
+    count = max(1, nbytes // dtype.itemsize)
+    x = rank_input(count, dtype, r)
+    total = functools.reduce(np.add, (rank_input(count, dtype, k) for k in range(n)))
+    op = _meshcomm_op("reduce")
+    expected = np.asarray(total, dtype=dtype) if r == 0 else None
+    return Case(count * dtype.itemsize, count, lambda: op(x, 0, group=g), expected, none_off_root=True)
+
+
 def _barrier(g: Group, nbytes: int, dtype: np.dtype) -> Case:
     return Case(0, 0, g.barrier, None)
 
@@ -153,14 +195,15 @@ class Collective:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw of ``op`` on ``n`` ranks: 2(n-1)/n all_sum, (n-1)/n gather/scatter, else 1."""
+    """busbw / algbw of ``op`` on ``n`` ranks: 2(n-1)/n all_sum; (n-1)/n all_gather, sum_scatter,
+    all_to_all, gather, scatter; else 1."""
     if n < 1:
         raise ValueError(f"rank count must be >= 1, got {n}")
     if op == "all_sum":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "sum_scatter"):
+    if op in ("all_gather", "sum_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
-    if op in ("broadcast", "sendrecv", "barrier"):
+    if op in ("broadcast", "reduce", "sendrecv", "barrier"):
         return 1.0
     raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
 
@@ -171,6 +214,10 @@ OPS: dict[str, Collective] = {c.name: c for c in (
     Collective("all_gather", _all_gather),
     Collective("sum_scatter", _sum_scatter),
     Collective("broadcast", _broadcast),
+    Collective("all_to_all", _all_to_all),
+    Collective("gather", _gather),
+    Collective("scatter", _scatter),
+    Collective("reduce", _reduce),
     Collective("sendrecv", _sendrecv, min_ranks=2),
     Collective("barrier", _barrier, sized=False),
 )}
