@@ -178,7 +178,7 @@ class Link:
 
 def as_bytes(buf: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (works for every dtype, bfloat16 included)."""
-    return memoryview(buf.view(np.uint8))
+    return memoryview(buf.view(np.uint8))  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 class Fabric:
@@ -602,7 +602,7 @@ class Fabric:
         cls = _ABORT_CLASS.get(kind, DistributedError)
         text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
         peer = link.peer if lost is None else lost
-        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]
+        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)
         link.closed = True
         return err
 
@@ -727,5 +727,5 @@ def _again(first: DistributedError) -> DistributedError:
     cls = type(first)
     text = f"this group can no longer be used after an earlier failure: {first}"
     if cls in (PeerLostError, CommTimeoutError):
-        return cls(text, peer=getattr(first, "peer", None))  # type: ignore[call-arg]
+        return cls(text, peer=getattr(first, "peer", None))
     return cls(text)

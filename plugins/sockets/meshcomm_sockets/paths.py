@@ -15,6 +15,7 @@ numbers calls and picks nothing per operation.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -164,7 +165,7 @@ class TcpPath:
             for lo in chunks(d):
                 hi = min(lo + ce, bounds[d + 1])
                 fab.post_recv(left, call, tmpb[: (hi - lo) * item], FRAME_BYTES,
-                              done=lambda s=step, a=lo, b=hi: reduced(s, a, b))
+                              done=functools.partial(reduced, step, lo, hi))
         if gather:
             for step in range(n - 1):
                 d = (r + offset - step) % n

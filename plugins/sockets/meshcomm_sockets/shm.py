@@ -332,7 +332,8 @@ class ShmGroup:
         self.fifo = -1
         self.peer_fifos.clear()
         try:
-            self.ctrl = self.data = np.zeros(0)  # drop views before closing the map
+            self.ctrl = np.zeros((0, _LINE), np.int64)  # drop views before closing the map
+            self.data = np.zeros(0, np.uint8)
             self._slots.clear()
             if hasattr(self, "words"):
                 self.words.release()

@@ -86,9 +86,9 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
     mine = np.zeros(17, np.uint8)
     mine[:16] = np.frombuffer(host_key(host_id), np.uint8)
     mine[16] = 1 if enabled and SHM_DIR.is_dir() else 0
-    table = np.empty(17 * n, np.uint8)
-    world.all_gather(mine, table)
-    table = table.reshape(n, 17)
+    flat = np.empty(17 * n, np.uint8)
+    world.all_gather(mine, flat)
+    table = flat.reshape(n, 17)
     keys = [bytes(row[:16]) for row in table]
     hosts: dict[bytes, list[int]] = {}
     for q, k in enumerate(keys):
