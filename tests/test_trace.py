@@ -81,6 +81,13 @@ def test_merged_trace_has_every_operation_of_every_rank(backend: str, tmp_path: 
     pair = [e for e in ops if e["args"]["op"] in ("send", "recv")]
     assert sorted(e["pid"] for e in pair) == [0, 1]
     assert min(e["args"]["wait_us"] for e in pair) == 0
+    # what the operations hand the recorder: the peers, what each rank passed (for recv the
+    # received array; for the object collectives the pickled bytes), the split's color
+    assert {(e["pid"], e["args"]["peer"], e["args"]["bytes"], e["args"]["dtype"]) for e in pair} == {
+        (0, 1, 24, "float64"), (1, 0, 24, "float64")}
+    objs = [e for e in ops if e["args"]["op"] == "all_gather_object"]
+    assert len(objs) == 3 and all(e["args"]["bytes"] > 0 and e["args"]["dtype"] == "object" for e in objs)
+    assert sub[0].endswith(".0") and sub[1].endswith(".1")
     # one waiting slice per waiting operation, inside it
     for w in (e for e in trace["traceEvents"] if e.get("cat") == "wait"):
         assert any(o["pid"] == w["pid"] and o["ts"] == w["ts"] and o["dur"] >= w["dur"] for o in ops)

@@ -184,7 +184,7 @@ class Group:
                          check_calls=self._check_calls, max_object_bytes=self._max_object_bytes,
                          _world=self._world)
 
-        return self._submit("split", run, async_op)
+        return self._submit("split", run, async_op, None, color)
 
     @overload
     def barrier(self, *, async_op: Literal[False] = False) -> None: ...
@@ -244,7 +244,7 @@ class Group:
             return self._into(o, a.shape, a.dtype,
                               (lambda buf: self._b.all_reduce(send, buf, op)) if a.size else None)
 
-        return self._submit(name, run, async_op)
+        return self._submit(name, run, async_op, a)
 
     def reduce(self, x: Any, root: int = 0, *, op: str = "sum", out: np.ndarray | None = None,
                async_op: bool = False) -> Any:
@@ -272,7 +272,7 @@ class Group:
             self._b.reduce(send, None, op, root)
             return None
 
-        return self._submit("reduce", run, async_op)
+        return self._submit("reduce", run, async_op, a)
 
     def sum_scatter(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """The sum over ranks split along axis 0; rank r returns block r."""
@@ -289,7 +289,7 @@ class Group:
             return self._into(o, shape, a.dtype,
                               (lambda buf: self._b.reduce_scatter(send, buf, "sum")) if a.size else None)
 
-        return self._submit("sum_scatter", run, async_op)
+        return self._submit("sum_scatter", run, async_op, a)
 
     # -- data movement ------------------------------------------------------------------
     def all_gather(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
@@ -305,7 +305,7 @@ class Group:
             self._check("all_gather", a.shape, a.dtype, 0, "all_gather")
             return self._into(o, shape, a.dtype, (lambda buf: self._b.all_gather(send, buf)) if a.size else None)
 
-        return self._submit("all_gather", run, async_op)
+        return self._submit("all_gather", run, async_op, a)
 
     def gather(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """On ``root``: every rank's ``x`` concatenated along axis 0 in rank order; elsewhere None."""
@@ -327,7 +327,7 @@ class Group:
                 self._b.gather(send, None, root)
             return None
 
-        return self._submit("gather", run, async_op)
+        return self._submit("gather", run, async_op, a)
 
     def scatter(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Root's ``x`` split along axis 0 into ``size`` blocks; rank r returns block r.
@@ -348,7 +348,7 @@ class Group:
             self._check("scatter", a.shape, a.dtype, root, "scatter")
             return self._into(o, shape, a.dtype, (lambda buf: self._b.scatter(send, buf, root)) if a.size else None)
 
-        return self._submit("scatter", run, async_op)
+        return self._submit("scatter", run, async_op, a)
 
     def all_to_all(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Block j of this rank's ``x`` (axis 0 in ``size`` blocks) goes to rank j; block i of
@@ -364,7 +364,7 @@ class Group:
             self._check("all_to_all", a.shape, a.dtype, 0, "all_to_all")
             return self._into(o, a.shape, a.dtype, (lambda buf: self._b.all_to_all(send, buf)) if a.size else None)
 
-        return self._submit("all_to_all", run, async_op)
+        return self._submit("all_to_all", run, async_op, a)
 
     def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Root's ``x`` on every rank; other ranks pass an array of the same shape and dtype."""
@@ -389,7 +389,7 @@ class Group:
                 return o
             return buf
 
-        return self._submit("broadcast", run, async_op)
+        return self._submit("broadcast", run, async_op, a)
 
     # -- point-to-point -----------------------------------------------------------------
     def send(self, x: Any, dst: int, *, async_op: bool = False) -> None | Work[None]:
@@ -403,7 +403,7 @@ class Group:
                 _debug.check_send(self._b, self._where(), a.shape, flat.dtype, dst)
             self._b.send(flat, dst)
 
-        return self._submit("send", run, async_op)
+        return self._submit("send", run, async_op, a, dst)
 
     def recv(self, shape: Any, dtype: Any, src: int, *, out: np.ndarray | None = None,
              async_op: bool = False) -> Any:
@@ -422,7 +422,7 @@ class Group:
                 _debug.check_recv(self._b, self._where(), shp, dt, src)
             return self._into(o, shp, dt, lambda buf: self._b.recv(buf, src))
 
-        return self._submit("recv", run, async_op)
+        return self._submit("recv", run, async_op, (shp, dt), src)
 
     def recv_like(self, x: Any, src: int, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Receive an array shaped and typed like ``x`` from rank ``src``."""
@@ -456,7 +456,7 @@ class Group:
             return [_unpickle(every[q * width : q * width + sizes[q]].tobytes(), q, "all_gather_object", self._who)
                     for q in range(self._size)]
 
-        return self._submit("all_gather_object", run, async_op)
+        return self._submit("all_gather_object", run, async_op, data)
 
     def broadcast_object(self, obj: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Root's picklable ``obj`` on every rank (other ranks pass anything, e.g. None).
@@ -482,7 +482,7 @@ class Group:
             self._b.broadcast(buf, root)
             return obj if me else _unpickle(buf.tobytes(), root, "broadcast_object", self._who)
 
-        return self._submit("broadcast_object", run, async_op)
+        return self._submit("broadcast_object", run, async_op, data)
 
     def _object_limit(self) -> int:
         if self._max_object_bytes is None:
@@ -609,10 +609,18 @@ class Group:
             return True
         return False
 
-    def _submit(self, op: str, run: Callable[[], T], async_op: bool) -> Any:
+    def _submit(self, op: str, run: Callable[[], T], async_op: bool, payload: _trace.Payload = None,
+                arg: int = -1) -> Any:
         """Issue ``op``: refused on a closed group or from a second thread; then ``run()`` here,
         or on the world's worker when ``async_op`` (a handle is returned) or when earlier
-        asynchronous operations are still queued (the call then waits for its turn)."""
+        asynchronous operations are still queued (the call then waits for its turn).
+
+        ``payload`` and ``arg`` describe the operation to the recorder, which only reads them
+        when tracing or the stall inspector is on: what this rank passes (see
+        :data:`meshcomm.trace.recorder.Payload`), and the peer of ``send``/``recv`` or the
+        color of ``split``. Callers pass values they already hold (only ``recv`` pairs its
+        shape and dtype), so with the recorder off they cost two passed arguments.
+        """
         if self.closed:
             raise DistributedError(
                 f"{self._who}: {op} called on {self._where()} after it was closed"
@@ -622,17 +630,17 @@ class Group:
         ticket = self._guard.enter(op, self._who)
         worker = self._world.worker
         if not async_op and not worker.pending():
-            return self._execute(op, ticket, run)
+            return self._execute(op, ticket, run, payload, arg)
         work: Work[T] = Work(op, self._who)
-        worker.submit(work, lambda: self._execute(op, ticket, run))
+        worker.submit(work, lambda: self._execute(op, ticket, run, payload, arg))
         return work if async_op else work.wait()
 
-    def _execute(self, op: str, ticket: Ticket, run: Callable[[], T]) -> T:
+    def _execute(self, op: str, ticket: Ticket, run: Callable[[], T], payload: _trace.Payload, arg: int) -> T:
         """``run()`` as operation ``op``, with unexpected exceptions turned into a
         DistributedError naming the rank; then the guard lets the world go."""
         ok = False
         try:
-            result = run() if _trace.active is None else _trace.active.call(self, op, run)
+            result = run() if _trace.active is None else _trace.active.call(self, op, run, payload, arg)
             ok = True
             return result
         except (DistributedError, ValueError, TypeError):

@@ -1,8 +1,9 @@
 """The per-rank recorder: every operation's name, group, sequence, bytes, dtype, start and end.
 
 ``Group._execute`` runs each operation through :data:`active` when it is set (one ``None``
-check when it is not): :meth:`Recorder.call` notes the start, runs the operation, notes
-the end. :func:`start` sets it up from the world's settings:
+check when it is not), handing over what the operation's method already holds: the
+:data:`Payload` this rank passes and the peer (send, recv) or color (split).
+:meth:`Recorder.call` notes the start, runs the operation, notes the end. :func:`start` sets it up from the world's settings:
 
 * ``MESHCOMM_TRACE=DIR``: events go into a bounded ring (``MESHCOMM_TRACE_EVENTS``; the
   oldest are dropped and counted) written to ``DIR/rank-<R>.json`` at exit, and when the
@@ -26,6 +27,7 @@ import atexit
 import collections
 import functools
 import json
+import math
 import os
 import socket
 import threading
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..group import Group
 
-__all__ = ["Recorder", "active", "start", "dump", "stop", "RANK_FILE_FORMAT", "rank_file"]
+__all__ = ["Recorder", "Payload", "active", "start", "dump", "stop", "RANK_FILE_FORMAT", "rank_file"]
 
 T = TypeVar("T")
 
@@ -56,6 +58,9 @@ _lock = threading.Lock()
 
 #: one event: group, sequence, op, peer (-1: a collective), bytes, dtype, start, end, ok
 Event = tuple[str, int, str, int, int, Any, float, float, bool]
+#: what a rank passes to an operation, as the core hands it over: the array (its bytes and
+#: dtype are recorded), the pickled object (bytes), recv's (shape, dtype), or None
+Payload = np.ndarray | bytes | tuple[tuple[int, ...], np.dtype[Any]] | None
 
 
 def rank_file(folder: str | os.PathLike[str], rank: int) -> Path:
@@ -74,58 +79,17 @@ class _GroupState:
         self.pairs: dict[tuple[int, int], int] = {}  #: (src, dst) -> sends/recvs so far
 
 
-def _closure(run: Callable[..., Any], name: str) -> Any:
-    """The variable ``name`` the operation's closure captured (Group builds ``run`` around the
-    checked array ``a``, the peer ``dst``/``src``, the split ``color``), else None."""
-    code = getattr(run, "__code__", None)
-    cells = getattr(run, "__closure__", None)
-    if code is None or cells is None or name not in code.co_freevars:
-        return None
-    try:
-        return cells[code.co_freevars.index(name)].cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
-#: where the payload is in each operation's closure, by code object: (kind, index, index)
-_WHERE: dict[Any, tuple[int, int, int]] = {}
-_NONE, _ARRAY, _BYTES, _SHAPE = 0, 1, 2, 3
-
-
-def _locate(names: tuple[str, ...]) -> tuple[int, int, int]:
-    for name in ("a", "flat"):
-        if name in names:
-            return _ARRAY, names.index(name), 0
-    if "data" in names:
-        return _BYTES, names.index("data"), 0
-    if "shp" in names and "dt" in names:
-        return _SHAPE, names.index("shp"), names.index("dt")
-    return _NONE, 0, 0
-
-
-def _payload(run: Callable[..., Any]) -> tuple[int, Any]:
-    """Bytes and dtype (a NumPy dtype, "object", or "") this rank passes to the operation; the
-    closure's layout is looked up once per operation kind."""
-    code = getattr(run, "__code__", None)
-    cells = getattr(run, "__closure__", None)
-    if code is None or cells is None:
+def _bytes_and_dtype(payload: Payload) -> tuple[int, Any]:
+    """Bytes and dtype (a NumPy dtype, "object", or "") of what this rank passes to an
+    operation, as :meth:`meshcomm.Group._submit` describes it."""
+    if payload is None:
         return 0, ""
-    where = _WHERE.get(code)
-    if where is None:
-        where = _WHERE[code] = _locate(code.co_freevars)
-    kind, i, j = where
-    try:
-        if kind == _ARRAY:
-            arr = cells[i].cell_contents
-            return int(arr.nbytes), arr.dtype
-        if kind == _BYTES:
-            return len(cells[i].cell_contents), "object"
-        if kind == _SHAPE:
-            dt = cells[j].cell_contents
-            return int(np.prod(cells[i].cell_contents, dtype=np.int64)) * dt.itemsize, dt
-    except (ValueError, AttributeError, TypeError):
-        pass
-    return 0, ""
+    if isinstance(payload, np.ndarray):
+        return int(payload.nbytes), payload.dtype
+    if isinstance(payload, bytes):
+        return len(payload), "object"
+    shape, dtype = payload
+    return math.prod(shape) * dtype.itemsize, dtype
 
 
 @functools.cache
@@ -165,12 +129,12 @@ class Recorder:
         # a group this recorder did not see being made (another world)
         return self._add(group, f"{group.backend}:{group._label}")
 
-    def call(self, group: Group, op: str, run: Callable[[], T]) -> T:
-        """Run ``run()`` (operation ``op`` on ``group``) and record it."""
+    def call(self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1) -> T:
+        """Run ``run()`` (operation ``op`` on ``group``) and record it; ``payload`` is what this
+        rank passes, ``arg`` the peer of ``send``/``recv`` or the color of ``split``."""
         st = self._state(group)
         if op == "send" or op == "recv":
-            peer = _closure(run, "dst" if op == "send" else "src")
-            peer = int(peer) if peer is not None else -1
+            peer = arg
             pair = (st.rank, peer) if op == "send" else (peer, st.rank)
             seq = st.pairs[pair] = st.pairs.get(pair, 0) + 1
         else:
@@ -191,11 +155,11 @@ class Recorder:
             if self.progress is not None:
                 self.progress.end(ok, t1)
             if self.ring is not None:
-                nbytes, dtype = _payload(run)
+                nbytes, dtype = _bytes_and_dtype(payload)
                 self.ring.append((st.name, seq, op, peer, nbytes, dtype, t0, t1, ok))
                 self.recorded += 1
         if op == "split":
-            self._add(result, f"{st.name}/{seq}.{_closure(run, 'color')}")  # type: ignore[arg-type]
+            self._add(result, f"{st.name}/{seq}.{arg}")  # type: ignore[arg-type]
         return result
 
     def snapshot(self, reason: str) -> dict[str, Any]:
