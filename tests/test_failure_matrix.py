@@ -18,6 +18,10 @@ Each test runs ``meshcomm launch -n 3 --backend B --timeout 5 tests/programs/fai
 * the exit status is the failing rank's (1 for an exception, 3 for ``sys.exit(3)``, 137
   for SIGKILL; non-zero where the failing rank itself exited 0 or was stopped);
 * no process of the job is left (every process carries a unique marker in its argv).
+
+``test_failure_more`` does the same for the second-round operations (issue 16): rank 1
+raises or is killed while the others are in all_to_all, gather (rank 1 a non-root, or the
+root), scatter, reduce or all_gather_object, or calls a different one of them.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def _kill_all(marker: str) -> None:
                 pass
 
 
-def run_job(backend: str, kind: str) -> Job:
+def run_job(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
     marker = f"mcfm-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
     if backend == LARGE:
@@ -113,7 +117,7 @@ def run_job(backend: str, kind: str) -> Job:
     env.update(MLX_TIMEOUT=f"{MLX_TIMEOUT:g}", PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--backend", backend,
-           "--timeout", f"{MLX_TIMEOUT:g}", "--", str(PROGRAM), "--kind", kind, "--marker", marker]
+           "--timeout", f"{MLX_TIMEOUT:g}", "--", str(PROGRAM), "--kind", kind, "--marker", marker, *extra]
     limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
@@ -182,6 +186,67 @@ def test_failure(backend: str, kind: str) -> None:
     if want_rc is None and job.rc in (0, None):
         problems.append(f"exit status {job.rc}; want non-zero")
     elif want_rc is not None and job.rc != want_rc:
+        problems.append(f"exit status {job.rc}; want {want_rc}")
+    if job.leftovers:
+        problems.append(f"processes left after the launcher returned: {job.leftovers}")
+    assert not problems, "\n".join(problems) + "\n" + job.show()
+
+
+# -- the second-round operations (issue 16) ----------------------------------------------
+#: (operation the survivors are in, its root); ``gather`` with root 1: the root dies
+MORE_OPS = (("all_to_all", 0), ("gather", 0), ("gather", 1), ("scatter", 0), ("reduce", 0),
+            ("all_gather_object", 0))
+#: rank 1 calls something else than ranks 0 and 2 (see tests/programs/failure_rank.py)
+MORE_MISMATCHES = ("gather_scatter", "gather_root", "a2a_shape", "reduce_op")
+
+
+def _more_cases() -> list[tuple[str, str, str, int]]:
+    """(backend, kind, op, root): each backend sees every operation die once, raise and
+    sigkill alternating so that every (operation, death) pair runs on some backend, plus every
+    mismatch; the sockets direct-read path (1 MiB) again for all_to_all and a dying gather root."""
+    cases = []
+    for b, backend in enumerate(BACKENDS):
+        for i, (op, root) in enumerate(MORE_OPS):
+            cases.append((backend, ("raise", "sigkill")[(i + b) % 2], op, root))
+        cases += [(backend, kind, "all_sum", 0) for kind in MORE_MISMATCHES]
+    cases += [(LARGE, "sigkill", "all_to_all", 0), (LARGE, "raise", "gather", 1)]
+    return cases
+
+
+@pytest.mark.parametrize("backend, kind, op, root", _more_cases())
+def test_failure_more(backend: str, kind: str, op: str, root: int) -> None:
+    """all_to_all, gather, scatter, reduce and all_gather_object with rank 1 dying or calling
+    something else: every survivor raises a meshcomm error naming rank 1 (or
+    CollectiveMismatchError on every rank), no result, in time, no process left."""
+    job = run_job(backend, kind, ("--op", op, "--root", str(root)))
+    backend = backend.split("-")[0]
+    problems = []
+    limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
+    if job.took > limit:
+        problems.append(f"the job took {job.took:.1f} s, more than {limit:g} s")
+    ready = [r for r in range(3) if "READY" in job.lines(r)]
+    if ready != [0, 1, 2]:
+        problems.append(f"only ranks {ready} printed READY (start-up failed?)")
+    for r in range(3):
+        results = [line for line in job.lines(r) if line.startswith("RESULT")]
+        if results:
+            problems.append(f"rank {r} printed a result: {results}")
+    death = kind in DEATHS
+    want_rc = EXIT[kind] if death else 1
+    survivors = (0, 2) if death else (0, 1, 2)
+    if backend == "mpi" and kind == "sigkill" and _mpich():
+        survivors, want_rc = (), 9  # MPICH's Hydra kills the survivors at once (see test_failure)
+    for r in survivors:
+        errs = job.errors(r)
+        if not errs:
+            problems.append(f"rank {r} printed no meshcomm error")
+            continue
+        name, peer, _ = errs[0]
+        if death and (name not in ("PeerLostError", "CommTimeoutError") or peer != "1"):
+            problems.append(f"rank {r} raised {name} peer={peer}; want PeerLostError or CommTimeoutError peer=1")
+        elif not death and name != "CollectiveMismatchError":
+            problems.append(f"rank {r} raised {name} peer={peer}; want CollectiveMismatchError")
+    if job.rc != want_rc:
         problems.append(f"exit status {job.rc}; want {want_rc}")
     if job.leftovers:
         problems.append(f"processes left after the launcher returned: {job.leftovers}")
