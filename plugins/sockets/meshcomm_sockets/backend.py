@@ -20,9 +20,7 @@ import zlib
 from collections import defaultdict
 
 import numpy as np
-from meshcomm import algorithms
-from meshcomm.backend import Backend
-from meshcomm.dtypes import dtype_code
+from meshcomm.plugin import Backend, algorithms, dtype_code
 
 from . import wire
 from .engine import Call, Fabric, Link, as_bytes

@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from meshcomm.dtypes import dtype_from_code
-from meshcomm.errors import (
+from meshcomm.plugin import (
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,
     PeerLostError,
+    dtype_from_code,
 )
 
 from . import wire

@@ -19,8 +19,7 @@ import functools
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from meshcomm import algorithms
-from meshcomm.dtypes import reducer
+from meshcomm.plugin import algorithms, reducer
 
 from .engine import Call, as_bytes
 

@@ -52,13 +52,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from meshcomm import algorithms
-from meshcomm.dtypes import reducer
-from meshcomm.errors import (
+from meshcomm.plugin import (
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,
     PeerLostError,
+    algorithms,
+    reducer,
 )
 
 from . import cma
