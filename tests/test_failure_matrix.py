@@ -242,11 +242,14 @@ def test_failure_more(backend: str, kind: str, op: str, root: int) -> None:
             problems.append(f"rank {r} printed no meshcomm error")
             continue
         name, peer, _ = errs[0]
-        if death and (name not in ("PeerLostError", "CommTimeoutError") or peer != "1"):
-            problems.append(f"rank {r} raised {name} peer={peer}; want PeerLostError or CommTimeoutError peer=1")
+        want = ("CommTimeoutError",) if kind == "sigstop" else ("PeerLostError", "CommTimeoutError")
+        if death and (name not in want or peer != "1"):
+            problems.append(f"rank {r} raised {name} peer={peer}; want {' or '.join(want)} peer=1")
         elif not death and name != "CollectiveMismatchError":
             problems.append(f"rank {r} raised {name} peer={peer}; want CollectiveMismatchError")
-    if job.rc != want_rc:
+    if want_rc is None and job.rc in (0, None):
+        problems.append(f"exit status {job.rc}; want non-zero")
+    elif want_rc is not None and job.rc != want_rc:
         problems.append(f"exit status {job.rc}; want {want_rc}")
     if job.leftovers:
         problems.append(f"processes left after the launcher returned: {job.leftovers}")
