@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Operation", "OPERATIONS", "REDUCTIONS", "get", "by_code", "wire_names", "names"]
+__all__ = ["Operation", "OPERATIONS", "REDUCTIONS", "get", "by_code", "wire_names", "names", "bus_factor"]
 
 #: reductions a backend may be asked for (``all_reduce``, ``reduce_scatter``, ``reduce``)
 REDUCTIONS: tuple[str, ...] = ("sum", "max", "min")
@@ -91,3 +91,21 @@ def wire_names() -> tuple[str, ...]:
     """Names indexed by code, ``"?"`` at 0 and at unused codes (a transport's opcode table)."""
     top = max(_BY_CODE)
     return tuple(_BY_CODE[c].name if c in _BY_CODE else "?" for c in range(top + 1))
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bus bandwidth over algorithm bandwidth of ``op`` on ``n`` ranks, as nccl-tests defines
+    it (algbw = the operation's size in bytes / time; for ``all_gather`` and ``gather`` the
+    size is the gathered result): 2(n-1)/n for the all-reductions; (n-1)/n for
+    ``all_gather``, ``sum_scatter``, ``all_to_all``, ``gather`` and ``scatter``; 1 for
+    ``broadcast``, ``reduce`` and point-to-point; 0 where bandwidth means nothing (barrier,
+    split, object collectives). Used by ``meshcomm bench`` and ``meshcomm trace summary``."""
+    if n < 1:
+        raise ValueError(f"rank count must be >= 1, got {n}")
+    if op in ("all_sum", "all_max", "all_min"):
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "sum_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv", "sendrecv", "send/recv"):
+        return 1.0
+    return 0.0

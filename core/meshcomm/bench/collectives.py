@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import operations
 from ..group import Group
 
 __all__ = ["Collective", "Case", "OPS", "bus_factor", "rank_input", "describe_mismatch"]
@@ -195,17 +196,11 @@ class Collective:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw of ``op`` on ``n`` ranks: 2(n-1)/n all_sum; (n-1)/n all_gather, sum_scatter,
-    all_to_all, gather, scatter; else 1."""
-    if n < 1:
-        raise ValueError(f"rank count must be >= 1, got {n}")
-    if op == "all_sum":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "sum_scatter", "all_to_all", "gather", "scatter"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce", "sendrecv", "barrier"):
-        return 1.0
-    raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
+    """busbw / algbw of ``op`` on ``n`` ranks (:func:`meshcomm.operations.bus_factor`, the
+    nccl-tests convention), for the operations ``meshcomm bench`` times."""
+    if op not in OPS:
+        raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
+    return operations.bus_factor(op, n)
 
 
 #: every operation ``meshcomm bench --op`` knows, in display order

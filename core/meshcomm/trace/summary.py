@@ -22,20 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Instance", "Row", "instances", "table", "slow", "format_summary", "bus_factor", "bucket"]
+from ..operations import bus_factor
 
-
-def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw of ``op`` on ``n`` ranks (0 when bandwidth means nothing: barrier, split, objects)."""
-    if n < 1:
-        return 0.0
-    if op in ("all_sum", "all_max", "all_min"):
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "sum_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce", "gather", "scatter", "send/recv"):
-        return 1.0
-    return 0.0
+__all__ = ["Instance", "Row", "instances", "table", "slow", "format_summary", "bucket"]
 
 
 def bucket(nbytes: int) -> int:
