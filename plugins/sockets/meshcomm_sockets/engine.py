@@ -602,7 +602,7 @@ class Fabric:
         cls = _ABORT_CLASS.get(kind, DistributedError)
         text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
         peer = link.peer if lost is None else lost
-        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)
+        err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]  # PeerLostError/CommTimeoutError take peer=
         link.closed = True
         return err
 

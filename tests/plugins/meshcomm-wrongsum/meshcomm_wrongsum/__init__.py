@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import meshcomm_sockets.plugin as sockets
 import numpy as np
 from meshcomm.plugin import Backend, hookimpl
-from meshcomm_sockets import plugin as sockets
 
 
 def _factory(config: Any, settings: Any) -> Backend:
