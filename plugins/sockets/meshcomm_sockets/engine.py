@@ -1,8 +1,9 @@
 """The data plane: framed, checked, non-blocking transfers over the mesh of connections.
 
 One thread per rank drives every transfer: it queues frames to send and frames it
-expects, then writes and reads whatever the sockets accept, waiting in ``poll`` (in the
-kernel, never spinning) only when no socket can make progress. A callback runs as soon
+expects, then writes and reads whatever the sockets accept; when no socket can make
+progress it polls without sleeping for at most ``MESHCOMM_SOCKETS_SPIN_US``, then waits in
+``poll`` in the kernel. A callback runs as soon
 as an expected frame has fully arrived, so a ring can reduce one chunk while the kernel
 is still moving the next ones.
 
@@ -266,10 +267,10 @@ class Fabric:
         received; raise (after telling every peer) on loss, timeout or mismatch.
 
         One thread does it all (a helper thread that sent while this one received was
-        measured slower: 64 MiB on 2 ranks 64-67 ms against 47-52 ms)."""
+        measured slower, see docs/sockets.md)."""
         self.check()
         try:
-            self._progress(links, send=True, recv=True)
+            self._progress(links)
         except DistributedError as exc:
             self.fail(exc)
             raise
@@ -277,8 +278,8 @@ class Fabric:
             self.fail(DistributedError(f"rank {self.rank}: interrupted mid-transfer ({type(exc).__name__})"))
             raise
 
-    def _progress(self, links: list[Link], *, send: bool, recv: bool) -> None:
-        """The loop itself (``send``/``recv``: which directions it drives)."""
+    def _progress(self, links: list[Link]) -> None:
+        """The loop itself: send what is queued and receive what is expected on ``links``."""
         poller: select.poll | None = None
         registered: dict[int, int] = {}
         last = entered = tick = time.monotonic()
@@ -289,21 +290,21 @@ class Fabric:
             pending = False
             moved = False
             for link in links:
-                if send and link.out and not link.send_blocked:
+                if link.out and not link.send_blocked:
                     moved |= self._send(link)
-                if recv and (link.cur is not None or link.expect) and not link.recv_blocked:
+                if (link.cur is not None or link.expect) and not link.recv_blocked:
                     moved |= self._recv(link)
             wanted: dict[int, int] = {}
             runnable = False
             for link in links:
                 ev = 0
-                if send and link.out:
+                if link.out:
                     pending = True
                     if link.send_blocked:
                         ev |= _POLLOUT
                     else:
                         runnable = True
-                if recv and (link.cur is not None or link.expect):
+                if link.cur is not None or link.expect:
                     pending = True
                     if link.recv_blocked:
                         ev |= _POLLIN
@@ -340,7 +341,7 @@ class Fabric:
             ready = poller.poll(wait_ms)
             if not ready:
                 if time.monotonic() - last >= self.timeout:
-                    self._timeout(links, send=send, recv=recv)
+                    self._timeout(links)
                 continue
             for fd, ev in ready:
                 for link in links:
@@ -411,14 +412,14 @@ class Fabric:
             self._scanning = False
         return None  # pragma: no cover - probe raises on the ABORT it just peeked
 
-    def _timeout(self, links: list[Link], *, send: bool, recv: bool) -> None:
+    def _timeout(self, links: list[Link]) -> None:
         mine = self.pending_abort() or self.stalled_error("a peer stopped answering")
         if mine is not None:
             raise mine
-        # blame the link this loop was actually stuck on: a receive it waited for, or (in
-        # the sender thread, or when nothing was expected) a send the peer did not accept
-        waiting = [lk for lk in links if recv and (lk.cur is not None or lk.expect) and lk.recv_blocked]
-        stuck = [lk for lk in links if send and lk.out]
+        # blame the link this loop was actually stuck on: a receive it waited for, or (when
+        # nothing was expected) a send the peer did not accept
+        waiting = [lk for lk in links if (lk.cur is not None or lk.expect) and lk.recv_blocked]
+        stuck = [lk for lk in links if lk.out]
         link = waiting[0] if waiting else stuck[0]
         exp = link.cur or (link.expect[0] if link.expect else None)
         what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""

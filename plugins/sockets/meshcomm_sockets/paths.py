@@ -71,11 +71,9 @@ class TcpPath:
     def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         g = self.group
         n, r, m = g.size(), g.rank(), recvbuf.size
-        if sendbuf.nbytes <= RING_MIN_BYTES:
-            full = np.empty_like(sendbuf)
-            full[...] = sendbuf
-            algorithms.recursive_doubling(g, full, op)
-            recvbuf[...] = full[r * m : (r + 1) * m]
+        if sendbuf.nbytes <= RING_MIN_BYTES:  # latency first: the all-reduce's doubling, then my block
+            algorithms.reduce_scatter_by_all_reduce(g, sendbuf, recvbuf, op,
+                                                    lambda s, d, o: self.all_reduce(call, s, d, o))
             return
         work = np.empty_like(sendbuf)
         self._ring(call, sendbuf, work, op, offset=-1, gather=False, bounds=[i * m for i in range(n + 1)])

@@ -39,16 +39,16 @@ _NAME_BYTES = 64
 
 def default_piece(local_ranks: int) -> int:
     """Slot size: small pieces keep data in cache; when ranks outnumber cores every piece
-    costs context switches, so fewer, larger pieces win (measured: 64 MiB all-reduce on 4
-    ranks / 2 cores took 160 ms with 512 KiB pieces, 75 ms with 2 MiB)."""
+    costs context switches, so fewer, larger pieces win (measurement in docs/sockets.md)."""
     return (2048 if local_ranks > (os.cpu_count() or 1) else 512) * 1024
 
 
 def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
     """(seconds to spin before sleeping, yield the core on every spin).
 
-    Waking a sleeping process costs ten times more than finding a polling one ready
-    (docs/benchmarks.md has the measurement), so a waiting rank first polls for up to ``spin_us``; when this host has more ranks than
+    Waking a sleeping process costs far more than finding a polling one ready (the
+    measurement is in docs/benchmarks.md), so a waiting rank first polls for up to
+    ``spin_us``; when this host has more ranks than
     cores it also hands its core to a runnable peer on every round (``sched_yield``), so
     the peer it waits for gets to run. Never longer: then it sleeps in the kernel."""
     return spin_us / 1e6, local_ranks > (os.cpu_count() or 1)
