@@ -104,17 +104,12 @@ class TcpPath:
         pass
 
     def _agree(self) -> None:
-        """Exchange the current call's descriptor with every rank (header-only frames in a
-        dissemination pattern: after round k a rank has, directly or through others, checked
-        2**(k+1) ranks), so a rank that would otherwise only send (a broadcast's root) still
-        learns when another rank called something else."""
-        g = self.group
-        none = np.zeros(0, np.uint8)
-        n, r = g.size(), g.rank()
-        dist = 1
-        while dist < n:
-            g.sendrecv(none, (r + dist) % n, none, (r - dist) % n)
-            dist <<= 1
+        """Exchange the current call's descriptor with every rank: a dissemination barrier
+        inside the call, whose frames carry its descriptor (after round k a rank has,
+        directly or through others, checked 2**(k+1) ranks), so a rank that would otherwise
+        only send (a broadcast's or scatter's root) still learns when another rank called
+        something else."""
+        algorithms.barrier(self.group)
 
     def _ring(self, call: Call, sendbuf: np.ndarray, out: np.ndarray, op: str, *, offset: int, gather: bool,
               bounds: list[int] | None = None) -> None:
