@@ -12,8 +12,9 @@ each round; rank 0 prints one JSON line prefixed ``TRACECOST`` with the median a
 fastest of the rounds (on a shared machine the fastest round is the one least disturbed
 by other processes). ``--driver`` runs the configurations interleaved ``--repeats`` times
 (the machine's load drifts) and prints the median of each run's fastest round; ``--before DIR`` adds a
-configuration that imports meshcomm from ``DIR`` (a copy of ``core/`` without the
-recorder's hook, for the "free when off" comparison). ``--inprocess`` times the
+configuration that imports meshcomm from ``DIR`` with tracing and the inspector off (a
+copy of ``core/`` without the recorder's hook, or of an earlier commit's, for the "free
+when off" comparison). ``--inprocess`` times the
 recorder's own work per operation without any transport or second process: the same
 call on a size-1 world with the hook unset, with the stall inspector's bookkeeping
 (progress record included), and with tracing on (best of 7 repeats of 100000 calls).
@@ -82,7 +83,8 @@ def driver(argv: list[str] | None = None) -> None:
     extra = ["--bytes", str(args.bytes), "--iters", str(args.iters)]
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        configs = {} if args.before is None else {"before": {"PYTHONPATH": args.before, "MESHCOMM_TRACE": ""}}
+        configs = {} if args.before is None else {"before": {"PYTHONPATH": args.before, "MESHCOMM_TRACE": "",
+                                                            "MESHCOMM_STALL_AFTER": "0"}}
         configs |= {"off": {"MESHCOMM_STALL_AFTER": "0", "MESHCOMM_TRACE": ""},
                    "stall only": {"MESHCOMM_TRACE": ""},
                    "trace on": {"MESHCOMM_TRACE": tmp}}
