@@ -34,6 +34,25 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p such that p and p + 1 were both free a moment ago (a torchrun MASTER_PORT:
+    meshcomm's coordinator takes the next port)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((host, 0))
+            p = a.getsockname()[1]
+            if p + 1 > 65535:
+                continue
+            try:
+                b.bind((host, p + 1))
+            except OSError:
+                continue
+            return int(p)
+    raise RuntimeError("no two consecutive free ports found")
+
+
 def write_hostfile(path: Path, ports: list[int], host: str = "127.0.0.1") -> Path:
     import json
 

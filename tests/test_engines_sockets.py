@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, finish, free_ports
+from jobs import ROOT, finish, free_port_pair, free_ports
 
 pytest.importorskip("meshcomm_sockets")
 PROG = ROOT / "tests" / "programs" / "engine_rank.py"
@@ -137,7 +137,11 @@ def test_torchrun_with_sockets(job_id):
         pytest.skip("torchrun (pip install torch) is not in this environment")
     env = _env(MLX_BACKEND="sockets", MESHCOMM_JOB_ID=job_id, MESHCOMM_JOB_SECRET=secrets.token_hex(16),
                OMP_NUM_THREADS="1")
-    code, out = _run_group([str(torchrun), "--standalone", "--nproc-per-node", "3", str(PROG)], env)
+    # a MASTER_PORT whose next port is free too (--standalone picks any port, and the next one
+    # may belong to another process: a RendezvousError that names the fix, not a test failure)
+    master = free_port_pair()
+    code, out = _run_group([str(torchrun), "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port",
+                            str(master), "--nproc-per-node", "3", str(PROG)], env)
     assert code == 0, out[-4000:]
     reports = _reports(out)
     _check(reports, 3, out)
@@ -145,8 +149,8 @@ def test_torchrun_with_sockets(job_id):
     # torchrun's agent serves its store on MASTER_PORT; meshcomm's coordinator took the next port
     ports = {(int(rep["master_port"]), int(rep["coordinator"].rsplit(":", 1)[1])) for rep in reports}
     assert len(ports) == 1, reports
-    master, ours = ports.pop()
-    assert ours == master + 1, reports
+    seen, ours = ports.pop()
+    assert seen == master and ours == master + 1, reports
 
 
 def test_two_hosts_meet_at_the_coordinator_and_share_memory_within_each(job_id):
