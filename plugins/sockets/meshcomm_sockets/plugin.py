@@ -75,10 +75,10 @@ class SocketsSettings(JobSecretSettings):
         description="names this rank's host for shared memory (default: hostname + boot id + /dev/shm)",
     )
     spin_us: int = setting(
-        2000, env="MESHCOMM_SOCKETS_SPIN_US", accepts="an integer from 0 to 100000",
+        20000, env="MESHCOMM_SOCKETS_SPIN_US", accepts="an integer from 0 to 100000",
         description="microseconds a waiting rank polls before it sleeps in the kernel (0: sleep at once); "
-        "longer than a scheduler time slice, so a peer descheduled by another process is still polled for "
-        "when it comes back",
+        "several scheduler time slices, so on a machine shared with other busy processes a rank is still "
+        "polling when its descheduled peer comes back, instead of waiting a slice to be woken",
         ge=0, le=100000,
     )
     listen_fd: int | None = setting(

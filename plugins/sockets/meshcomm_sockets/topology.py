@@ -55,7 +55,7 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
 
 
 def choose_path(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-                job_id: str | None, spin_us: int = 2000, seq_start: int = 0, direct: bool = True) -> Path:
+                job_id: str | None, spin_us: int = 20000, seq_start: int = 0, direct: bool = True) -> Path:
     """Decide how ranks wait and the path of the world's collectives; map the host's segment.
 
     Every frame of this exchange carries a payload tag whatever MESHCOMM_SOCKETS_INTEGRITY
