@@ -49,7 +49,7 @@ def error(exc: mc.DistributedError) -> None:
     print(f"ERROR {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}".replace("\n", " | "), flush=True)
 
 
-#: elements of every array (the failure matrix also runs 1 MiB arrays: the sockets backend's direct path)
+#: elements of every array (the failure matrix also runs 4 MiB arrays: the sockets backend's direct path)
 E = int(os.environ.get("FAILURE_ELEMENTS", "4"))
 
 

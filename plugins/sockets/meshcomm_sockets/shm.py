@@ -531,12 +531,15 @@ class ShmGroup:
 
     # -- collectives ----------------------------------------------------------------------
     def is_direct(self, nbytes: int) -> bool:
-        """Take the direct path (the same answer on every local rank making this call)."""
-        return self.direct and nbytes >= DIRECT_MIN_BYTES
+        """Take the direct path (the same answer on every local rank making this call): from
+        DIRECT_MIN_BYTES, and only above one slot (the slots then need two waits or more,
+        the direct path two or three; at one slot, one wait of the slots is cheaper, most of
+        all when ranks outnumber cores and every wait costs context switches)."""
+        return self.direct and nbytes >= DIRECT_MIN_BYTES and nbytes > self.piece
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         f, dt = reducer(op), sendbuf.dtype
-        if sendbuf.nbytes <= self.piece and sendbuf.nbytes < DIRECT_MIN_BYTES:  # one piece: the latency path
+        if sendbuf.nbytes <= self.piece:  # one piece (never direct): the latency path
             views, n = self.slots(self.seq, dt), sendbuf.size
             self._step(call, (views[self.me][:n], sendbuf), None)
             f(views[0][:n], views[1][:n], out=recvbuf)

@@ -43,15 +43,22 @@ def default_piece(local_ranks: int) -> int:
     return (2048 if local_ranks > (os.cpu_count() or 1) else 512) * 1024
 
 
+#: the most a waiting rank polls (yielding) when its host has more ranks than cores: the
+#: peers it waits for need those cores (measurements in docs/sockets.md)
+CROWDED_SPIN_US = 2000
+
+
 def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
     """(seconds to spin before sleeping, yield the core on every spin).
 
     Waking a sleeping process costs far more than finding a polling one ready (the
     measurement is in docs/benchmarks.md), so a waiting rank first polls for up to
-    ``spin_us``; when this host has more ranks than
-    cores it also hands its core to a runnable peer on every round (``sched_yield``), so
-    the peer it waits for gets to run. Never longer: then it sleeps in the kernel."""
-    return spin_us / 1e6, local_ranks > (os.cpu_count() or 1)
+    ``spin_us``; when this host has more ranks than cores it polls at most
+    CROWDED_SPIN_US and hands its core to a runnable peer on every round
+    (``sched_yield``), so the peer it waits for gets to run. Never longer: then it
+    sleeps in the kernel."""
+    crowded = local_ranks > (os.cpu_count() or 1)
+    return (min(spin_us, CROWDED_SPIN_US) if crowded else spin_us) / 1e6, crowded
 
 
 def choose_path(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
