@@ -138,12 +138,9 @@ def run_job(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
     return Job(proc.returncode, took, out, err, leftovers)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("backend", [*BACKENDS, LARGE])
-def test_failure(backend: str, kind: str) -> None:
-    job = run_job(backend, kind)
-    large = backend == LARGE
-    backend = backend.split("-")[0]
+def _timely_and_no_result(job: Job, backend: str, bad: str) -> list[str]:
+    """Problems every failure job is checked for first: over its time limit, a rank that did
+    not start, a rank that printed a line starting with ``bad`` (a result)."""
     problems = []
     limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
     if job.took > limit:
@@ -152,11 +149,32 @@ def test_failure(backend: str, kind: str) -> None:
     if ready != [0, 1, 2]:
         problems.append(f"only ranks {ready} printed READY (start-up failed?)")
     for r in range(3):
-        # with two threads, a rank whose threads happened not to overlap may get a true result
-        bad = "RESULT WRONG" if kind == "threads" else "RESULT"
         results = [line for line in job.lines(r) if line.startswith(bad)]
         if results:
             problems.append(f"rank {r} printed a result: {results}")
+    return problems
+
+
+def _exit_and_leftovers(job: Job, want_rc: int | None) -> list[str]:
+    """The job's exit status is ``want_rc`` (None: any non-zero) and no process is left."""
+    problems = []
+    if want_rc is None and job.rc in (0, None):
+        problems.append(f"exit status {job.rc}; want non-zero")
+    elif want_rc is not None and job.rc != want_rc:
+        problems.append(f"exit status {job.rc}; want {want_rc}")
+    if job.leftovers:
+        problems.append(f"processes left after the launcher returned: {job.leftovers}")
+    return problems
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, LARGE])
+def test_failure(backend: str, kind: str) -> None:
+    job = run_job(backend, kind)
+    large = backend == LARGE
+    backend = backend.split("-")[0]
+    # with two threads, a rank whose threads happened not to overlap may get a true result
+    problems = _timely_and_no_result(job, backend, "RESULT WRONG" if kind == "threads" else "RESULT")
     # a send may return at once (buffered) and the sender's program then ends: it need not raise
     survivors = (0, 2) if kind in (*DEATHS, "send") else (0, 1, 2)
     want_rc = EXIT[kind]
@@ -186,12 +204,7 @@ def test_failure(backend: str, kind: str) -> None:
         elif kind in MISMATCHES:
             if name != "CollectiveMismatchError":
                 problems.append(f"rank {r} raised {name} peer={peer}; want CollectiveMismatchError")
-    if want_rc is None and job.rc in (0, None):
-        problems.append(f"exit status {job.rc}; want non-zero")
-    elif want_rc is not None and job.rc != want_rc:
-        problems.append(f"exit status {job.rc}; want {want_rc}")
-    if job.leftovers:
-        problems.append(f"processes left after the launcher returned: {job.leftovers}")
+    problems += _exit_and_leftovers(job, want_rc)
     assert not problems, "\n".join(problems) + "\n" + job.show()
 
 
@@ -223,17 +236,7 @@ def test_failure_more(backend: str, kind: str, op: str, root: int) -> None:
     CollectiveMismatchError on every rank), no result, in time, no process left."""
     job = run_job(backend, kind, ("--op", op, "--root", str(root)))
     backend = backend.split("-")[0]
-    problems = []
-    limit = MLX_TIMEOUT + 5 + ALLOWANCE[backend]
-    if job.took > limit:
-        problems.append(f"the job took {job.took:.1f} s, more than {limit:g} s")
-    ready = [r for r in range(3) if "READY" in job.lines(r)]
-    if ready != [0, 1, 2]:
-        problems.append(f"only ranks {ready} printed READY (start-up failed?)")
-    for r in range(3):
-        results = [line for line in job.lines(r) if line.startswith("RESULT")]
-        if results:
-            problems.append(f"rank {r} printed a result: {results}")
+    problems = _timely_and_no_result(job, backend, "RESULT")
     death = kind in DEATHS
     want_rc = EXIT[kind] if death else 1
     survivors = (0, 2) if death else (0, 1, 2)
@@ -250,10 +253,5 @@ def test_failure_more(backend: str, kind: str, op: str, root: int) -> None:
             problems.append(f"rank {r} raised {name} peer={peer}; want {' or '.join(want)} peer=1")
         elif not death and name != "CollectiveMismatchError":
             problems.append(f"rank {r} raised {name} peer={peer}; want CollectiveMismatchError")
-    if want_rc is None and job.rc in (0, None):
-        problems.append(f"exit status {job.rc}; want non-zero")
-    elif want_rc is not None and job.rc != want_rc:
-        problems.append(f"exit status {job.rc}; want {want_rc}")
-    if job.leftovers:
-        problems.append(f"processes left after the launcher returned: {job.leftovers}")
+    problems += _exit_and_leftovers(job, want_rc)
     assert not problems, "\n".join(problems) + "\n" + job.show()
