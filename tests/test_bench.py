@@ -315,3 +315,28 @@ def test_launched_all_ops_on_three_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["ok"] and {r["op"] for r in doc["results"]} == set(OPS)
+
+
+def test_busy_machine_spins_n_processes_and_ends_them() -> None:
+    """``--compare --busy N``: N foreign processes burn CPU inside the block, none after it."""
+    import os
+
+    from meshcomm.bench.compare import busy_machine
+
+    def spinners() -> list[int]:
+        mine = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if b"while True: pass" in cmd and int(pid) != os.getpid():
+                    mine.append(int(pid))
+        return mine
+
+    before = set(spinners())
+    with busy_machine(2):
+        during = set(spinners()) - before
+        assert len(during) == 2, during
+    assert not (set(spinners()) & during), "the spinners must be gone after the block"
