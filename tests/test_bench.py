@@ -335,8 +335,13 @@ def test_busy_machine_spins_n_processes_and_ends_them() -> None:
                     mine.append(int(pid))
         return mine
 
+    import time
+
     before = set(spinners())
     with busy_machine(2):
+        deadline = time.monotonic() + 30  # a child shows its own command line once it has exec'd
+        while len(set(spinners()) - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         during = set(spinners()) - before
         assert len(during) == 2, during
     assert not (set(spinners()) & during), "the spinners must be gone after the block"
