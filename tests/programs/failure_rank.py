@@ -4,7 +4,8 @@ Rank 1 is the odd one out. After a barrier (every rank is up), rank 1 fails (kin
 ``raise``, ``exit3``, ``exit0``, ``sigkill``, ``sigstop``) or calls something different
 from the others (``shape``, ``dtype``, ``op``, ``root``; ``send``: rank 1 sends to rank 0
 where the others call all_sum, and ends); with ``threads`` two
-threads of every rank call ``all_sum`` on the world at once; ``ok`` is the healthy job.
+threads of every rank call ``all_sum`` on the world, the second while the first is in flight
+(rank 1 starts 0.3 s late, so the others' first calls wait for it); ``ok`` is the healthy job.
 
 The second-round operations: ``--op OP [--root R]`` makes the ranks that wait for a failing
 rank 1 call OP (``all_to_all``, ``gather``, ``scatter``, ``reduce``, ``all_gather_object``;
@@ -139,8 +140,14 @@ def run(kind: str, r: int, n: int, op: str = "all_sum", root: int = 0) -> None:
                 errors.append(exc)
 
         threads = [threading.Thread(target=call) for _ in range(2)]
-        for t in threads:
-            t.start()
+        # The first thread's all_sum cannot end before rank 1 joins it, 0.3 s later, so on the
+        # other ranks the second thread surely calls while the first is in flight (started at
+        # once, both threads could each finish before the other began: a true result, no error)
+        if r == 1:
+            time.sleep(0.3)
+        threads[0].start()
+        time.sleep(0.05)
+        threads[1].start()
         for t in threads:
             t.join()
         if errors:
