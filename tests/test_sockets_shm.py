@@ -41,6 +41,15 @@ def test_same_host_ranks_use_shared_memory_and_leave_nothing(tmp_path):
     assert _segments() == before
 
 
+def test_the_compiled_loop_is_used_when_installed_and_can_be_switched_off(tmp_path):
+    """scripts/setup.sh installs meshcomm-sockets-native (it builds from source); the
+    pure-Python loop stays for machines without a compiler and for MESHCOMM_SOCKETS_NATIVE=0."""
+    pytest.importorskip("meshcomm_sockets_native", reason="meshcomm-sockets-native is not installed")
+    assert [i["native"] for i in _infos(_run(2, tmp_path))] == [True, True]
+    off = _run(2, tmp_path, env={"MESHCOMM_SOCKETS_NATIVE": "0"})
+    assert [i["native"] for i in _infos(off)] == [False, False]
+
+
 def test_switch_turns_it_off(tmp_path):
     results = _run(2, tmp_path, env={"MESHCOMM_SOCKETS_SHM": "0"})
     assert [i["mode"] for i in _infos(results)] == ["tcp", "tcp"]
@@ -54,22 +63,29 @@ def test_host_identity_decides_not_addresses(tmp_path):
     assert [i["local"] for i in infos] == [[0, 1], [0, 1], [2, 3], [2, 3], None]
 
 
-@pytest.mark.parametrize("layout", ["local", "hier", "tcp"])
+@pytest.mark.parametrize("layout", ["local", "local-python", "local-mixed", "hier", "tcp"])
 def test_whole_contract(tmp_path, layout):
+    """local-python: the pure-Python loop instead of meshcomm-sockets-native's C one;
+    local-mixed: ranks 0 and 2 in C, 1 and 3 in Python (the protocol is the same)."""
     n = 4
     env, rank_env = {}, None
     if layout == "hier":
         rank_env = {r: {"MESHCOMM_HOST_ID": f"h{r // 2}"} for r in range(n)}
     if layout == "tcp":
         env = {"MESHCOMM_SOCKETS_SHM": "0"}
+    if layout == "local-python":
+        env = {"MESHCOMM_SOCKETS_NATIVE": "0"}
+    if layout == "local-mixed":
+        rank_env = {r: {"MESHCOMM_SOCKETS_NATIVE": str(r % 2 ^ 1)} for r in range(n)}
     results = _run(n, tmp_path, env=env, rank_env=rank_env, args=["-m", "meshcomm.testing.contract", "--more"])
     for r, (rc, out, err) in results.items():
         assert rc == 0 and "19 passed, 0 failed" in out, (r, out[-2000:], err[-3000:])
 
 
-def test_dead_rank_on_the_same_host_is_detected(tmp_path):
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_dead_rank_on_the_same_host_is_detected(tmp_path, native):
     before = _segments()
-    results = _run(3, tmp_path, mode="kill", env={"MLX_TIMEOUT": "20"})
+    results = _run(3, tmp_path, mode="kill", env={"MLX_TIMEOUT": "20", "MESHCOMM_SOCKETS_NATIVE": native})
     assert results[1][0] == -signal.SIGKILL
     for r in (0, 2):
         report = json.loads(results[r][1].splitlines()[-1])

@@ -23,14 +23,22 @@ from .errors import DistributedError
 __all__ = ["WorldGuard", "Ticket"]
 
 
+def _thread_name(ident: int) -> str:
+    """The name of the thread ``ident`` (for messages; threads not made by ``threading`` get one too)."""
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"thread-{ident}"
+
+
 class Ticket:
     """One operation in flight: who issued it, and who intruded while it ran (if anyone)."""
 
     __slots__ = ("op", "thread", "intruder")
 
-    def __init__(self, op: str, thread: str) -> None:
+    def __init__(self, op: str, thread: int) -> None:
         self.op = op
-        self.thread = thread
+        self.thread = thread  #: the issuing thread's ident (its name is looked up for messages only)
         self.intruder: str | None = None
 
 
@@ -45,19 +53,24 @@ class WorldGuard:
 
     def enter(self, op: str, who: str) -> Ticket:
         """Register ``op`` as in flight; raise DistributedError if another thread's are."""
-        me = threading.current_thread().name
+        ticket = Ticket(op, threading.get_ident())
         with self._mutex:
-            others = [t for t in self._active if t.thread != me]
-            if not others:
-                ticket = Ticket(op, me)
-                self._active.append(ticket)
+            active = self._active
+            if not active:  # the common case: nothing in flight
+                active.append(ticket)
                 return ticket
-            for t in self._active:
+            me = ticket.thread
+            others = [t for t in active if t.thread != me]
+            if not others:
+                active.append(ticket)
+                return ticket
+            name = _thread_name(me)
+            for t in active:
                 if t.intruder is None:
-                    t.intruder = f"thread {me!r} called {op}"
-            running, holder = others[0].op, others[0].thread
+                    t.intruder = f"thread {name!r} called {op}"
+            running, holder = others[0].op, _thread_name(others[0].thread)
         raise DistributedError(
-            f"{who}: {op} was called from thread {me!r} while thread {holder!r} is inside {running} "
+            f"{who}: {op} was called from thread {name!r} while thread {holder!r} is inside {running} "
             "on the same world. A world (and the groups split from it) runs one operation at a "
             "time: ranks pair calls by their order, and two threads' calls could be paired "
             f"differently on other ranks and mix their data, so {running} fails too. Make the "
@@ -74,7 +87,7 @@ class WorldGuard:
                 pass
         if ticket.intruder is not None and ok:
             raise DistributedError(
-                f"{who}: the result of {ticket.op} (thread {ticket.thread!r}) is discarded: "
+                f"{who}: the result of {ticket.op} (thread {_thread_name(ticket.thread)!r}) is discarded: "
                 f"{ticket.intruder} on the same world while it ran, so other ranks may have paired "
                 "a different call with it. Make every call on a world from one thread, or serialise "
                 "the threads' calls with one lock taken in the same order on every rank."

@@ -16,7 +16,8 @@ g = mc.init(strict=True)
 t = g.transport
 r, n = g.rank(), g.size()
 shm = getattr(getattr(t, "path", None), "shm", None)
-info = {"rank": r, "mode": getattr(getattr(t, "path", None), "name", "?"), "local": None if shm is None else shm.local}
+info = {"rank": r, "mode": getattr(getattr(t, "path", None), "name", "?"), "local": None if shm is None else shm.local,
+        "native": None if shm is None else shm.native is not None}
 print(json.dumps(info), flush=True)
 mode = sys.argv[1]
 x = np.ones(1 << 18, np.float32)

@@ -70,6 +70,11 @@ class SocketsSettings(JobSecretSettings):
         description="ranks on the same host read each other's arrays in place (process_vm_readv) for "
         "collectives of 256 KiB and more: one copy instead of two (0: always copy through shared memory)",
     )
+    native: bool = setting(
+        True, env="MESHCOMM_SOCKETS_NATIVE", accepts="1/0, true/false",
+        description="publish and wait on shared memory in C when the optional meshcomm-sockets-native "
+        "distribution is installed (0: the pure-Python loop; ranks may differ)",
+    )
     host_id: str | None = setting(
         None, env="MESHCOMM_HOST_ID", accepts="any string",
         description="names this rank's host for shared memory (default: hostname + boot id + /dev/shm)",
@@ -177,7 +182,8 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
         world.path = choose_path(world, enabled=settings.shm, piece=piece,
                                  host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
-                                 spin_us=settings.spin_us, seq_start=start, direct=settings.direct)
+                                 spin_us=settings.spin_us, seq_start=start, direct=settings.direct,
+                                 native=settings.native)
     return world
 
 

@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from meshcomm.plugin import (
@@ -299,6 +300,19 @@ class ShmGroup:
         self.links = [fabric.links[q] for q in local if q != fabric.rank]
         #: every local rank reads the others' arrays directly (set by topology after probe_direct)
         self.direct = False
+        #: the compiled hot loop (meshcomm-sockets-native), when attached (:meth:`attach_native`)
+        self.native: Any = None
+
+    def attach_native(self) -> bool:
+        """Publish, spin and compare descriptors in C (the optional ``meshcomm-sockets-native``
+        distribution) if it is installed; the protocol is the same, so every local rank may
+        choose on its own. Returns whether it is attached."""
+        try:
+            from meshcomm_sockets_native import Channel
+        except ImportError:
+            return False
+        self.native = Channel(self.map, self.n, self.me, _LINE, self.piece)
+        return True
 
     def connect_fifos(self) -> None:
         """Open every local peer's FIFO (after all created theirs)."""
@@ -344,6 +358,9 @@ class ShmGroup:
                 pass
         self.fifo = -1
         self.peer_fifos.clear()
+        if self.native is not None:
+            self.native.release()  # its hold on the map, before closing it
+            self.native = None
         try:
             self.ctrl = np.zeros((0, _LINE), np.int64)  # drop views before closing the map
             self.data = np.zeros(0, np.uint8)
@@ -372,34 +389,60 @@ class ShmGroup:
         return views
 
     # -- synchronisation ------------------------------------------------------------------
-    def _publish(self, call: Call) -> None:
+    def _publish(self, call: Call, src: np.ndarray | None) -> None:
+        """Copy ``src`` (at most one slot, or None) into this rank's slot of the next piece,
+        publish the piece and wake the local ranks asleep waiting for it."""
+        prev = self.seq
+        seq = prev % SEQ_WRAP + 1  # next_piece, inline: this is the hot path
+        nat = self.native
+        if nat is not None:
+            mask = nat.publish(src, 2 + _DESC * (prev & 1), call.op, call.dtype, call.total, call.seq, call.arg,
+                               seq, prev)
+            self.prev, self.seq = prev, seq
+            if mask > 0:
+                for i, fd in self.peer_fifos.items():
+                    if mask >> i & 1:
+                        self._wake(call, i, fd)
+            elif mask < 0:  # too many local ranks for a mask
+                self._wake_sleepers(call)
+            return
+        if src is not None:
+            self.slots(prev, src.dtype)[self.me][: src.size] = src
         w, me = self.words, self._mine
-        d = me + 2 + _DESC * (self.seq & 1)  # a peer reads it before we can reach the same parity again
+        d = me + 2 + _DESC * (prev & 1)  # a peer reads it before we can reach the same parity again
         w[d], w[d + 1], w[d + 2], w[d + 3], w[d + 4] = call.op, call.dtype, call.total, call.seq, call.arg
-        self.prev = seq = self.seq
-        self.seq = seq = seq % SEQ_WRAP + 1  # next_piece, inline: this is the hot path
+        self.prev, self.seq = prev, seq
         _ordered()
         w[me + _SEQ] = seq
         _fence()
+        self._wake_sleepers(call)
+
+    def _wake_sleepers(self, call: Call) -> None:
+        """Wake every local rank asleep waiting for the piece just published (or the last)."""
+        w, seq, prev = self.words, self.seq, self.prev
         for i, fd in self.peer_fifos.items():
             waits = w[i * _LINE + _WAIT]
-            if waits and (waits == seq or waits == self.prev):  # it waits for this piece (or the last)
-                try:
-                    os.write(fd, b"\0")
-                except BlockingIOError:
-                    pass  # its FIFO is full of wake-ups already
-                except BrokenPipeError:  # nobody reads its FIFO: it is gone
-                    # it may have failed because of someone else and said so (ABORT): that wins
-                    self.fabric.probe(self.fabric.links[self.local[i]])
-                    mine = self.fabric.pending_abort() or self.fabric.stalled_error(
-                        f"found local rank {self.local[i]} gone")
-                    if mine is not None:
-                        raise mine from None
-                    raise PeerLostError(
-                        f"rank {self.fabric.rank}: rank {self.local[i]} (same host) died while "
-                        f"waiting in {call.describe()} in group {call.label}; check its output.",
-                        peer=self.local[i],
-                    ) from None
+            if waits and (waits == seq or waits == prev):
+                self._wake(call, i, fd)
+
+    def _wake(self, call: Call, i: int, fd: int) -> None:
+        """Wake local rank ``i`` through its FIFO ``fd``; a FIFO nobody reads means it is gone."""
+        try:
+            os.write(fd, b"\0")
+        except BlockingIOError:
+            pass  # its FIFO is full of wake-ups already
+        except BrokenPipeError:  # nobody reads its FIFO: it is gone
+            # it may have failed because of someone else and said so (ABORT): that wins
+            self.fabric.probe(self.fabric.links[self.local[i]])
+            mine = self.fabric.pending_abort() or self.fabric.stalled_error(
+                f"found local rank {self.local[i]} gone")
+            if mine is not None:
+                raise mine from None
+            raise PeerLostError(
+                f"rank {self.fabric.rank}: rank {self.local[i]} (same host) died while "
+                f"waiting in {call.describe()} in group {call.label}; check its output.",
+                peer=self.local[i],
+            ) from None
 
     def _ready(self) -> bool:
         """Every local rank published piece ``seq`` (none still shows the previous one)."""
@@ -410,6 +453,14 @@ class ShmGroup:
         return True
 
     def _wait(self, call: Call) -> None:
+        nat = self.native
+        if nat is not None:
+            fab = self.fabric
+            if not nat.spin(self.prev, int(fab.spin * 1e9), fab.yielding):
+                self._sleep(call)
+            if not nat.matches(2 + _DESC * (self.prev & 1), call.op, call.dtype, call.total, call.seq, call.arg):
+                self._check(call)  # raises the mismatch
+            return
         if not self._ready():
             fab = self.fabric
             until = time.perf_counter() + fab.spin  # bounded spin first (see topology.wait_policy)
@@ -494,15 +545,12 @@ class ShmGroup:
                     "dtypes and roots."
                 )
 
-    def _step(self, call: Call, copy: tuple[np.ndarray, np.ndarray] | None,
-              use: Callable[[], None] | None) -> None:
-        """One piece: copy ``copy[1]`` into this rank's slot ``copy[0]``, publish, wait for
-        every local rank, ``use()`` the slots; on failure tell every peer (ABORT)."""
+    def _step(self, call: Call, src: np.ndarray | None, use: Callable[[], None] | None) -> None:
+        """One piece: copy ``src`` (if any) into this rank's slot, publish, wait for every
+        local rank, ``use()`` the slots; on failure tell every peer (ABORT)."""
         self.fabric.check()
         try:
-            if copy is not None:
-                copy[0][...] = copy[1]
-            self._publish(call)
+            self._publish(call, src)
             self._wait(call)
             if use is not None:
                 use()
@@ -519,8 +567,7 @@ class ShmGroup:
         for lo in range(0, count, per):
             hi = min(lo + per, count)
             k = self.seq
-            copy = (self.slot(self.me, k, dt, hi - lo), src[lo:hi]) if fill else None
-            self._step(call, copy, functools.partial(use, k, lo, hi) if use is not None else None)
+            self._step(call, src[lo:hi] if fill else None, functools.partial(use, k, lo, hi) if use is not None else None)
 
     def _combine(self, f: np.ufunc, k: int, dt: np.dtype, count: int, part: slice, out: np.ndarray) -> None:
         """``out`` = every local rank's slot of piece ``k`` (elements ``part``) combined with
@@ -541,7 +588,7 @@ class ShmGroup:
         f, dt = reducer(op), sendbuf.dtype
         if sendbuf.nbytes <= self.piece:  # one piece (never direct): the latency path
             views, n = self.slots(self.seq, dt), sendbuf.size
-            self._step(call, (views[self.me][:n], sendbuf), None)
+            self._step(call, sendbuf, None)
             f(views[0][:n], views[1][:n], out=recvbuf)
             for i in range(2, self.n):
                 f(recvbuf, views[i][:n], out=recvbuf)

@@ -62,14 +62,15 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
 
 
 def choose_path(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-                job_id: str | None, spin_us: int = 20000, seq_start: int = 0, direct: bool = True) -> Path:
+                job_id: str | None, spin_us: int = 20000, seq_start: int = 0, direct: bool = True,
+                native: bool = True) -> Path:
     """Decide how ranks wait and the path of the world's collectives; map the host's segment.
 
     Every frame of this exchange carries a payload tag whatever MESHCOMM_SOCKETS_INTEGRITY
     says (it steers the job: who shares memory, and which file to map)."""
     with world.fabric.sealed():
         return _choose(world, enabled=enabled, piece=piece, host_id=host_id, job_id=job_id, spin_us=spin_us,
-                       seq_start=seq_start, direct=direct)
+                       seq_start=seq_start, direct=direct, native=native)
 
 
 def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: int, seq_start: int) -> ShmGroup:
@@ -85,7 +86,7 @@ def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: i
 
 
 def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-            job_id: str | None, spin_us: int, seq_start: int, direct: bool) -> Path:
+            job_id: str | None, spin_us: int, seq_start: int, direct: bool, native: bool) -> Path:
     from .backend import SocketsBackend
 
     tcp = TcpPath(world)
@@ -172,6 +173,8 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
         return tcp
     if shm is not None:
         shm.direct = bool(can_read[local].all())
+        if native:
+            shm.attach_native()
         if direct and not shm.direct and r == local[0]:
             log.info("meshcomm sockets rank %d: local ranks %s cannot read each other's memory "
                      "(process_vm_readv; see ptrace_scope): large collectives copy through shared memory",

@@ -1,0 +1,281 @@
+/* The hot loop of the sockets backend's shared-memory path, in C (optional).
+ *
+ * meshcomm_sockets.shm keeps the protocol and every decision (sequence numbers, sleeping,
+ * errors); a Channel only does the steps that cost microseconds in Python on every call:
+ * copy this rank's piece into its slot, publish the call descriptor and the sequence
+ * number, find the peers asleep on it, spin until every local rank has published (with
+ * the GIL released), and compare the peers' descriptors with this rank's.
+ *
+ * Layout (shm.py): the segment starts with one control line of LINE int64 words per local
+ * rank: word SEQ, word WAIT, then per parity p the descriptor at DESC0 + 5p; the data
+ * slots follow the control lines, two of `piece` bytes per rank (rank i, parity p at
+ * (2i + p) * piece).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <sched.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() do { } while (0)
+#endif
+
+enum { SEQ = 0, WAIT = 1, DESC = 5 };
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;      /* the whole segment; released by release() or on deallocation */
+    int held;
+    int64_t *words;
+    char *data;
+    Py_ssize_t n, me, line, piece;
+} Channel;
+
+static inline int64_t load(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+static int all_published(const Channel *c, int64_t prev)
+{
+    for (Py_ssize_t i = 0; i < c->n; i++)
+        if (i != c->me && load(&c->words[i * c->line + SEQ]) == prev)
+            return 0;
+    return 1;
+}
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int Channel_init(Channel *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"segment", "ranks", "me", "line", "piece", NULL};
+    PyObject *segment;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Onnnn", names, &segment, &self->n, &self->me,
+                                     &self->line, &self->piece))
+        return -1;
+    if (self->n < 1 || self->me < 0 || self->me >= self->n || self->line < 2 + 2 * DESC || self->piece < 1) {
+        PyErr_Format(PyExc_ValueError, "Channel: bad layout ranks=%zd me=%zd line=%zd piece=%zd",
+                     self->n, self->me, self->line, self->piece);
+        return -1;
+    }
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    if (PyObject_GetBuffer(segment, &self->view, PyBUF_WRITABLE) < 0)
+        return -1;
+    self->held = 1;
+    Py_ssize_t need = 8 * self->line * self->n + 2 * self->n * self->piece;
+    if (self->view.len < need) {
+        PyErr_Format(PyExc_ValueError, "Channel: the segment has %zd bytes, the layout needs %zd",
+                     self->view.len, need);
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+        return -1;
+    }
+    self->words = (int64_t *)self->view.buf;
+    self->data = (char *)self->view.buf + 8 * self->line * self->n;
+    return 0;
+}
+
+static void Channel_dealloc(Channel *self)
+{
+    if (self->held)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int alive(Channel *self)
+{
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "Channel: used after release()");
+        return 0;
+    }
+    return 1;
+}
+
+/* publish(src, d, op, dtype, total, cseq, arg, seq, prev) -> wake mask
+ * Publishes piece seq (prev: the piece before it, whose parity names the slot and the
+ * descriptor this piece uses): copies src (a C-contiguous buffer of at most one slot, or
+ * None) into this rank's slot of parity prev & 1, writes the descriptor at word d of this
+ * rank's line, then the sequence number seq; returns a bit mask of the peers asleep waiting
+ * for seq or prev, or -1 when there are more than 62 local ranks (the caller looks itself). */
+static PyObject *Channel_publish(Channel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "publish takes 9 arguments");
+        return NULL;
+    }
+    if (!alive(self))
+        return NULL;
+    int64_t v[8];
+    for (int k = 0; k < 8; k++) {
+        v[k] = PyLong_AsLongLong(args[k + 1]);
+        if (v[k] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    int64_t d = v[0], seq = v[6], prev = v[7];
+    if (d < 2 || d + DESC > self->line) {
+        PyErr_Format(PyExc_ValueError, "publish: descriptor word %lld is outside the line", (long long)d);
+        return NULL;
+    }
+    if (args[0] != Py_None) {
+        Py_buffer src;
+        if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        if (src.len > self->piece) {
+            PyBuffer_Release(&src);
+            PyErr_Format(PyExc_ValueError, "publish: %zd bytes do not fit a %zd-byte slot", src.len, self->piece);
+            return NULL;
+        }
+        memcpy(self->data + (2 * self->me + (prev & 1)) * self->piece, src.buf, (size_t)src.len);
+        PyBuffer_Release(&src);
+    }
+    int64_t *mine = self->words + self->me * self->line;
+    for (int k = 0; k < DESC; k++)
+        __atomic_store_n(&mine[d + k], v[1 + k], __ATOMIC_RELAXED);
+    /* the slot and the descriptor before the sequence number; then a full barrier before
+       reading whether a peer sleeps (it sets WAIT, then reads SEQ: one of us sees the other) */
+    __atomic_store_n(&mine[SEQ], seq, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (self->n > 62)
+        return PyLong_FromLong(-1);
+    long long mask = 0;
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        if (i == self->me)
+            continue;
+        int64_t waits = load(&self->words[i * self->line + WAIT]);
+        if (waits && (waits == seq || waits == prev))
+            mask |= 1LL << i;
+    }
+    return PyLong_FromLongLong(mask);
+}
+
+/* spin(prev, budget_ns, yielding) -> bool: whether every other local rank has moved past
+ * piece prev within budget_ns nanoseconds of spinning (the GIL is released meanwhile). */
+static PyObject *Channel_spin(Channel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "spin takes 3 arguments");
+        return NULL;
+    }
+    if (!alive(self))
+        return NULL;
+    int64_t prev = PyLong_AsLongLong(args[0]);
+    int64_t budget = PyLong_AsLongLong(args[1]);
+    int yielding = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred() || yielding < 0)
+        return NULL;
+    int ready = all_published(self, prev);
+    if (!ready && budget > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        int64_t until = now_ns() + budget;
+        for (unsigned k = 1;; k++) {
+            if (yielding)
+                sched_yield();
+            else
+                CPU_RELAX();
+            if ((ready = all_published(self, prev)))
+                break;
+            if ((k & 63) == 0 && now_ns() >= until)
+                break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (ready)
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the peers' slots and descriptors after their SEQ */
+    return PyBool_FromLong(ready);
+}
+
+/* matches(d, op, dtype, total, cseq, arg) -> bool: every other local rank's descriptor at
+ * word d equals this call's. */
+static PyObject *Channel_matches(Channel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "matches takes 6 arguments");
+        return NULL;
+    }
+    if (!alive(self))
+        return NULL;
+    int64_t v[6];
+    for (int k = 0; k < 6; k++) {
+        v[k] = PyLong_AsLongLong(args[k]);
+        if (v[k] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (v[0] < 2 || v[0] + DESC > self->line) {
+        PyErr_Format(PyExc_ValueError, "matches: descriptor word %lld is outside the line", (long long)v[0]);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        if (i == self->me)
+            continue;
+        const int64_t *desc = self->words + i * self->line + v[0];
+        for (int k = 0; k < DESC; k++)
+            if (load(&desc[k]) != v[1 + k])
+                Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Channel_release(Channel *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Channel_methods[] = {
+    {"publish", (PyCFunction)(void (*)(void))Channel_publish, METH_FASTCALL,
+     "publish(src, d, op, dtype, total, cseq, arg, seq, prev) -> mask of the sleeping peers to wake"},
+    {"spin", (PyCFunction)(void (*)(void))Channel_spin, METH_FASTCALL,
+     "spin(prev, budget_ns, yielding) -> whether every other local rank published past prev"},
+    {"matches", (PyCFunction)(void (*)(void))Channel_matches, METH_FASTCALL,
+     "matches(d, op, dtype, total, cseq, arg) -> whether every other local rank's descriptor is this one"},
+    {"release", (PyCFunction)Channel_release, METH_NOARGS,
+     "release() -> None: let the segment go (the channel is unusable after)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ChannelType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshcomm_sockets_native._shm.Channel",
+    .tp_doc = "Channel(segment, ranks, me, line, piece): the shared-memory hot loop of one local rank",
+    .tp_basicsize = sizeof(Channel),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Channel_init,
+    .tp_dealloc = (destructor)Channel_dealloc,
+    .tp_methods = Channel_methods,
+};
+
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_shm",
+    .m_doc = "The sockets backend's shared-memory hot loop in C.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__shm(void)
+{
+    if (PyType_Ready(&ChannelType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ChannelType);
+    if (PyModule_AddObject(m, "Channel", (PyObject *)&ChannelType) < 0) {
+        Py_DECREF(&ChannelType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,105 @@
+"""meshcomm-sockets-native's Channel against the layout meshcomm_sockets.shm reads and
+writes in Python: the words it publishes, the sleepers it reports, how its spin ends, what
+it compares, and the errors for a layout or a piece that does not fit (no processes: one
+anonymous mapping plays the segment of three local ranks)."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+
+import numpy as np
+import pytest
+from meshcomm_sockets import shm
+
+native = pytest.importorskip("meshcomm_sockets_native", reason="meshcomm-sockets-native is not installed")
+
+N, PIECE = 3, 4096
+LINE, SEQ, WAIT, DESC = shm._LINE, shm._SEQ, shm._WAIT, shm._DESC
+
+
+@pytest.fixture
+def segment():
+    m = mmap.mmap(-1, shm.segment_size(N, PIECE))
+    ctrl = np.frombuffer(m, np.int64, count=LINE * N).reshape(N, LINE)
+    data = np.frombuffer(m, np.uint8, offset=8 * LINE * N)
+    yield m, ctrl, data
+    del ctrl, data
+
+
+def test_publish_copies_into_the_slot_of_the_previous_pieces_parity_then_writes_descriptor_and_seq(segment):
+    m, ctrl, data = segment
+    ch = native.Channel(m, N, 1, LINE, PIECE)
+    src = np.arange(10, dtype=np.float32)
+    for prev, seq in ((4, 5), (5, 6)):
+        d = 2 + DESC * (prev & 1)
+        assert ch.publish(src + seq, d, 7, 11, 10, 99, -1, seq, prev) == 0  # nobody sleeps
+        slot = data[(2 * 1 + (prev & 1)) * PIECE:][: src.nbytes].view(np.float32)
+        assert (slot == src + seq).all()
+        assert list(ctrl[1, d : d + DESC]) == [7, 11, 10, 99, -1]
+        assert ctrl[1, SEQ] == seq
+    assert not ctrl[0].any() and not ctrl[2].any(), "only this rank's line is written"
+    ch.release()
+
+
+def test_publish_reports_the_peers_asleep_on_this_piece_or_the_last(segment):
+    m, ctrl, _ = segment
+    ch = native.Channel(m, N, 0, LINE, PIECE)
+    ctrl[1, WAIT], ctrl[2, WAIT] = 9, 3  # rank 1 waits for piece 9, rank 2 for an old one
+    assert ch.publish(None, 2, 0, 0, 0, 0, 0, 9, 8) == 0b010
+    ctrl[2, WAIT] = 8
+    assert ch.publish(None, 2, 0, 0, 0, 0, 0, 9, 8) == 0b110
+    ch.release()
+
+
+def test_spin_ends_when_every_peer_moved_past_prev_or_when_the_budget_is_spent(segment):
+    m, ctrl, _ = segment
+    ch = native.Channel(m, N, 0, LINE, PIECE)
+    ctrl[:, SEQ] = 4
+    t0 = time.perf_counter()
+    assert ch.spin(4, 20_000_000, False) is False  # 20 ms and nobody moved
+    assert time.perf_counter() - t0 >= 0.019
+    ctrl[1, SEQ] = 5
+    assert ch.spin(4, 0, False) is False  # rank 2 still shows piece 4
+    ctrl[2, SEQ] = 5
+    assert ch.spin(4, 0, True) is True
+
+    # a peer publishing while this thread spins (the GIL is released meanwhile)
+    ctrl[1:, SEQ] = 5
+    threading.Timer(0.05, lambda: ctrl.__setitem__((slice(1, None), SEQ), 6)).start()
+    assert ch.spin(5, 5_000_000_000, False) is True
+    ch.release()
+
+
+def test_matches_compares_every_other_ranks_descriptor(segment):
+    m, ctrl, _ = segment
+    ch = native.Channel(m, N, 2, LINE, PIECE)
+    d = 2 + DESC
+    ctrl[:, d : d + DESC] = [1, 2, 3, 4, 5]
+    assert ch.matches(d, 1, 2, 3, 4, 5) is True
+    ctrl[0, d + 2] = 30  # rank 0 has another element count
+    assert ch.matches(d, 1, 2, 3, 4, 5) is False
+    ctrl[2, d : d + DESC] = 0  # this rank's own line is not compared
+    ctrl[0, d + 2] = 3
+    assert ch.matches(d, 1, 2, 3, 4, 5) is True
+    ch.release()
+
+
+def test_bad_layouts_and_pieces_are_errors_not_stray_writes():
+    m = mmap.mmap(-1, shm.segment_size(N, PIECE))
+    with pytest.raises(ValueError, match="the segment has .* bytes, the layout needs"):
+        native.Channel(m, N, 0, LINE, 1 << 20)
+    with pytest.raises(ValueError, match="bad layout"):
+        native.Channel(m, N, N, LINE, PIECE)
+    ch = native.Channel(m, N, 0, LINE, PIECE)
+    with pytest.raises(ValueError, match="do not fit a 4096-byte slot"):
+        ch.publish(np.zeros(PIECE + 1, np.uint8), 2, 0, 0, 0, 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="outside the line"):
+        ch.publish(None, LINE - 2, 0, 0, 0, 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="outside the line"):
+        ch.matches(0, 0, 0, 0, 0, 0)
+    ch.release()
+    with pytest.raises(ValueError, match="used after release"):
+        ch.spin(0, 0, False)
+    m.close()  # neither the released channel nor the refused ones hold the mapping
