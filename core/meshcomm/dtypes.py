@@ -49,7 +49,8 @@ def reducer(op: str) -> np.ufunc:
 
 def dtype_code(dtype: np.dtype) -> int:
     """A small integer naming ``dtype`` on the wire (same on every rank)."""
-    return _CODES[np.dtype(dtype)]
+    code = _CODES.get(dtype)  # an array's dtype: no conversion (the latency path)
+    return code if code is not None else _CODES[np.dtype(dtype)]
 
 
 def dtype_from_code(code: int) -> np.dtype | None:

@@ -24,7 +24,7 @@ import numpy as np
 from . import debug as _debug
 from . import exits
 from .backend import Backend
-from .dtypes import check_dtype
+from .dtypes import SUPPORTED, check_dtype
 from .errors import DistributedError
 from .guard import Ticket, WorldGuard
 from .operations import REDUCTIONS
@@ -35,12 +35,19 @@ __all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
 
 T = TypeVar("T")
 
+#: the dtypes as_array passes through without further checks
+_MOVABLE = frozenset(SUPPORTED)
+#: the operation name of each reduction's all-reduce
+_ALL_NAMES = {op: f"all_{op}" for op in REDUCTIONS}
+
 #: the object collectives' size limit when neither the config nor the group sets one
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 
 
 def as_array(x: Any, what: str = "x") -> np.ndarray:
     """``np.asarray(x)`` with a supported dtype, else a ValueError saying what is wrong."""
+    if type(x) is np.ndarray and x.dtype in _MOVABLE:  # the common case: one type and one set test
+        return x
     try:
         a = np.asarray(x)
     except Exception as exc:
@@ -232,9 +239,9 @@ class Group:
         return self._all_reduce(op, x, None, False)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
-        name = f"all_{op}"
+        name = _ALL_NAMES[op]
         a = as_array(x)
-        o = self._out(name, out, a.shape, a.dtype, x, in_place=True)
+        o = None if out is None else self._out(name, out, a.shape, a.dtype, x, in_place=True)
         send = _flat(a)
 
         def run() -> np.ndarray:
@@ -621,7 +628,7 @@ class Group:
         color of ``split``. Callers pass values they already hold (only ``recv`` pairs its
         shape and dtype), so with the recorder off they cost two passed arguments.
         """
-        if self.closed:
+        if self._closed or self._world.closed:
             raise DistributedError(
                 f"{self._who}: {op} called on {self._where()} after it was closed"
                 f"{'' if self._closed else ' (the world it was split from was closed)'}; "
