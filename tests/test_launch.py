@@ -276,6 +276,65 @@ def test_lines_never_interleave(n: int, prefix: bool) -> None:
             assert seen[r] == list(range(lines)), f"rank {r} std{stream}: lines missing or out of order"
 
 
+def test_reader_closing_early_drops_stdout_not_the_job(tmp_path: Path) -> None:
+    """``meshcomm launch ... | head -1``: once the launcher's stdout has no reader, the rest of
+    the ranks' stdout is dropped without a traceback, and the job goes on to its end: no rank
+    blocks on a full pipe or is stopped (stderr and --log-dir still get every line), and the
+    launcher exits with the job's status."""
+    lines, n = 300, 2  # about 1 MiB per rank and stream: far more than a pipe holds
+    logs, err_path = tmp_path / "logs", tmp_path / "launcher.err"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            launch_cmd("-n", str(n), "--log-dir", str(logs), str(RANK_PROG), "spam", str(lines)),
+            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=job_env(tmp_path), cwd=TESTS.parent,
+        )
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away, as head -1 does
+        try:
+            rc: int | None = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+    errout = err_path.read_bytes()
+    own = b"\n".join(line for line in errout.splitlines() if not PREFIX.match(line))  # not the ranks' lines
+    text = f"exit status {rc}, first line {first[:80]!r}\n--- the launcher's own stderr ---\n{own[-4000:].decode()}"
+    assert rc is not None, f"the launcher did not end after its reader left:\n{text}"
+    assert PREFIX.match(first.rstrip(b"\n")), text
+    for bad in (b"Traceback", b"BrokenPipeError", b"Exception ignored"):
+        assert bad not in errout, text
+    assert rc == 0, text
+    got = sorted((r, rest.split(b":", 3)[2]) for r, rest in prefixed_lines(errout))
+    assert got == sorted((r, str(i).encode()) for r in range(n) for i in range(lines)), "stderr lost lines"
+    for r in range(n):
+        logged = (logs / f"rank-{r}.log").read_text().splitlines()
+        for stream in ("out", "err"):
+            assert [x for x in logged if x.startswith(f"{r}:{stream}:")] == \
+                [launch_rank.spam_line(r, stream, i) for i in range(lines)], f"rank {r}'s log lost std{stream} lines"
+    assert_no_leftovers(tmp_path, n)
+
+
+def test_reader_of_both_streams_closing_early_keeps_the_jobs_exit_status(tmp_path: Path) -> None:
+    """``meshcomm launch ... 2>&1 | head -1`` where a rank fails: the launcher's own last
+    message has no reader either, and the exit status is still the rank's code."""
+    prog = "import sys\nfor i in range(20000): print('o', i); print('e', i, file=sys.stderr)\nsys.exit(3)"
+    proc = subprocess.Popen(launch_cmd("-n", "2", "--", sys.executable, "-c", prog), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=job_env(tmp_path),
+                            cwd=TESTS.parent)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    try:
+        rc = proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the launcher did not end after its reader left") from None
+    assert PREFIX.match(first.rstrip(b"\n")), first
+    assert rc == 3, f"exit status {rc}, not the ranks' 3"
+
+
 def test_non_py_program_runs_as_given() -> None:
     p = run_launch("-n", "2", str(SHOW_ENV), "a b", "", "c")
     assert p.returncode == 0, show(p)

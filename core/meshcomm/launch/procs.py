@@ -9,11 +9,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 
 from ..errors import ConfigError
 
-__all__ = ["RankOutput", "FifoOutput", "die_with_parent", "private_dir_script", "DIR_REFUSED", "pump_lines"]
+__all__ = ["RankOutput", "FifoOutput", "die_with_parent", "private_dir_script", "DIR_REFUSED", "pump_lines",
+           "say"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -27,16 +28,50 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def say(text: str) -> None:
+    """Write one of the launcher's own messages to stderr. A stderr nobody reads any more
+    (``meshcomm launch ... 2>&1 | head``) is pointed at /dev/null instead of raising, so the
+    launcher still finishes its clean-up and exits with the job's status."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except OSError:
+        to_devnull(sys.stderr)
+
+
+def to_devnull(stream: IO[Any]) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (after a write to it failed), so the
+    bytes left in its buffer and every later write, including the flush at interpreter exit,
+    go nowhere instead of raising or printing "Exception ignored ..."."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 class RankOutput:
     """Where every rank's output lines end up (the launcher's side of
     :class:`meshcomm.launch.starters.Output`): our stdout/stderr, prefixed ``[rank R] ``
     unless ``prefix`` is off, whole lines never mixed; with ``log_dir``, also the file
-    ``log_dir/rank-R.log`` of each rank (both streams, in arrival order, unprefixed)."""
+    ``log_dir/rank-R.log`` of each rank (both streams, in arrival order, unprefixed).
+
+    When one of our streams can no longer be written (its reader went away, as in
+    ``meshcomm launch ... | head``), later lines for it are dropped and the job goes on:
+    the ranks' pipes are still drained, so no rank blocks on a full pipe, the other stream
+    and the log files still get every line, and the launcher's exit status is the job's.
+    Decision: a reader that stops reading does not stop the job (Open MPI's mpirun aborts
+    the job on SIGPIPE, and under torchrun the ranks fail on their own broken pipe)."""
 
     def __init__(self, prefix: bool, nranks: int = 0, log_dir: str | None = None) -> None:
         self.prefix = prefix
         self.lock = threading.Lock()
         self.logs: dict[int, IO[bytes]] = {}
+        #: our streams ("out", "err") that failed: their lines are dropped from then on
+        self.lost: set[str] = set()
         if log_dir:
             try:
                 os.makedirs(log_dir, exist_ok=True)
@@ -47,20 +82,42 @@ class RankOutput:
                 raise ConfigError(f"--log-dir {log_dir!r}: cannot write the rank logs there: {exc.strerror}") from None
 
     def rank_line(self, rank: int, stream: str, line: bytes) -> None:
-        out = sys.stdout.buffer if stream == "out" else sys.stderr.buffer
         with self.lock:
-            out.write((f"[rank {rank}] ".encode() if self.prefix else b"") + line)
-            out.flush()
+            self._write(stream, (f"[rank {rank}] ".encode() if self.prefix else b"") + line)
             log = self.logs.get(rank)
             if log is not None:
                 log.write(line)
                 log.flush()
 
     def host_line(self, host: str | None, stream: str, line: bytes) -> None:
-        out = sys.stdout.buffer if stream == "out" else sys.stderr.buffer
         with self.lock:
-            out.write((f"[{host}] ".encode() if self.prefix and host else b"") + line)
+            self._write(stream, (f"[{host}] ".encode() if self.prefix and host else b"") + line)
+
+    def _write(self, stream: str, data: bytes) -> None:
+        """Write ``data`` to our stdout (``"out"``) or stderr, unless that stream failed before.
+
+        Called from the threads that drain the ranks' pipes, so it must not raise: an error
+        would end the thread, and its rank would block for ever once its pipe is full. A
+        stream whose write fails is lost for good: a closed reader (EPIPE) is dropped
+        silently, as ``cat`` would end silently; any other error of stdout (a full disk
+        behind a redirection) is said once on stderr."""
+        if stream in self.lost:
+            return
+        out = sys.stdout.buffer if stream == "out" else sys.stderr.buffer
+        try:
+            out.write(data)
             out.flush()
+        except OSError as exc:
+            self._lose(stream, out, exc)
+
+    def _lose(self, stream: str, out: IO[bytes], exc: OSError) -> None:
+        """Give up ``stream`` after ``exc`` (its file descriptor then writes to /dev/null)."""
+        self.lost.add(stream)
+        to_devnull(out)
+        if stream == "out" and not isinstance(exc, BrokenPipeError):
+            kept = " (--log-dir still gets it)" if self.logs else ""
+            self._write("err", f"meshcomm launch: cannot write to stdout ({exc.strerror or exc}); the ranks' "
+                               f"further output to it is dropped{kept}\n".encode())
 
     def close(self) -> None:
         with self.lock:

@@ -21,7 +21,7 @@ from .blame import Failure, blame, describe_status, exit_code
 from .hosts import Host, job_size, place_ranks
 from .job import Job
 from .options import LaunchOptions
-from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines
+from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines, say
 from .rank import OUTPUT_DIR_ENV
 from .safety import check_env_name, mask
 from .spec import CleanupLauncher, ExternalLauncher, RankEnvLauncher
@@ -201,10 +201,10 @@ def _merge_trace(folder: str) -> None:
     try:
         path, missing = merge_dir(folder)
     except (OSError, ValueError) as exc:
-        sys.stderr.write(f"meshcomm launch: no merged trace: {exc}\n")
+        say(f"meshcomm launch: no merged trace: {exc}\n")
         return
     lost = f" (no file from ranks {', '.join(map(str, missing))}: killed, or on another host)" if missing else ""
-    sys.stderr.write(f"meshcomm launch: trace written to {path}{lost}\n")
+    say(f"meshcomm launch: trace written to {path}{lost}\n")
 
 
 class _Watch:
@@ -248,8 +248,7 @@ class _Watch:
         if self.stacks_requested or self._signal_ranks is None:
             return
         self.stacks_requested = True
-        sys.stderr.write("meshcomm launch: a rank timed out; every rank's Python stack follows\n")
-        sys.stderr.flush()
+        say("meshcomm launch: a rank timed out; every rank's Python stack follows\n")
         self._signal_ranks(signal.SIGUSR1)
         sleep(STACK_WAIT)
 
@@ -322,13 +321,13 @@ def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankO
             watch.note_records()
             verdict = blame(watch.failures, watch.records, running)
     if intr.signum is not None:
-        sys.stderr.write(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
+        say(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
     if verdict is not None:
         others = f"; stopped ranks {', '.join(map(str, running))}" if running else ""
         host = job.places[verdict.rank].host if 0 <= verdict.rank < job.nranks else None
         where = f" on {host}" if host else ""
-        sys.stderr.write(f"meshcomm launch: rank {verdict.rank}{where} {verdict.text}{others}\n")
+        say(f"meshcomm launch: rank {verdict.rank}{where} {verdict.text}{others}\n")
         return verdict.code
     return 0
 
@@ -351,9 +350,9 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
     runner write their output to FIFOs read here (whole lines, prefixed by us), their
     failure records to the job's directory (blame, and stacks on a timeout)."""
     if verbose:  # the secret is never on the command line; masked anyway, and in the environment
-        sys.stderr.write("meshcomm launch: " + mask(" ".join(shlex.quote(c) for c in cmd), base) + "\n")
+        say("meshcomm launch: " + mask(" ".join(shlex.quote(c) for c in cmd), base) + "\n")
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in base.items())
-        sys.stderr.write(f"meshcomm launch: variables set for {cmd[0]} and every rank: {mask(shown, base)}\n")
+        say(f"meshcomm launch: variables set for {cmd[0]} and every rank: {mask(shown, base)}\n")
     fifos = None
     if OUTPUT_DIR_ENV in base:
         fifos = FifoOutput(base[OUTPUT_DIR_ENV], job.nranks, output)
@@ -400,19 +399,19 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
         for t in pumps:
             t.join(2.0)
     if intr.signum is not None:
-        sys.stderr.write(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
+        say(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
     rc = proc.returncode
     watch.note_records()
     verdict = blame([], watch.records) if watch.records else None
     if verdict is not None:
-        sys.stderr.write(f"meshcomm launch: rank {verdict.rank} {verdict.text}\n")
+        say(f"meshcomm launch: rank {verdict.rank} {verdict.text}\n")
         # A rank its peers say was lost (killed: no record of its own) ended the job with the
         # status mpiexec reports for it, not with the survivors' code 1 -- unless that status
         # is only our own stopping of mpiexec.
         return exit_code(rc) if verdict.lost and rc != 0 and not stopped else verdict.code
     if rc != 0:
-        sys.stderr.write(f"meshcomm launch: {cmd[0]} {describe_status(rc)}\n")
+        say(f"meshcomm launch: {cmd[0]} {describe_status(rc)}\n")
     return exit_code(rc)
 
 
