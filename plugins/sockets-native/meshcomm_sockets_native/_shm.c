@@ -17,10 +17,11 @@
 #include <string.h>
 #include <time.h>
 #include <sched.h>
-/* No PAUSE instruction in the spin: under KVM, a vCPU that keeps executing PAUSE is taken
- * for a lock waiter whose holder was preempted (pause-loop exiting) and descheduled, which
- * costs far more than the spin saves (measured in a Firecracker VM: the median 8-byte
- * all_sum doubled in some runs). A compiler barrier keeps the loads in the loop. */
+/* No PAUSE instruction in the spin: under KVM a vCPU that keeps executing PAUSE may be
+ * taken for a lock waiter whose holder was preempted (pause-loop exiting) and descheduled,
+ * the opposite of what a spin that waits for another rank wants (not measured separately:
+ * the spin is bounded and checks the clock anyway). A compiler barrier keeps the loads in
+ * the loop. */
 #define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
 
 enum { SEQ = 0, WAIT = 1, DESC = 5 };
