@@ -152,9 +152,9 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
             log.warning("meshcomm sockets rank %d: cannot open the local ranks' FIFOs: %s; using TCP", r,
                         exc.strerror if exc.strerror else exc)
         ok[1] = 1 if direct and shm is not None and ok[0] and shm.probe_direct() else 0
-        table2 = np.empty(2 * n, np.uint8)
-        world.all_gather(ok, table2)
-        flags, can_read = table2[0::2], table2[1::2]
+        abilities = np.empty(2 * n, np.uint8)  # per rank: shared memory works, can read every local peer
+        world.all_gather(ok, abilities)
+        flags, can_read = abilities[0::2], abilities[1::2]
         if shm is not None and r == local[0]:
             shm.unlink()  # every local rank opened everything (or gave up)
         world.barrier()
