@@ -88,13 +88,17 @@ def _meshcomm_op(name: str) -> Callable[..., Any]:
     return call
 
 
-def _all_sum(g: Group, nbytes: int, dtype: np.dtype) -> Case:
-    n, r = g.size(), g.rank()
+def _summed(g: Group, nbytes: int, dtype: np.dtype) -> tuple[int, np.ndarray, np.ndarray]:
+    """(elements, this rank's input, the sum of every rank's input) for the reductions."""
     count = max(1, nbytes // dtype.itemsize)
-    x = rank_input(count, dtype, r)
-    expected = functools.reduce(np.add, (rank_input(count, dtype, k) for k in range(n)))
+    total = functools.reduce(np.add, (rank_input(count, dtype, k) for k in range(g.size())))
+    return count, rank_input(count, dtype, g.rank()), np.asarray(total, dtype=dtype)
+
+
+def _all_sum(g: Group, nbytes: int, dtype: np.dtype) -> Case:
+    count, x, expected = _summed(g, nbytes, dtype)
     op = _meshcomm_op("all_sum")
-    return Case(count * dtype.itemsize, count, lambda: op(x, group=g), np.asarray(expected, dtype=dtype))
+    return Case(count * dtype.itemsize, count, lambda: op(x, group=g), expected)
 
 
 def _all_gather(g: Group, nbytes: int, dtype: np.dtype) -> Case:
@@ -168,12 +172,9 @@ def _scatter(g: Group, nbytes: int, dtype: np.dtype) -> Case:
 
 
 def _reduce(g: Group, nbytes: int, dtype: np.dtype) -> Case:
-    n, r = g.size(), g.rank()
-    count = max(1, nbytes // dtype.itemsize)
-    x = rank_input(count, dtype, r)
-    total = functools.reduce(np.add, (rank_input(count, dtype, k) for k in range(n)))
+    count, x, total = _summed(g, nbytes, dtype)
     op = _meshcomm_op("reduce")
-    expected = np.asarray(total, dtype=dtype) if r == 0 else None
+    expected = total if g.rank() == 0 else None
     return Case(count * dtype.itemsize, count, lambda: op(x, 0, group=g), expected, none_off_root=True)
 
 
