@@ -1,6 +1,6 @@
 """A rank for the shared-memory tests: report the path, then run a mode.
 
-usage: shm_rank.py MODE  (mode | loop | kill)
+usage: shm_rank.py MODE  (ok | loop | kill | wake-ended)
 """
 
 import json
@@ -35,6 +35,27 @@ elif mode == "kill":
     except mc.DistributedError as exc:
         print(json.dumps({"error": type(exc).__name__, "peer": getattr(exc, "peer", None),
                           "elapsed": time.monotonic() - t0}), flush=True)
+elif mode == "wake-ended":  # 2 ranks: waking a rank whose FIFO nobody reads any more
+    from meshcomm.plugin import PeerLostError
+    from meshcomm_sockets.engine import Call
+
+    mc.all_sum(np.ones(4))  # both ranks published the same piece
+    if r == 1:
+        os.close(shm.fifo)  # as if rank 1 had ended after its last call
+        shm.fifo = -1
+        time.sleep(3)
+    else:
+        time.sleep(1)
+        call = Call(1, 1, 0, 0, 4, "world")
+        shm._wake(call, 1, shm.peer_fifos[1])  # rank 1 published this piece: not a loss
+        shm.seq += 1  # now rank 1 has not published this rank's piece: it died before joining it
+        try:
+            shm._wake(call, 1, shm.peer_fifos[1])
+            outcome = "no error"
+        except PeerLostError as exc:
+            outcome = f"PeerLostError peer={exc.peer}"
+        shm.seq -= 1
+        print(json.dumps({"ahead": outcome}), flush=True)
 else:
     got = mc.all_sum(np.full(5, r + 1.0))
     assert (got == n * (n + 1) / 2).all(), got

@@ -432,6 +432,11 @@ class ShmGroup:
         except BlockingIOError:
             pass  # its FIFO is full of wake-ups already
         except BrokenPipeError:  # nobody reads its FIFO: it is gone
+            if self.words[i * _LINE + _SEQ] == self.seq:
+                # it published this piece too, then saw ours without the wake-up and ended
+                # (its last call): nothing of this piece is lost; a later piece that needs it
+                # finds its connection closed
+                return
             # it may have failed because of someone else and said so (ABORT): that wins
             self.fabric.probe(self.fabric.links[self.local[i]])
             mine = self.fabric.pending_abort() or self.fabric.stalled_error(
