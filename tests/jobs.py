@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +34,19 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def connect_when_listening(port: int, host: str = "127.0.0.1", timeout: float = 60.0) -> socket.socket:
+    """A connection to ``port`` once something listens there: a rank started a moment ago
+    may need seconds to import and bind on a loaded machine (a fixed sleep is not enough)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:

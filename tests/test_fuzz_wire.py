@@ -29,7 +29,7 @@ import tracemalloc
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from jobs import finish, free_ports, start_ranks, write_hostfile
+from jobs import connect_when_listening, finish, free_ports, start_ranks, write_hostfile
 from meshcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -439,8 +439,7 @@ def test_silent_strangers_do_not_stop_the_job_from_starting(tmp_path) -> None:
     hf = write_hostfile(tmp_path / "h.json", ports)
     env = {"MLX_TIMEOUT": "6", "MESHCOMM_JOB_SECRET": "s"}
     procs = start_ranks(2, [FAULTS, "ok"], hf, ranks=[0], env=env)
-    time.sleep(1.0)
-    silent = [socket.create_connection(("127.0.0.1", ports[0]), timeout=5) for _ in range(2)]
+    silent = [connect_when_listening(ports[0]) for _ in range(2)]
     try:
         procs.update(start_ranks(2, [FAULTS, "ok"], hf, ranks=[1], env=env))
         results = finish(procs, timeout=60)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, finish, free_ports, start_ranks, write_hostfile
+from jobs import ROOT, connect_when_listening, finish, free_ports, start_ranks, write_hostfile
 
 wire = pytest.importorskip("meshcomm_sockets.wire")
 SHM = Path("/dev/shm")
@@ -414,14 +414,7 @@ def test_a_flood_of_silent_connections_during_start_up_does_not_stop_the_job(tmp
     procs = start_ranks(2, [str(limited), "1024", prog], hf, ranks=[0], env=env)
     flood: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:  # rank 0 listens
-            try:
-                socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "rank 0 never listened"
-                time.sleep(0.1)
+        connect_when_listening(ports[0]).close()  # rank 0 listens
         poller = select.poll()
         for _ in range(1000):
             s = socket.socket()

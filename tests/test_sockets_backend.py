@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from jobs import finish, free_ports, launch, start_ranks, write_hostfile
+from jobs import connect_when_listening, finish, free_ports, launch, start_ranks, write_hostfile
 from meshcomm import DistributedError
 from meshcomm.errors import ConfigError
 
@@ -119,25 +119,14 @@ def test_strangers_are_rejected_and_the_job_goes_on(tmp_path):
     env = {"MLX_TIMEOUT": "30", "MESHCOMM_JOB_SECRET": "s3cret"}
     procs = start_ranks(2, [PROG, "ok"], hf, ranks=[0], env=env)  # rank 1 is not started yet
 
-    def connect() -> socket.socket:
-        """A connection to rank 0 once it listens (a loaded machine may take seconds to start it)."""
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                return socket.create_connection(("127.0.0.1", ports[0]), timeout=5)
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
     def stranger(payload: bytes) -> None:
-        with connect() as s:
+        with connect_when_listening(ports[0]) as s:
             s.recv(wire.CHALLENGE_SIZE)
             s.sendall(payload)
             time.sleep(0.2)
 
     stranger(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 100)
-    with connect() as s:
+    with connect_when_listening(ports[0]) as s:
         nonce = wire.parse_challenge(s.recv(wire.CHALLENGE_SIZE))
         s.sendall(wire.hello(b"wrong", nonce, wire.Hello(2, 1, 0, b"n" * 16, "x")))
         assert s.recv(100) == b"", "a wrong secret must get no answer"
