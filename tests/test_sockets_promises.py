@@ -318,5 +318,8 @@ def test_a_rank_resumed_after_sigstop_is_told_the_peers_gave_up_on_it(tmp_path, 
     assert 1 in named, named
     mine = _report(results, 1)
     assert mine["error"] == "CommTimeoutError", mine
-    assert "gave up waiting for this rank" in mine["message"], mine
+    if named == [1, 1]:
+        assert "gave up waiting for this rank" in mine["message"], mine
+    else:  # a survivor named the live rank (the limit above); rank 1 may read that survivor's notice first
+        assert "gave up waiting for this rank" in mine["message"] or "stopped the job" in mine["message"], mine
     assert f"MLX_TIMEOUT={timeout}" in mine["message"] and "exited or crashed" not in mine["message"], mine

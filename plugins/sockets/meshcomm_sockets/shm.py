@@ -254,6 +254,8 @@ class ShmGroup:
         path = self.dir / _SEGMENT
         self.peer_fifos: dict[int, int] = {}
         self.fifo = -1
+        #: the compiled hot loop (meshcomm-sockets-native), when attached (:meth:`attach_native`)
+        self.native: Any = None
         #: (parity, dtype) -> each local rank's whole slot of that parity viewed as dtype
         self._slots: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         #: word offsets of the other local ranks' control lines
@@ -300,8 +302,6 @@ class ShmGroup:
         self.links = [fabric.links[q] for q in local if q != fabric.rank]
         #: every local rank reads the others' arrays directly (set by topology after probe_direct)
         self.direct = False
-        #: the compiled hot loop (meshcomm-sockets-native), when attached (:meth:`attach_native`)
-        self.native: Any = None
 
     def attach_native(self) -> bool:
         """Publish, spin and compare descriptors in C (the optional ``meshcomm-sockets-native``
