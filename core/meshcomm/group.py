@@ -108,6 +108,8 @@ class Group:
         self._closed = False
         self._who = f"[{name}] rank {self._rank}"
         self._native: dict[str, bool] = {}
+        #: the blocking all-reduce needs no core check (see :meth:`_reduce`)
+        self._plain_reduce = not debug and (not check_calls or self._natively_checked("all_reduce"))
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -235,8 +237,23 @@ class Group:
         return self._all_reduce("min", x, out, async_op)
 
     def _reduce(self, op: str, x: Any) -> np.ndarray:
-        """The plain blocking all-reduce (kept as its own method: tests and tools wrap it)."""
-        return self._all_reduce(op, x, None, False)
+        """The plain blocking all-reduce (kept as its own method: tests and tools wrap it).
+
+        It is the latency path of small calls, so when no core check applies (the backend
+        checks calls in-band) it runs the backend with fewer Python calls than
+        :meth:`_all_reduce`, which does everything else (``out=``, handles, size 1, checks)."""
+        a = as_array(x)
+        if not self._plain_reduce or self._size == 1 or not a.size:
+            return self._all_reduce(op, a, None, False)
+        send = _flat(a)
+        backend = self._b
+
+        def run() -> np.ndarray:
+            res = np.empty(a.shape, a.dtype)
+            backend.all_reduce(send, res if res.ndim == 1 else res.reshape(-1), op)
+            return res
+
+        return self._submit(_ALL_NAMES[op], run, False, a)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
         name = _ALL_NAMES[op]

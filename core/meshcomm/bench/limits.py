@@ -12,7 +12,11 @@ and every library copies its result at least once. Run alone::
   processes (one-way latency, seconds; the best of three runs, see :func:`tcp_latency`),
   with the receiver sleeping in the kernel (``tcp_latency``) or polling (``tcp_latency_spin``);
 * ``tcp``: one TCP stream over 127.0.0.1 between two processes, payload bytes per second
-  (the receiver reads into a preallocated buffer, as the sockets backend does).
+  (the receiver reads into a preallocated buffer, as the sockets backend does);
+* ``tcp_duplex``: two processes each sending to the other at once over one connection, payload
+  bytes per second in each direction. A ring all-reduce on 2 ranks sends and receives the
+  whole buffer on each rank at the same time, so on loopback, where the kernel's copies of
+  both directions share the same cores, this (not ``tcp``) is its ceiling.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["memcpy_bw", "add_bw", "tcp_bw", "tcp_latency", "measure_all"]
+__all__ = ["memcpy_bw", "add_bw", "tcp_bw", "tcp_duplex_bw", "tcp_latency", "measure_all"]
 
 _BYTES = 64 << 20
 
@@ -100,6 +105,74 @@ def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
     return best
 
 
+_DUPLEX = r"""
+import socket, sys, threading
+port, total = int(sys.argv[1]), int(sys.argv[2])
+s = socket.create_connection(("127.0.0.1", port))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+payload = memoryview(bytearray(4 << 20))
+
+
+def send():
+    sent = 0
+    while sent < total:
+        n = min(len(payload), total - sent)
+        s.sendall(payload[:n])
+        sent += n
+
+
+t = threading.Thread(target=send)
+t.start()
+buf = memoryview(bytearray(4 << 20))
+got = 0
+while got < total:
+    n = s.recv_into(buf)
+    if not n:
+        raise SystemExit("peer closed early")
+    got += n
+t.join()
+s.close()
+"""
+
+
+def tcp_duplex_bw(nbytes: int = 128 << 20, reps: int = 3) -> float:
+    """Loopback TCP throughput in each direction when two processes send ``nbytes`` to each
+    other at the same time over one connection, payload bytes/s (best of ``reps``)."""
+    best = 0.0
+    for _ in range(reps):
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            child = subprocess.Popen([sys.executable, "-c", _DUPLEX, str(srv.getsockname()[1]), str(nbytes)])
+            conn, _ = srv.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                payload = memoryview(bytearray(4 << 20))
+                inbox = memoryview(bytearray(4 << 20))
+                got = 0
+
+                def receive() -> None:
+                    nonlocal got
+                    while got < nbytes:
+                        n = conn.recv_into(inbox)
+                        if not n:
+                            break
+                        got += n
+
+                t0 = time.perf_counter()
+                reader = threading.Thread(target=receive)
+                reader.start()
+                sent = 0
+                while sent < nbytes:
+                    n = min(len(payload), nbytes - sent)
+                    conn.sendall(payload[:n])
+                    sent += n
+                reader.join()
+                elapsed = time.perf_counter() - t0
+            if child.wait(timeout=60) != 0 or got < nbytes:
+                raise RuntimeError(f"loopback TCP duplex peer exited with {child.returncode} after {got} bytes")
+            best = max(best, nbytes / elapsed)
+    return best
+
+
 _ECHO = r"""
 import socket, sys
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
@@ -155,8 +228,9 @@ def tcp_latency(rounds: int = 2000, reps: int = 3, *, spin: bool = False) -> flo
 
 
 def measure_all() -> dict[str, float]:
-    """memcpy, add and tcp in bytes per second; the latencies in seconds."""
-    return {"memcpy": memcpy_bw(), "add": add_bw(), "tcp": tcp_bw(), "tcp_latency": tcp_latency(),
+    """memcpy, add, tcp and tcp_duplex in bytes per second; the latencies in seconds."""
+    return {"memcpy": memcpy_bw(), "add": add_bw(), "tcp": tcp_bw(), "tcp_duplex": tcp_duplex_bw(),
+            "tcp_latency": tcp_latency(),
             "tcp_latency_spin": tcp_latency(spin=True)}
 
 

@@ -80,23 +80,30 @@ class ProgressWriter:
         self._rank = rank
         self._pid = os.getpid()
         self._slots: dict[str, int] = {}
-        self._bytes: dict[str, bytes] = {}  #: names already encoded (no encoding per operation)
+        #: (op, group) -> their encoded names and the group's slot (nothing encoded per operation)
+        self._known: dict[tuple[str, str], tuple[bytes, bytes, int]] = {}
         _HEAD.pack_into(self._mm, 0, MAGIC, rank, os.getpid(), IDLE, 0.0, b"", b"", 0, -1)
 
     def begin(self, op: str, group: str, seq: int, peer: int, now: float) -> None:
         """This rank entered ``op`` (collective number ``seq`` of ``group``, or a send/recv with ``peer``)."""
-        enc = self._bytes
-        op_b = enc.get(op) or enc.setdefault(op, op.encode()[:24])
-        group_b = enc.get(group) or enc.setdefault(group, group.encode()[:64])
+        known = self._known.get((op, group))
+        if known is None:
+            known = self._learn(op, group)
+        op_b, group_b, slot = known
         _NOW.pack_into(self._mm, _STATE_AT, RUNNING, now, op_b, group_b, seq, peer)
-        if peer < 0:
-            slot = self._slots.get(group)
-            if slot is None:
-                if len(self._slots) >= SLOTS:
-                    return  # more groups than slots: the newest ones go unrecorded
-                slot = self._slots[group] = _HEAD.size + len(self._slots) * _SLOT.size
-                _SLOT.pack_into(self._mm, slot, group_b, 0)
+        if peer < 0 and slot:
             _SEQ.pack_into(self._mm, slot + 64, seq)
+
+    def _learn(self, op: str, group: str) -> tuple[bytes, bytes, int]:
+        """The encoded names of ``op`` on ``group`` and the group's slot (0: none left; the
+        newest groups go unrecorded when there are more than SLOTS), computed once."""
+        group_b = group.encode()[:64]
+        slot = self._slots.get(group)
+        if slot is None and len(self._slots) < SLOTS:
+            slot = self._slots[group] = _HEAD.size + len(self._slots) * _SLOT.size
+            _SLOT.pack_into(self._mm, slot, group_b, 0)
+        known = self._known[(op, group)] = (op.encode()[:24], group_b, slot or 0)
+        return known
 
     def end(self, ok: bool, now: float) -> None:
         """The operation begun last ended (``ok``: it returned)."""

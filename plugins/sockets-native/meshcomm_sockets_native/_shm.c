@@ -100,6 +100,17 @@ static int alive(Channel *self)
     return 1;
 }
 
+/* Reads n Python ints from args into v; 0 on success, -1 with the error set. */
+static int int_args(PyObject *const *args, int n, int64_t *v)
+{
+    for (int k = 0; k < n; k++) {
+        v[k] = PyLong_AsLongLong(args[k]);
+        if (v[k] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
 /* publish(src, d, op, dtype, total, cseq, arg, seq, prev) -> wake mask
  * Publishes piece seq (prev: the piece before it, whose parity names the slot and the
  * descriptor this piece uses): copies src (a C-contiguous buffer of at most one slot, or
@@ -115,11 +126,8 @@ static PyObject *Channel_publish(Channel *self, PyObject *const *args, Py_ssize_
     if (!alive(self))
         return NULL;
     int64_t v[8];
-    for (int k = 0; k < 8; k++) {
-        v[k] = PyLong_AsLongLong(args[k + 1]);
-        if (v[k] == -1 && PyErr_Occurred())
-            return NULL;
-    }
+    if (int_args(args + 1, 8, v) < 0)
+        return NULL;
     int64_t d = v[0], seq = v[6], prev = v[7];
     if (d < 2 || d + DESC > self->line) {
         PyErr_Format(PyExc_ValueError, "publish: descriptor word %lld is outside the line", (long long)d);
@@ -183,7 +191,9 @@ static PyObject *Channel_spin(Channel *self, PyObject *const *args, Py_ssize_t n
                 CPU_RELAX();
             if ((ready = all_published(self, prev)))
                 break;
-            if ((k & 63) == 0 && now_ns() >= until)
+            /* a yield can take a whole time slice when another process wants the core:
+               look at the clock after every one, so the budget holds under load */
+            if ((yielding || (k & 63) == 0) && now_ns() >= until)
                 break;
         }
         Py_END_ALLOW_THREADS
@@ -204,11 +214,8 @@ static PyObject *Channel_matches(Channel *self, PyObject *const *args, Py_ssize_
     if (!alive(self))
         return NULL;
     int64_t v[6];
-    for (int k = 0; k < 6; k++) {
-        v[k] = PyLong_AsLongLong(args[k]);
-        if (v[k] == -1 && PyErr_Occurred())
-            return NULL;
-    }
+    if (int_args(args, 6, v) < 0)
+        return NULL;
     if (v[0] < 2 || v[0] + DESC > self->line) {
         PyErr_Format(PyExc_ValueError, "matches: descriptor word %lld is outside the line", (long long)v[0]);
         return NULL;

@@ -20,13 +20,16 @@ import zlib
 from collections import defaultdict
 
 import numpy as np
-from meshcomm.plugin import Backend, algorithms, dtype_code
+from meshcomm.plugin import UFUNCS, Backend, algorithms, dtype_code
 
 from . import wire
 from .engine import Call, Fabric, Link, as_bytes
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
 
 __all__ = ["SocketsBackend", "RING_MIN_BYTES", "FRAME_BYTES"]
+
+#: the operation code of each all-reduce ("sum" -> all_sum's)
+_ALL_CODES = {op: wire.OP_CODES[f"all_{op}"] for op in UFUNCS}
 
 
 class _Op:
@@ -92,9 +95,13 @@ class SocketsBackend(Backend):
         (``with self._op(...) as call``); a collective built from another is one call."""
         if self._call is not None:
             return self._nested
-        self._seq = seq = (self._seq + 1) & wire.SEQ_MASK  # wire.next_seq, inline: the latency path
-        self._call = Call(self.gid, seq, wire.OP_CODES[name], dtype_code(buf.dtype), buf.size, self.label, arg)
+        self._call = self._new_call(wire.OP_CODES[name], buf, arg)
         return self._outer
+
+    def _new_call(self, code: int, buf: np.ndarray, arg: int = 0) -> Call:
+        """The next collective's call: operation ``code`` on ``buf``."""
+        self._seq = seq = (self._seq + 1) & wire.SEQ_MASK  # wire.next_seq, inline: the latency path
+        return Call(self.gid, seq, code, dtype_code(buf.dtype), buf.size, self.label, arg)
 
     def _p2p(self, counter: defaultdict[int, int], peer: int, buf: np.ndarray) -> Call:
         if self._call is not None:
@@ -121,8 +128,16 @@ class SocketsBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        with self._op(f"all_{op}", sendbuf) as call:
+        # the latency path: what ``with self._op(...)`` does, without the context manager's calls
+        call = self._call
+        if call is not None:  # part of a collective built from this one
             self.path.all_reduce(call, sendbuf, recvbuf, op)
+            return
+        self._call = call = self._new_call(_ALL_CODES[op], sendbuf)
+        try:
+            self.path.all_reduce(call, sendbuf, recvbuf, op)
+        finally:
+            self._call = None
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         with self._op("sum_scatter", sendbuf) as call:

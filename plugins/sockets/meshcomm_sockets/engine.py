@@ -201,8 +201,8 @@ class Fabric:
             link.seal_payload = not is_loopback(link.sock) if payload_integrity is None else payload_integrity
         self._sealing = 0
         self.failure: DistributedError | None = None
-        #: seconds a waiting rank polls without sleeping (see topology.wait_policy)
-        self.spin = 0.0
+        #: seconds a waiting rank polls without sleeping (see topology.wait_policy), also in ns
+        self.spin, self.spin_ns = 0.0, 0
         #: give the core away on every spin (ranks outnumber this host's cores)
         self.yielding = False
         #: (when it ended, how long) of the last time this rank overslept a wait (see note_stall)
@@ -606,6 +606,11 @@ class Fabric:
         err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]  # PeerLostError/CommTimeoutError take peer=
         link.closed = True
         return err
+
+    def set_waiting(self, spin: float, yielding: bool) -> None:
+        """How a waiting rank waits: ``spin`` seconds of polling (yielding the core each time
+        when ``yielding``) before it sleeps."""
+        self.spin, self.spin_ns, self.yielding = spin, int(spin * 1e9), yielding
 
     def check(self) -> None:
         """Raise at once if an earlier operation failed: the streams are no longer in step."""

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 from meshcomm.plugin import (
+    UFUNCS,
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,
@@ -73,6 +74,8 @@ SHM_DIR = Path("/dev/shm")
 _LINE = 24  # int64 words per rank's control line (three cache lines)
 _SEQ, _WAIT = 0, 1  # then, per slot parity p, the call descriptor at 2 + 5p: op, dtype, total, seq, arg
 _DESC = 5
+#: the descriptor's first word for slot parity 0 and 1
+_DESC_AT = (2, 2 + _DESC)
 #: direct reads (cma.py): the rank's pid, the address and value of its 16-byte probe token,
 #: and per parity p the addresses of the call's send and receive buffers at _ADDR + 2p
 _PID, _TOKEN_AT, _TOKEN, _ADDR = 12, 13, 14, 16
@@ -258,6 +261,8 @@ class ShmGroup:
         self.native: Any = None
         #: (parity, dtype) -> each local rank's whole slot of that parity viewed as dtype
         self._slots: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        #: (parity, dtype, count) -> those slots cut to count elements (the one-piece all-reduce)
+        self._small: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
         #: word offsets of the other local ranks' control lines
         self._others = [i * _LINE for i in range(len(local)) if i != local.index(fabric.rank)]
         self._mine = local.index(fabric.rank) * _LINE
@@ -365,6 +370,7 @@ class ShmGroup:
             self.ctrl = np.zeros((0, _LINE), np.int64)  # drop views before closing the map
             self.data = np.zeros(0, np.uint8)
             self._slots.clear()
+            self._small.clear()
             if hasattr(self, "words"):
                 self.words.release()
             if hasattr(self, "map"):
@@ -388,6 +394,15 @@ class ShmGroup:
             self._slots[key] = views
         return views
 
+    def _small_views(self, key: tuple[int, np.dtype, int]) -> list[np.ndarray]:
+        """Every local rank's first ``count`` elements of its slot of parity ``k`` for
+        ``key = (k, dtype, count)``, remembered for the next call of that size (up to 64 sizes)."""
+        k, dtype, count = key
+        if len(self._small) >= 64:
+            self._small.clear()
+        views = self._small[key] = [v[:count] for v in self.slots(k, dtype)]
+        return views
+
     # -- synchronisation ------------------------------------------------------------------
     def _publish(self, call: Call, src: np.ndarray | None) -> None:
         """Copy ``src`` (at most one slot, or None) into this rank's slot of the next piece,
@@ -396,7 +411,7 @@ class ShmGroup:
         seq = prev % SEQ_WRAP + 1  # next_piece, inline: this is the hot path
         nat = self.native
         if nat is not None:
-            mask = nat.publish(src, 2 + _DESC * (prev & 1), call.op, call.dtype, call.total, call.seq, call.arg,
+            mask = nat.publish(src, _DESC_AT[prev & 1], call.op, call.dtype, call.total, call.seq, call.arg,
                                seq, prev)
             self.prev, self.seq = prev, seq
             if mask > 0:
@@ -409,7 +424,7 @@ class ShmGroup:
         if src is not None:
             self.slots(prev, src.dtype)[self.me][: src.size] = src
         w, me = self.words, self._mine
-        d = me + 2 + _DESC * (prev & 1)  # a peer reads it before we can reach the same parity again
+        d = me + _DESC_AT[prev & 1]  # a peer reads it before we can reach the same parity again
         w[d], w[d + 1], w[d + 2], w[d + 3], w[d + 4] = call.op, call.dtype, call.total, call.seq, call.arg
         self.prev, self.seq = prev, seq
         _ordered()
@@ -461,9 +476,9 @@ class ShmGroup:
         nat = self.native
         if nat is not None:
             fab = self.fabric
-            if not nat.spin(self.prev, int(fab.spin * 1e9), fab.yielding):
+            if not nat.spin(self.prev, fab.spin_ns, fab.yielding):
                 self._sleep(call)
-            if not nat.matches(2 + _DESC * (self.prev & 1), call.op, call.dtype, call.total, call.seq, call.arg):
+            if not nat.matches(_DESC_AT[self.prev & 1], call.op, call.dtype, call.total, call.seq, call.arg):
                 self._check(call)  # raises the mismatch
             return
         if not self._ready():
@@ -530,7 +545,7 @@ class ShmGroup:
 
     def _check(self, call: Call) -> None:
         w = self.words
-        d = 2 + _DESC * (self.prev & 1)
+        d = _DESC_AT[self.prev & 1]
         op, dtype, total, seq, arg = call.op, call.dtype, call.total, call.seq, call.arg
         for o in self._others:
             o += d
@@ -590,13 +605,16 @@ class ShmGroup:
         return self.direct and nbytes >= DIRECT_MIN_BYTES and nbytes > self.piece
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        f, dt = reducer(op), sendbuf.dtype
+        f, dt = UFUNCS[op], sendbuf.dtype
         if sendbuf.nbytes <= self.piece:  # one piece (never direct): the latency path
-            views, n = self.slots(self.seq, dt), sendbuf.size
+            key = (self.seq & 1, dt, sendbuf.size)
+            views = self._small.get(key)
+            if views is None:
+                views = self._small_views(key)
             self._step(call, sendbuf, None)
-            f(views[0][:n], views[1][:n], out=recvbuf)
-            for i in range(2, self.n):
-                f(recvbuf, views[i][:n], out=recvbuf)
+            f(views[0], views[1], out=recvbuf)
+            for v in views[2:]:
+                f(recvbuf, v, out=recvbuf)
             return
         if self.is_direct(sendbuf.nbytes):
             self._direct_all_reduce(call, sendbuf, recvbuf, f)

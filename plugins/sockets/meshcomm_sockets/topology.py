@@ -102,7 +102,7 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
     for q, k in enumerate(keys):
         hosts.setdefault(k, []).append(q)
     local = hosts[keys[r]]
-    world.fabric.spin, world.fabric.yielding = wait_policy(len(local), spin_us)
+    world.fabric.set_waiting(*wait_policy(len(local), spin_us))
     if not table[:, 16].all():
         if enabled and r == 0:
             off = [q for q in range(n) if not table[q, 16]]
