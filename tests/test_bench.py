@@ -345,3 +345,13 @@ def test_busy_machine_spins_n_processes_and_ends_them() -> None:
         during = set(spinners()) - before
         assert len(during) == 2, during
     assert not (set(spinners()) & during), "the spinners must be gone after the block"
+
+
+def test_the_machine_limits_measure_loopback_tcp_one_way_and_both_ways():
+    """The limits `meshcomm bench --compare` prints: a stream and two streams at once between
+    two processes each report a positive rate, and the helper process exits cleanly."""
+    from meshcomm.bench import limits
+
+    one = limits.tcp_bw(nbytes=8 << 20, reps=1)
+    both = limits.tcp_duplex_bw(nbytes=8 << 20, reps=1)
+    assert 0 < one < float("inf") and 0 < both < float("inf")
