@@ -35,18 +35,22 @@ __all__ = ["memcpy_bw", "add_bw", "tcp_bw", "tcp_duplex_bw", "tcp_latency", "mea
 
 _BYTES = 64 << 20
 
-_SINK = r"""
-import socket, sys
-port, total = int(sys.argv[1]), int(sys.argv[2])
-s = socket.create_connection(("127.0.0.1", port))
-buf = bytearray(4 << 20)
-view = memoryview(buf)
+#: the child's receiving loop (``s``: its socket, ``total``: the bytes to read)
+_RECEIVE = r"""
+view = memoryview(bytearray(4 << 20))
 got = 0
 while got < total:
     n = s.recv_into(view)
     if not n:
-        raise SystemExit("sender closed early")
+        raise SystemExit("peer closed early")
     got += n
+"""
+
+_SINK = r"""
+import socket, sys
+port, total = int(sys.argv[1]), int(sys.argv[2])
+s = socket.create_connection(("127.0.0.1", port))
+""" + _RECEIVE + r"""
 s.sendall(b"k")
 s.close()
 """
@@ -123,54 +127,49 @@ def send():
 
 t = threading.Thread(target=send)
 t.start()
-buf = memoryview(bytearray(4 << 20))
-got = 0
-while got < total:
-    n = s.recv_into(buf)
-    if not n:
-        raise SystemExit("peer closed early")
-    got += n
+""" + _RECEIVE + r"""
 t.join()
 s.close()
 """
 
 
+def _duplex_seconds(nbytes: int) -> float:
+    """Seconds until this process and a child have each sent ``nbytes`` to the other."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        child = subprocess.Popen([sys.executable, "-c", _DUPLEX, str(srv.getsockname()[1]), str(nbytes)])
+        conn, _ = srv.accept()
+        got = 0
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            payload, inbox = memoryview(bytearray(4 << 20)), memoryview(bytearray(4 << 20))
+
+            def receive() -> None:
+                nonlocal got
+                while got < nbytes:
+                    n = conn.recv_into(inbox)
+                    if not n:
+                        break
+                    got += n
+
+            t0 = time.perf_counter()
+            reader = threading.Thread(target=receive)
+            reader.start()
+            sent = 0
+            while sent < nbytes:
+                n = min(len(payload), nbytes - sent)
+                conn.sendall(payload[:n])
+                sent += n
+            reader.join()
+            elapsed = time.perf_counter() - t0
+        if child.wait(timeout=60) != 0 or got < nbytes:
+            raise RuntimeError(f"loopback TCP duplex peer exited with {child.returncode} after {got} bytes")
+    return elapsed
+
+
 def tcp_duplex_bw(nbytes: int = 128 << 20, reps: int = 3) -> float:
     """Loopback TCP throughput in each direction when two processes send ``nbytes`` to each
     other at the same time over one connection, payload bytes/s (best of ``reps``)."""
-    best = 0.0
-    for _ in range(reps):
-        with socket.create_server(("127.0.0.1", 0)) as srv:
-            child = subprocess.Popen([sys.executable, "-c", _DUPLEX, str(srv.getsockname()[1]), str(nbytes)])
-            conn, _ = srv.accept()
-            with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                payload = memoryview(bytearray(4 << 20))
-                inbox = memoryview(bytearray(4 << 20))
-                got = 0
-
-                def receive() -> None:
-                    nonlocal got
-                    while got < nbytes:
-                        n = conn.recv_into(inbox)
-                        if not n:
-                            break
-                        got += n
-
-                t0 = time.perf_counter()
-                reader = threading.Thread(target=receive)
-                reader.start()
-                sent = 0
-                while sent < nbytes:
-                    n = min(len(payload), nbytes - sent)
-                    conn.sendall(payload[:n])
-                    sent += n
-                reader.join()
-                elapsed = time.perf_counter() - t0
-            if child.wait(timeout=60) != 0 or got < nbytes:
-                raise RuntimeError(f"loopback TCP duplex peer exited with {child.returncode} after {got} bytes")
-            best = max(best, nbytes / elapsed)
-    return best
+    return max(nbytes / _duplex_seconds(nbytes) for _ in range(reps))
 
 
 _ECHO = r"""
