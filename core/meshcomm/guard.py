@@ -87,12 +87,12 @@ class WorldGuard:
         """``ticket``'s operation ended; if another thread intruded and ``ok``, raise for it."""
         mutex = self._mutex
         mutex.acquire()
-        active = self._active
-        if active and active[-1] is ticket:  # the common case: the last one in
-            active.pop()
-        elif ticket in active:
-            active.remove(ticket)
-        mutex.release()
+        try:
+            self._active.remove(ticket)
+        except ValueError:  # pragma: no cover - left twice
+            pass
+        finally:
+            mutex.release()
         if ticket.intruder is not None and ok:
             raise DistributedError(
                 f"{who}: the result of {ticket.op} (thread {_thread_name(ticket.thread)!r}) is discarded: "

@@ -84,6 +84,15 @@ def add_bw(nbytes: int = _BYTES, reps: int = 10) -> float:
     return _best_rate(add, nbytes, reps)
 
 
+def _send(conn: socket.socket, payload: memoryview, nbytes: int) -> None:
+    """Send ``nbytes`` on ``conn``, ``payload`` (or the start of it) at a time."""
+    sent = 0
+    while sent < nbytes:
+        n = min(len(payload), nbytes - sent)
+        conn.sendall(payload[:n])
+        sent += n
+
+
 def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
     """Loopback TCP throughput between two processes, payload bytes/s (best of ``reps``)."""
     payload = np.ones(_BYTES, dtype=np.uint8).data
@@ -96,11 +105,7 @@ def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 t0 = time.perf_counter()
-                sent = 0
-                while sent < nbytes:
-                    chunk = payload[: min(len(payload), nbytes - sent)]
-                    conn.sendall(chunk)
-                    sent += len(chunk)
+                _send(conn, payload, nbytes)
                 if conn.recv(1) != b"k":
                     raise RuntimeError("loopback TCP sink did not acknowledge")
                 best = max(best, nbytes / (time.perf_counter() - t0))
@@ -154,11 +159,7 @@ def _duplex_seconds(nbytes: int) -> float:
             t0 = time.perf_counter()
             reader = threading.Thread(target=receive)
             reader.start()
-            sent = 0
-            while sent < nbytes:
-                n = min(len(payload), nbytes - sent)
-                conn.sendall(payload[:n])
-                sent += n
+            _send(conn, payload, nbytes)
             reader.join()
             elapsed = time.perf_counter() - t0
         if child.wait(timeout=60) != 0 or got < nbytes:
@@ -229,8 +230,7 @@ def tcp_latency(rounds: int = 2000, reps: int = 3, *, spin: bool = False) -> flo
 def measure_all() -> dict[str, float]:
     """memcpy, add, tcp and tcp_duplex in bytes per second; the latencies in seconds."""
     return {"memcpy": memcpy_bw(), "add": add_bw(), "tcp": tcp_bw(), "tcp_duplex": tcp_duplex_bw(),
-            "tcp_latency": tcp_latency(),
-            "tcp_latency_spin": tcp_latency(spin=True)}
+            "tcp_latency": tcp_latency(), "tcp_latency_spin": tcp_latency(spin=True)}
 
 
 if __name__ == "__main__":
