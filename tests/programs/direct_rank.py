@@ -78,4 +78,11 @@ for count_bytes in (limit - 4, limit, 3 * limit + 12, (4 << 20) + 8):
                 assert np.array_equal(got, np.concatenate(xs)), f"rank {r}: gather"
             part = mc.scatter(x, root=root)
             assert np.array_equal(part, xs[root][r * m : (r + 1) * m]), f"rank {r}: scatter from {root}"
+# on 3+ ranks all_sum reads peers directly only from 16 MiB (below it the split slots win)
+count = ((16 << 20) + 12) // 4
+count -= count % n
+xs = [inputs(q, count, np.float32) for q in range(n)]
+got = mc.all_sum(xs[r])
+same(got, np.sum(xs, axis=0), f"all_sum {count} x float32")
+digest.update(got.tobytes())
 print(json.dumps({"digest": digest.hexdigest()}), flush=True)
