@@ -348,10 +348,12 @@ def test_busy_machine_spins_n_processes_and_ends_them() -> None:
 
 
 def test_the_machine_limits_measure_loopback_tcp_one_way_and_both_ways():
-    """The limits `meshcomm bench --compare` prints: a stream and two streams at once between
-    two processes each report a positive rate, and the helper process exits cleanly."""
+    """The limits `meshcomm bench --compare` prints: a stream, two streams at once and three
+    connections both ways between two processes each report a positive rate (every byte
+    arrived), and the helper process exits cleanly."""
     from meshcomm.bench import limits
 
     one = limits.tcp_bw(nbytes=8 << 20, reps=1)
     both = limits.tcp_duplex_bw(nbytes=8 << 20, reps=1)
-    assert 0 < one < float("inf") and 0 < both < float("inf")
+    several = limits.tcp_duplex_bw(nbytes=8 << 20, reps=1, streams=3)
+    assert all(0 < rate < float("inf") for rate in (one, both, several))

@@ -286,7 +286,7 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 def _limits_text(lim: dict[str, float]) -> str:
     return (f"memcpy {lim['memcpy'] / 1e9:.2f} GB/s, add {lim['add'] / 1e9:.2f} GB/s, "
             f"TCP {lim['tcp'] / 1e9:.2f} GB/s one stream, {lim['tcp_duplex'] / 1e9:.2f} GB/s each way "
-            f"in both directions at once, TCP one-way latency {lim['tcp_latency_spin'] * 1e6:.1f} us "
+            f"in both directions at once ({lim['tcp_duplex_4'] / 1e9:.2f} over 4 connections), TCP one-way latency {lim['tcp_latency_spin'] * 1e6:.1f} us "
             f"polling / {lim['tcp_latency'] * 1e6:.1f} us blocking")
 
 

@@ -16,7 +16,9 @@ and every library copies its result at least once. Run alone::
 * ``tcp_duplex``: two processes each sending to the other at once over one connection, payload
   bytes per second in each direction. A ring all-reduce on 2 ranks sends and receives the
   whole buffer on each rank at the same time, so on loopback, where the kernel's copies of
-  both directions share the same cores, this (not ``tcp``) is its ceiling.
+  both directions share the same cores, this (not ``tcp``) is its ceiling;
+* ``tcp_duplex_4``: the same over four connections at once (a thread per connection and
+  direction on each side): whether several connections per pair of ranks could go faster.
 """
 
 from __future__ import annotations
@@ -114,63 +116,72 @@ def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
     return best
 
 
+def _pump(socks: list[socket.socket], nbytes: int) -> int:
+    """Send ``nbytes`` split evenly over ``socks`` while receiving as much from them, one
+    thread per socket and direction (each releases the GIL in the kernel's copy); the bytes
+    received."""
+    share = nbytes // len(socks)
+    got = [0] * len(socks)
+
+    def send(conn: socket.socket) -> None:
+        _send(conn, memoryview(bytearray(4 << 20)), share)
+
+    def receive(i: int, conn: socket.socket) -> None:
+        inbox = memoryview(bytearray(4 << 20))
+        while got[i] < share:
+            n = conn.recv_into(inbox)
+            if not n:
+                return
+            got[i] += n
+
+    threads = [threading.Thread(target=send, args=(c,)) for c in socks]
+    threads += [threading.Thread(target=receive, args=(i, c)) for i, c in enumerate(socks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(got)
+
+
 _DUPLEX = r"""
-import socket, sys, threading
-port, total = int(sys.argv[1]), int(sys.argv[2])
-s = socket.create_connection(("127.0.0.1", port))
-s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-payload = memoryview(bytearray(4 << 20))
-
-
-def send():
-    sent = 0
-    while sent < total:
-        n = min(len(payload), total - sent)
-        s.sendall(payload[:n])
-        sent += n
-
-
-t = threading.Thread(target=send)
-t.start()
-""" + _RECEIVE + r"""
-t.join()
-s.close()
+import socket, sys
+from meshcomm.bench.limits import _pump
+port, streams, total = map(int, sys.argv[1:4])
+socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+for s in socks:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+_pump(socks, total)
+for s in socks:
+    s.close()
 """
 
 
-def _duplex_seconds(nbytes: int) -> float:
-    """Seconds until this process and a child have each sent ``nbytes`` to the other."""
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        child = subprocess.Popen([sys.executable, "-c", _DUPLEX, str(srv.getsockname()[1]), str(nbytes)])
-        conn, _ = srv.accept()
-        got = 0
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            payload, inbox = memoryview(bytearray(4 << 20)), memoryview(bytearray(4 << 20))
-
-            def receive() -> None:
-                nonlocal got
-                while got < nbytes:
-                    n = conn.recv_into(inbox)
-                    if not n:
-                        break
-                    got += n
-
+def _duplex_seconds(nbytes: int, streams: int) -> float:
+    """Seconds until this process and a child have each sent ``nbytes`` to the other over
+    ``streams`` connections at once."""
+    with socket.create_server(("127.0.0.1", 0), backlog=streams) as srv:
+        child = subprocess.Popen([sys.executable, "-c", _DUPLEX, str(srv.getsockname()[1]), str(streams),
+                                  str(nbytes)])
+        conns = [srv.accept()[0] for _ in range(streams)]
+        try:
+            for conn in conns:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t0 = time.perf_counter()
-            reader = threading.Thread(target=receive)
-            reader.start()
-            _send(conn, payload, nbytes)
-            reader.join()
+            got = _pump(conns, nbytes)
             elapsed = time.perf_counter() - t0
-        if child.wait(timeout=60) != 0 or got < nbytes:
+        finally:
+            for conn in conns:
+                conn.close()
+        want = nbytes // streams * streams
+        if child.wait(timeout=60) != 0 or got < want:
             raise RuntimeError(f"loopback TCP duplex peer exited with {child.returncode} after {got} bytes")
     return elapsed
 
 
-def tcp_duplex_bw(nbytes: int = 128 << 20, reps: int = 3) -> float:
+def tcp_duplex_bw(nbytes: int = 128 << 20, reps: int = 3, streams: int = 1) -> float:
     """Loopback TCP throughput in each direction when two processes send ``nbytes`` to each
-    other at the same time over one connection, payload bytes/s (best of ``reps``)."""
-    return max(nbytes / _duplex_seconds(nbytes) for _ in range(reps))
+    other at the same time over ``streams`` connections, payload bytes/s (best of ``reps``)."""
+    return max(nbytes // streams * streams / _duplex_seconds(nbytes, streams) for _ in range(reps))
 
 
 _ECHO = r"""
@@ -228,9 +239,9 @@ def tcp_latency(rounds: int = 2000, reps: int = 3, *, spin: bool = False) -> flo
 
 
 def measure_all() -> dict[str, float]:
-    """memcpy, add, tcp and tcp_duplex in bytes per second; the latencies in seconds."""
+    """memcpy, add, tcp, tcp_duplex and tcp_duplex_4 in bytes per second; the latencies in seconds."""
     return {"memcpy": memcpy_bw(), "add": add_bw(), "tcp": tcp_bw(), "tcp_duplex": tcp_duplex_bw(),
-            "tcp_latency": tcp_latency(), "tcp_latency_spin": tcp_latency(spin=True)}
+            "tcp_duplex_4": tcp_duplex_bw(streams=4), "tcp_latency": tcp_latency(), "tcp_latency_spin": tcp_latency(spin=True)}
 
 
 if __name__ == "__main__":
