@@ -528,9 +528,9 @@ def counting(g):
     calls = []
     reduce = g._reduce
 
-    def wrapped(op, x):
+    def wrapped(op, x, out=None):
         calls.append((op, np.asarray(x).dtype, np.asarray(x).size))
-        return reduce(op, x)
+        return reduce(op, x, out)
 
     g._reduce = wrapped
     return calls

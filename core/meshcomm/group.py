@@ -220,36 +220,38 @@ class Group:
     # -- reductions ---------------------------------------------------------------------
     def all_sum(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
-        if out is None and not async_op:
-            return self._reduce("sum", x)
+        if not async_op:
+            return self._reduce("sum", x, out)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise maximum over ranks."""
-        if out is None and not async_op:
-            return self._reduce("max", x)
+        if not async_op:
+            return self._reduce("max", x, out)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise minimum over ranks."""
-        if out is None and not async_op:
-            return self._reduce("min", x)
+        if not async_op:
+            return self._reduce("min", x, out)
         return self._all_reduce("min", x, out, async_op)
 
-    def _reduce(self, op: str, x: Any) -> np.ndarray:
+    def _reduce(self, op: str, x: Any, out: np.ndarray | None = None) -> np.ndarray:
         """The plain blocking all-reduce (kept as its own method: tests and tools wrap it).
 
         It is the latency path of small calls, so when no core check applies (the backend
         checks calls in-band) it runs the backend with fewer Python calls than
-        :meth:`_all_reduce`, which does everything else (``out=``, handles, size 1, checks)."""
+        :meth:`_all_reduce`, which does everything else (handles, size 1, checks, ``out=``
+        on backends that cannot write into it)."""
         a = as_array(x)
-        if not self._plain_reduce or self._size == 1 or not a.size:
-            return self._all_reduce(op, a, None, False)
-        send = _flat(a)
         backend = self._b
+        if not self._plain_reduce or self._size == 1 or not a.size or (out is not None and not backend.direct_out):
+            return self._all_reduce(op, x, out, False)
+        o = None if out is None else self._out(_ALL_NAMES[op], out, a.shape, a.dtype, x, in_place=True)
+        send = _flat(a)
 
         def run() -> np.ndarray:
-            res = np.empty(a.shape, a.dtype)
+            res = np.empty(a.shape, a.dtype) if o is None else o
             backend.all_reduce(send, res if res.ndim == 1 else res.reshape(-1), op)
             return res
 
@@ -569,20 +571,23 @@ class Group:
         not overlapping ``x`` unless ``in_place`` allows ``out is x``), else a ValueError."""
         if out is None:
             return None
-        fix = f"pass out=np.empty({tuple(shape)}, dtype=np.{np.dtype(dtype).name}) or leave out=None"
+
+        def fix() -> str:  # built only for an error: a dtype's name costs microseconds
+            return f"pass out=np.empty({tuple(shape)}, dtype=np.{np.dtype(dtype).name}) or leave out=None"
+
         if not isinstance(out, np.ndarray):
-            raise ValueError(f"{op}: out must be a NumPy array on rank {self._rank}, got {type(out).__name__}; {fix}")
+            raise ValueError(f"{op}: out must be a NumPy array on rank {self._rank}, got {type(out).__name__}; {fix()}")
         if out.shape != tuple(shape) or out.dtype != dtype:
             raise ValueError(f"{op}: out has shape {out.shape} and dtype {out.dtype} on rank {self._rank}, but the "
-                             f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}; {fix}")
+                             f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}; {fix()}")
         if not out.flags.c_contiguous:
-            raise ValueError(f"{op}: out is not C-contiguous on rank {self._rank}; {fix}")
+            raise ValueError(f"{op}: out is not C-contiguous on rank {self._rank}; {fix()}")
         if not out.flags.writeable:
-            raise ValueError(f"{op}: out is read-only on rank {self._rank}; {fix}")
+            raise ValueError(f"{op}: out is read-only on rank {self._rank}; {fix()}")
         if out is x:
             if not in_place:
                 raise ValueError(f"{op}: out cannot be x itself (only all_sum, all_max, all_min and broadcast "
-                                 f"work in place); {fix}")
+                                 f"work in place); {fix()}")
         elif isinstance(x, np.ndarray) and np.may_share_memory(out, x):
             raise ValueError(f"{op}: out overlaps x on rank {self._rank}; "
                              f"{'pass out=x itself or ' if in_place else ''}use a separate array")
