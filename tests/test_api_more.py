@@ -219,6 +219,17 @@ def test_out_in_place_and_overlap_rules():
     assert b0.tolist() == b1.tolist() == [1] * 4
 
 
+def test_a_backend_is_told_in_place_only_for_the_very_same_buffer():
+    """``meshcomm.backend.in_place``: what MPI and gloo use to pick MPI_IN_PLACE."""
+    from meshcomm.backend import in_place
+
+    a = np.arange(8.0)
+    assert in_place(a, a.reshape(-1)) and in_place(a.reshape(2, 4).reshape(-1), a)
+    assert not in_place(a, a.copy())
+    assert not in_place(a[:4], a[4:])  # neighbours in one array
+    assert not in_place(a[:5], a[3:])  # overlapping, different start: never in place
+
+
 def test_errors_reach_wait_and_every_rank():
     def body(g):
         h = mc.all_sum(np.ones(3 + g.rank()), group=g, async_op=True)
