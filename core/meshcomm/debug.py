@@ -8,6 +8,7 @@ is detected too instead of corrupting either.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,17 @@ def check_collective(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _call_hash(op: str, dtype: np.dtype | None, shape: tuple[int, ...], arg: int,
+               reduction: str | None) -> np.ndarray:
+    """[h, -h] for a 32-bit hash h of the call (remembered: a loop repeats the same calls;
+    read-only, as every caller shares it)."""
+    h = zlib.crc32(repr((op, None if dtype is None else dtype.str, shape, arg, reduction)).encode())
+    mine = np.array([h, -h], dtype=np.int64)
+    mine.flags.writeable = False
+    return mine
+
+
 def quick_check(
     b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0,
     *, reduction: str | None = None,
@@ -102,8 +114,7 @@ def quick_check(
     Otherwise every rank sees the same result and runs :func:`check_collective`, which
     names what each rank called.
     """
-    h = zlib.crc32(repr((op, None if dtype is None else dtype.str, shape, arg, reduction)).encode())
-    mine = np.array([h, -h], dtype=np.int64)
+    mine = _call_hash(op, dtype, shape, arg, reduction)
     both = np.empty(2, dtype=np.int64)
     b.all_reduce(mine, both, "max")
     if both[0] == -both[1]:
