@@ -246,7 +246,8 @@ class Group:
         a = as_array(x)
         backend = self._b
         if not self._plain_reduce or self._size == 1 or not a.size or (out is not None and not backend.direct_out):
-            return self._all_reduce(op, x, out, False)
+            # x itself only for out= (whose checks ask "is out x?"): a converts a list once
+            return self._all_reduce(op, a if out is None else x, out, False)
         o = None if out is None else self._out(_ALL_NAMES[op], out, a.shape, a.dtype, x, in_place=True)
         send = _flat(a)
 
