@@ -357,3 +357,55 @@ def test_the_machine_limits_measure_loopback_tcp_one_way_and_both_ways():
     both = limits.tcp_duplex_bw(nbytes=8 << 20, reps=1)
     several = limits.tcp_duplex_bw(nbytes=8 << 20, reps=1, streams=3)
     assert all(0 < rate < float("inf") for rate in (one, both, several))
+
+
+def test_a_tcp_limit_whose_helper_dies_before_connecting_fails_at_once_instead_of_hanging():
+    """The loopback figures wait for a helper process: one that exits before it connects
+    is an error naming its exit status (not an accept() that never returns)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from meshcomm.bench import limits
+
+    with socket.create_server(("127.0.0.1", 0)) as srv, limits._helper("raise SystemExit(7)") as child:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited with 7 before connecting"):
+            limits._accept(srv, child, timeout=30)
+        assert time.monotonic() - t0 < 25, "noticed by the exit, not by the timeout"
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with pytest.raises(RuntimeError, match="did not connect within 0.5 s"):
+                limits._accept(srv, silent, timeout=0.5)
+        finally:
+            silent.kill()
+            silent.wait()
+
+
+def test_a_tcp_limit_whose_helper_goes_silent_or_closes_fails_instead_of_hanging(monkeypatch):
+    """A helper that connects and then never answers: the round-trip receive raises after
+    HELPER_TIMEOUT, both sleeping in recv and polling; one that closes early is an error at once."""
+    import socket
+    import time
+
+    from meshcomm.bench import limits
+
+    monkeypatch.setattr(limits, "HELPER_TIMEOUT", 0.5)
+    silent = "import socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); time.sleep(60)"
+    closing = "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1]))).close()"
+    for spin in (False, True):
+        with socket.create_server(("127.0.0.1", 0)) as srv, limits._helper(silent, srv.getsockname()[1]) as child:
+            conn = limits._accept(srv, child)
+            with conn:
+                if spin:
+                    conn.setblocking(False)
+                t0 = time.monotonic()
+                with pytest.raises((RuntimeError, TimeoutError)):
+                    limits._recv_exact(conn, 8)
+                assert time.monotonic() - t0 < 20
+        assert child.returncode is not None, "the helper is killed on the way out"
+    with socket.create_server(("127.0.0.1", 0)) as srv, limits._helper(closing, srv.getsockname()[1]) as child:
+        with limits._accept(srv, child) as conn, pytest.raises(RuntimeError, match="closed its connection early"):
+            limits._recv_exact(conn, 8)

@@ -23,19 +23,23 @@ and every library copies its result at least once. Run alone::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 __all__ = ["memcpy_bw", "add_bw", "tcp_bw", "tcp_duplex_bw", "tcp_latency", "measure_all"]
 
 _BYTES = 64 << 20
+#: seconds the TCP figures wait for their helper process (to connect, send, reply) before
+#: giving up with an error: a helper that died or stopped must not hang the benchmark
+HELPER_TIMEOUT = 60.0
 
 #: the child's receiving loop (``s``: its socket, ``total``: the bytes to read)
 _RECEIVE = r"""
@@ -95,15 +99,47 @@ def _send(conn: socket.socket, payload: memoryview, nbytes: int) -> None:
         sent += n
 
 
+@contextlib.contextmanager
+def _helper(code: str, *args: object) -> Iterator[subprocess.Popen[bytes]]:
+    """A child Python running ``code`` with ``args``; killed on the way out if still running
+    (after an error here), and always waited for."""
+    child = subprocess.Popen([sys.executable, "-c", code, *map(str, args)])
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
+def _accept(srv: socket.socket, child: subprocess.Popen[bytes], timeout: float | None = None) -> socket.socket:
+    """The next connection of ``child`` to ``srv`` (blocking, with ``timeout`` on every send
+    and receive); raises RuntimeError if the child exits first or does not connect in time."""
+    timeout = HELPER_TIMEOUT if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    srv.settimeout(0.1)
+    while True:
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            if child.poll() is not None:
+                raise RuntimeError(f"the loopback TCP helper exited with {child.returncode} before "
+                                   "connecting; its error is printed above") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the loopback TCP helper did not connect within {timeout:g} s "
+                                   "(is the machine overloaded?)") from None
+            continue
+        conn.settimeout(timeout)
+        return conn
+
+
 def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
     """Loopback TCP throughput between two processes, payload bytes/s (best of ``reps``)."""
     payload = np.ones(_BYTES, dtype=np.uint8).data
     best = 0.0
     for _ in range(reps):
-        with socket.create_server(("127.0.0.1", 0)) as srv:
-            port = srv.getsockname()[1]
-            child = subprocess.Popen([sys.executable, "-c", _SINK, str(port), str(nbytes)])
-            conn, _ = srv.accept()
+        with socket.create_server(("127.0.0.1", 0)) as srv, _helper(_SINK, srv.getsockname()[1], nbytes) as child:
+            conn = _accept(srv, child)
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 t0 = time.perf_counter()
@@ -111,7 +147,7 @@ def tcp_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
                 if conn.recv(1) != b"k":
                     raise RuntimeError("loopback TCP sink did not acknowledge")
                 best = max(best, nbytes / (time.perf_counter() - t0))
-            if child.wait(timeout=60) != 0:
+            if child.wait(timeout=HELPER_TIMEOUT) != 0:
                 raise RuntimeError(f"loopback TCP sink exited with {child.returncode}")
     return best
 
@@ -159,11 +195,12 @@ for s in socks:
 def _duplex_seconds(nbytes: int, streams: int) -> float:
     """Seconds until this process and a child have each sent ``nbytes`` to the other over
     ``streams`` connections at once."""
-    with socket.create_server(("127.0.0.1", 0), backlog=streams) as srv:
-        child = subprocess.Popen([sys.executable, "-c", _DUPLEX, str(srv.getsockname()[1]), str(streams),
-                                  str(nbytes)])
-        conns = [srv.accept()[0] for _ in range(streams)]
+    with socket.create_server(("127.0.0.1", 0), backlog=streams) as srv, \
+            _helper(_DUPLEX, srv.getsockname()[1], streams, nbytes) as child:
+        conns: list[socket.socket] = []
         try:
+            for _ in range(streams):
+                conns.append(_accept(srv, child))
             for conn in conns:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t0 = time.perf_counter()
@@ -173,7 +210,7 @@ def _duplex_seconds(nbytes: int, streams: int) -> float:
             for conn in conns:
                 conn.close()
         want = nbytes // streams * streams
-        if child.wait(timeout=60) != 0 or got < want:
+        if child.wait(timeout=HELPER_TIMEOUT) != 0 or got < want:
             raise RuntimeError(f"loopback TCP duplex peer exited with {child.returncode} after {got} bytes")
     return elapsed
 
@@ -202,30 +239,41 @@ while True:
 
 
 def _recv_exact(conn: socket.socket, n: int) -> None:
-    got = 0
+    """Receive ``n`` bytes; raises if the peer closes, or (polling) stays silent for
+    HELPER_TIMEOUT (a blocking ``conn`` has that timeout itself)."""
+    got = spins = 0
+    deadline = 0.0
     while got < n:
         try:
-            got += len(conn.recv(n - got))
-        except BlockingIOError:  # spinning: poll again at once
+            b = conn.recv(n - got)
+        except BlockingIOError:  # spinning: poll again at once, and look at the clock now and then
+            spins += 1
+            if spins & 0xFFFF == 0:
+                deadline = deadline or time.monotonic() + HELPER_TIMEOUT
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the loopback TCP echo helper sent nothing for {HELPER_TIMEOUT:g} s") from None
             continue
+        if not b:
+            raise RuntimeError("the loopback TCP echo helper closed its connection early")
+        got += len(b)
 
 
 def _rtt_median(rounds: int, spin: bool) -> float:
     """Median 8-byte round trip between this process and an echoing child, seconds; ``spin``
     polls non-blocking sockets on both sides instead of sleeping in the kernel."""
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        child = subprocess.Popen([sys.executable, "-c", _ECHO, str(srv.getsockname()[1]), str(int(spin))])
-        conn, _ = srv.accept()
+    with socket.create_server(("127.0.0.1", 0)) as srv, _helper(_ECHO, srv.getsockname()[1], int(spin)) as child:
+        conn = _accept(srv, child)
         times = np.empty(rounds)
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setblocking(not spin)
+            if spin:
+                conn.setblocking(False)  # (blocking keeps _accept's timeout)
             for i in range(rounds):
                 t0 = time.perf_counter()
                 conn.sendall(b"12345678")
                 _recv_exact(conn, 8)
                 times[i] = time.perf_counter() - t0
-        child.wait(timeout=60)
+        child.wait(timeout=HELPER_TIMEOUT)
     return float(np.median(times))
 
 
