@@ -103,3 +103,100 @@ def test_bad_layouts_and_pieces_are_errors_not_stray_writes():
     with pytest.raises(ValueError, match="used after release"):
         ch.spin(0, 0, False)
     m.close()  # neither the released channel nor the refused ones hold the mapping
+
+
+def _peers_publish(ctrl, data, prev, seq, desc, arrays, me):
+    """Play the other local ranks: their slot of parity prev & 1 holds arrays[i], their
+    descriptor is desc, their sequence number seq."""
+    d = 2 + DESC * (prev & 1)
+    for i, a in enumerate(arrays):
+        if i == me:
+            continue
+        raw = a.view(np.uint8)
+        data[(2 * i + (prev & 1)) * PIECE:][: raw.size] = raw
+        ctrl[i, d : d + DESC] = desc
+        ctrl[i, SEQ] = seq
+
+
+@pytest.mark.parametrize("dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
+                                         (np.int64, 4), (np.uint64, 4)])
+def test_all_sum_publishes_then_sums_every_slot_in_rank_order_as_numpy_does(segment, dtype, kind):
+    """The same bits as NumPy's ((slot 0 + slot 1) + slot 2): floats of very different
+    magnitudes (the order matters) and integers that wrap."""
+    m, ctrl, data = segment
+    rng = np.random.default_rng(kind)
+    count = PIECE // np.dtype(dtype).itemsize
+    if np.issubdtype(dtype, np.floating):
+        arrays = [(rng.standard_normal(count) * 10.0 ** rng.integers(-8, 9, count)).astype(dtype) for _ in range(N)]
+    else:
+        info = np.iinfo(dtype)
+        arrays = [rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True) for _ in range(N)]
+    me, prev, seq, desc = 1, 6, 7, [3, 11, count, 42, 0]
+    _peers_publish(ctrl, data, prev, seq, desc, arrays, me)
+    ch = native.Channel(m, N, me, LINE, PIECE)
+    out = np.empty_like(arrays[me])
+    with np.errstate(over="ignore"):
+        want = (arrays[0] + arrays[1]) + arrays[2]
+    assert ch.all_sum(arrays[me], out, kind, 2, *desc, seq, prev, 0, False) == 0
+    assert out.tobytes() == want.tobytes()
+    assert ctrl[me, SEQ] == seq and list(ctrl[me, 2 : 2 + DESC]) == desc, "published like publish()"
+    # in place (out is the input): the input was copied into the slot first
+    x = arrays[me].copy()
+    _peers_publish(ctrl, data, seq, seq + 1, desc, arrays, me)
+    assert ch.all_sum(x, x, kind, 2 + DESC, *desc, seq + 1, seq, 0, False) == 0
+    assert x.tobytes() == want.tobytes()
+    ch.release()
+
+
+def test_all_sum_leaves_sleepers_lagging_peers_and_mismatches_to_python(segment):
+    """Status 1: a peer sleeps on this piece (wake it, then wait); 2: a peer has not
+    published within the budget; 3: a peer's descriptor differs. Each time the piece is
+    published and ``out`` is not written."""
+    m, ctrl, data = segment
+    ch = native.Channel(m, N, 0, LINE, PIECE)
+    x = np.arange(8, dtype=np.float32)
+    desc = [3, 11, 8, 1, 0]
+    arrays = [x] * N
+
+    def run(prev: int, seq: int) -> tuple[int, np.ndarray]:
+        out = np.full(8, -1.0, np.float32)
+        status = ch.all_sum(x, out, 1, 2 + DESC * (prev & 1), *desc, seq, prev, 0, False)
+        assert ctrl[0, SEQ] == seq
+        return status, out
+
+    _peers_publish(ctrl, data, 4, 5, desc, arrays, 0)
+    ctrl[2, WAIT] = 5
+    status, out = run(4, 5)
+    assert status == 1 and (out == -1).all()
+    ctrl[2, WAIT] = 0
+    _peers_publish(ctrl, data, 5, 6, desc, arrays, 0)
+    ctrl[1, SEQ] = 5  # rank 1 still shows the piece before
+    status, out = run(5, 6)
+    assert status == 2 and (out == -1).all()
+    _peers_publish(ctrl, data, 6, 7, desc, arrays, 0)
+    ctrl[2, 2 + DESC * 0 + 2] = 9  # rank 2 sends 9 elements
+    status, out = run(6, 7)
+    assert status == 3 and (out == -1).all()
+    ch.release()
+
+
+def test_all_sum_refuses_buffers_that_do_not_fit_before_publishing(segment):
+    m, ctrl, _ = segment
+    ch = native.Channel(m, N, 0, LINE, PIECE)
+    x = np.zeros(4, np.float32)
+    args = (2, 0, 0, 4, 1, 0, 1, 0, 0, False)
+    with pytest.raises(ValueError, match="unknown element kind 9"):
+        ch.all_sum(x, x.copy(), 9, *args)
+    with pytest.raises(ValueError, match="16 bytes in, 12 out"):
+        ch.all_sum(x, np.zeros(3, np.float32), 1, *args)
+    with pytest.raises(ValueError, match="8-byte elements"):
+        ch.all_sum(np.zeros(3, np.float32), np.zeros(3, np.float32), 2, *args)
+    with pytest.raises(ValueError, match=f"{PIECE}-byte slots"):
+        big = np.zeros(PIECE // 4 + 1, np.float32)
+        ch.all_sum(big, big.copy(), 1, *args)
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        ro = np.zeros(4, np.float32)
+        ro.flags.writeable = False
+        ch.all_sum(x, ro, 1, *args)
+    assert not ctrl.any(), "nothing was published"
+    ch.release()

@@ -4,7 +4,9 @@
  * errors); a Channel only does the steps that cost microseconds in Python on every call:
  * copy this rank's piece into its slot, publish the call descriptor and the sequence
  * number, find the peers asleep on it, spin until every local rank has published (with
- * the GIL released), and compare the peers' descriptors with this rank's.
+ * the GIL released), and compare the peers' descriptors with this rank's; and for the
+ * commonest small call, a one-piece all_sum of float32/float64/int32/int64, all of that and
+ * the sum in one call (any other case, and every exception to the fast path, is Python's).
  *
  * Layout (shm.py): the segment starts with one control line of LINE int64 words per local
  * rank: word SEQ, word WAIT, then per parity p the descriptor at DESC0 + 5p; the data
@@ -111,6 +113,87 @@ static int int_args(PyObject *const *args, int n, int64_t *v)
     return 0;
 }
 
+/* Copies len bytes of src (or nothing when src is NULL) into this rank's slot of parity
+ * prev & 1, writes the descriptor desc[0..DESC) at word d of this rank's line, then the
+ * sequence number seq, with a full barrier before the caller looks for sleeping peers. */
+static void put(Channel *self, const void *src, Py_ssize_t len, int64_t d, const int64_t *desc, int64_t seq,
+                int64_t prev)
+{
+    if (src != NULL)
+        memcpy(self->data + (2 * self->me + (prev & 1)) * self->piece, src, (size_t)len);
+    int64_t *mine = self->words + self->me * self->line;
+    for (int k = 0; k < DESC; k++)
+        __atomic_store_n(&mine[d + k], desc[k], __ATOMIC_RELAXED);
+    /* the slot and the descriptor before the sequence number; then a full barrier before
+       reading whether a peer sleeps (it sets WAIT, then reads SEQ: one of us sees the other) */
+    __atomic_store_n(&mine[SEQ], seq, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+/* The peers asleep waiting for seq or prev, as a bit mask; -1 when there are more than 62. */
+static long long sleepers(const Channel *self, int64_t seq, int64_t prev)
+{
+    if (self->n > 62)
+        return -1;
+    long long mask = 0;
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        if (i == self->me)
+            continue;
+        int64_t waits = load(&self->words[i * self->line + WAIT]);
+        if (waits && (waits == seq || waits == prev))
+            mask |= 1LL << i;
+    }
+    return mask;
+}
+
+/* Whether every other local rank moved past piece prev within budget ns of spinning; call
+ * with the GIL released when budget > 0. */
+static int spin_until(const Channel *self, int64_t prev, int64_t budget, int yielding)
+{
+    int ready = all_published(self, prev);
+    if (!ready && budget > 0) {
+        int64_t until = now_ns() + budget;
+        for (unsigned k = 1;; k++) {
+            if (yielding)
+                sched_yield();
+            else
+                CPU_RELAX();
+            if ((ready = all_published(self, prev)))
+                break;
+            /* a yield can take a whole time slice when another process wants the core:
+               look at the clock after every one, so the budget holds under load */
+            if ((yielding || (k & 63) == 0) && now_ns() >= until)
+                break;
+        }
+    }
+    if (ready)
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the peers' slots and descriptors after their SEQ */
+    return ready;
+}
+
+/* Whether every other local rank's descriptor at word d is desc[0..DESC). */
+static int same_call(const Channel *self, int64_t d, const int64_t *desc)
+{
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        if (i == self->me)
+            continue;
+        const int64_t *theirs = self->words + i * self->line + d;
+        for (int k = 0; k < DESC; k++)
+            if (load(&theirs[k]) != desc[k])
+                return 0;
+    }
+    return 1;
+}
+
+static int check_word(const Channel *self, const char *what, int64_t d)
+{
+    if (d < 2 || d + DESC > self->line) {
+        PyErr_Format(PyExc_ValueError, "%s: descriptor word %lld is outside the line", what, (long long)d);
+        return -1;
+    }
+    return 0;
+}
+
 /* publish(src, d, op, dtype, total, cseq, arg, seq, prev) -> wake mask
  * Publishes piece seq (prev: the piece before it, whose parity names the slot and the
  * descriptor this piece uses): copies src (a C-contiguous buffer of at most one slot, or
@@ -126,13 +209,9 @@ static PyObject *Channel_publish(Channel *self, PyObject *const *args, Py_ssize_
     if (!alive(self))
         return NULL;
     int64_t v[8];
-    if (int_args(args + 1, 8, v) < 0)
+    if (int_args(args + 1, 8, v) < 0 || check_word(self, "publish", v[0]) < 0)
         return NULL;
-    int64_t d = v[0], seq = v[6], prev = v[7];
-    if (d < 2 || d + DESC > self->line) {
-        PyErr_Format(PyExc_ValueError, "publish: descriptor word %lld is outside the line", (long long)d);
-        return NULL;
-    }
+    int64_t seq = v[6], prev = v[7];
     if (args[0] != Py_None) {
         Py_buffer src;
         if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0)
@@ -142,27 +221,12 @@ static PyObject *Channel_publish(Channel *self, PyObject *const *args, Py_ssize_
             PyErr_Format(PyExc_ValueError, "publish: %zd bytes do not fit a %zd-byte slot", src.len, self->piece);
             return NULL;
         }
-        memcpy(self->data + (2 * self->me + (prev & 1)) * self->piece, src.buf, (size_t)src.len);
+        put(self, src.buf, src.len, v[0], v + 1, seq, prev);
         PyBuffer_Release(&src);
+    } else {
+        put(self, NULL, 0, v[0], v + 1, seq, prev);
     }
-    int64_t *mine = self->words + self->me * self->line;
-    for (int k = 0; k < DESC; k++)
-        __atomic_store_n(&mine[d + k], v[1 + k], __ATOMIC_RELAXED);
-    /* the slot and the descriptor before the sequence number; then a full barrier before
-       reading whether a peer sleeps (it sets WAIT, then reads SEQ: one of us sees the other) */
-    __atomic_store_n(&mine[SEQ], seq, __ATOMIC_RELEASE);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (self->n > 62)
-        return PyLong_FromLong(-1);
-    long long mask = 0;
-    for (Py_ssize_t i = 0; i < self->n; i++) {
-        if (i == self->me)
-            continue;
-        int64_t waits = load(&self->words[i * self->line + WAIT]);
-        if (waits && (waits == seq || waits == prev))
-            mask |= 1LL << i;
-    }
-    return PyLong_FromLongLong(mask);
+    return PyLong_FromLongLong(sleepers(self, seq, prev));
 }
 
 /* spin(prev, budget_ns, yielding) -> bool: whether every other local rank has moved past
@@ -181,25 +245,13 @@ static PyObject *Channel_spin(Channel *self, PyObject *const *args, Py_ssize_t n
     if (PyErr_Occurred() || yielding < 0)
         return NULL;
     int ready = all_published(self, prev);
-    if (!ready && budget > 0) {
+    if (ready)
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    else if (budget > 0) {
         Py_BEGIN_ALLOW_THREADS
-        int64_t until = now_ns() + budget;
-        for (unsigned k = 1;; k++) {
-            if (yielding)
-                sched_yield();
-            else
-                CPU_RELAX();
-            if ((ready = all_published(self, prev)))
-                break;
-            /* a yield can take a whole time slice when another process wants the core:
-               look at the clock after every one, so the budget holds under load */
-            if ((yielding || (k & 63) == 0) && now_ns() >= until)
-                break;
-        }
+        ready = spin_until(self, prev, budget, yielding);
         Py_END_ALLOW_THREADS
     }
-    if (ready)
-        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the peers' slots and descriptors after their SEQ */
     return PyBool_FromLong(ready);
 }
 
@@ -214,21 +266,113 @@ static PyObject *Channel_matches(Channel *self, PyObject *const *args, Py_ssize_
     if (!alive(self))
         return NULL;
     int64_t v[6];
-    if (int_args(args, 6, v) < 0)
+    if (int_args(args, 6, v) < 0 || check_word(self, "matches", v[0]) < 0)
         return NULL;
-    if (v[0] < 2 || v[0] + DESC > self->line) {
-        PyErr_Format(PyExc_ValueError, "matches: descriptor word %lld is outside the line", (long long)v[0]);
+    return PyBool_FromLong(same_call(self, v[0], v + 1));
+}
+
+/* The element-wise sums of the one-piece all-reduce: out = slot 0 + slot 1 (+ slot 2 ...),
+ * in rank order, the expression NumPy evaluates on the slow path (IEEE additions of two
+ * operands give the same bits in any vectorisation; integers wrap, computed unsigned). */
+#define SUM_SLOTS(T)                                                                  \
+    static void sum_##T(const Channel *c, int64_t parity, void *out, Py_ssize_t count) \
+    {                                                                                 \
+        T *o = (T *)out;                                                              \
+        const T *a = (const T *)(c->data + parity * c->piece);                        \
+        const T *b = (const T *)(c->data + (2 + parity) * c->piece);                  \
+        for (Py_ssize_t j = 0; j < count; j++)                                        \
+            o[j] = a[j] + b[j];                                                       \
+        for (Py_ssize_t i = 2; i < c->n; i++) {                                       \
+            const T *s = (const T *)(c->data + (2 * i + parity) * c->piece);          \
+            for (Py_ssize_t j = 0; j < count; j++)                                    \
+                o[j] = o[j] + s[j];                                                   \
+        }                                                                             \
+    }
+SUM_SLOTS(float)
+SUM_SLOTS(double)
+SUM_SLOTS(uint32_t)
+SUM_SLOTS(uint64_t)
+
+typedef void (*summer)(const Channel *, int64_t, void *, Py_ssize_t);
+/* kind -> (element size, sum); kind 0 is unused */
+static const struct { Py_ssize_t item; summer sum; } KINDS[] = {
+    {0, NULL}, {4, sum_float}, {8, sum_double}, {4, sum_uint32_t}, {8, sum_uint64_t},
+};
+enum { NKINDS = sizeof(KINDS) / sizeof(KINDS[0]) };
+/* above this many bytes the sum runs with the GIL released */
+enum { SUM_NOGIL_BYTES = 32 * 1024 };
+
+/* all_sum(src, out, kind, d, op, dtype, total, cseq, arg, seq, prev, budget_ns, yielding) -> status
+ * The one-piece all_sum in one call: publish src as piece seq (as publish does), and unless
+ * a peer sleeps, spin (as spin does), compare the descriptors (as matches does) and write
+ * the sum of every local rank's slot into out. kind: 1 float32, 2 float64, 3 int32/uint32,
+ * 4 int64/uint64 (out and src: that many bytes per element, C-contiguous, the same length).
+ * Status: 0 done (out holds the sum); otherwise the piece is published and the caller goes
+ * on as after publish: 1 peers may sleep (wake them, then wait), 2 the spin ran out (sleep),
+ * 3 a peer's descriptor differs (the mismatch). */
+static PyObject *Channel_all_sum(Channel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "all_sum takes 13 arguments");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < self->n; i++) {
-        if (i == self->me)
-            continue;
-        const int64_t *desc = self->words + i * self->line + v[0];
-        for (int k = 0; k < DESC; k++)
-            if (load(&desc[k]) != v[1 + k])
-                Py_RETURN_FALSE;
+    if (!alive(self))
+        return NULL;
+    int64_t v[11];
+    if (int_args(args + 2, 11, v) < 0 || check_word(self, "all_sum", v[1]) < 0)
+        return NULL;
+    int yielding = PyObject_IsTrue(args[12]);
+    if (yielding < 0)
+        return NULL;
+    int64_t kind = v[0], d = v[1], seq = v[7], prev = v[8], budget = v[9];
+    if (kind < 1 || kind >= NKINDS) {
+        PyErr_Format(PyExc_ValueError, "all_sum: unknown element kind %lld", (long long)kind);
+        return NULL;
     }
-    Py_RETURN_TRUE;
+    Py_buffer src, out;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (src.len > self->piece || out.len != src.len || src.len % KINDS[kind].item) {
+        PyErr_Format(PyExc_ValueError, "all_sum: %zd bytes in, %zd out, %zd-byte elements, %zd-byte slots",
+                     src.len, out.len, KINDS[kind].item, self->piece);
+        goto done;
+    }
+    put(self, src.buf, src.len, d, v + 2, seq, prev);
+    int status = sleepers(self, seq, prev) != 0 ? 1 : 0;
+    if (status == 0) {
+        int ready = all_published(self, prev);
+        if (ready)
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        else if (budget > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            ready = spin_until(self, prev, budget, yielding);
+            Py_END_ALLOW_THREADS
+        }
+        if (!ready)
+            status = 2;
+        else if (!same_call(self, d, v + 2))
+            status = 3;
+    }
+    if (status == 0) {
+        Py_ssize_t count = src.len / KINDS[kind].item;
+        if (src.len > SUM_NOGIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            KINDS[kind].sum(self, prev & 1, out.buf, count);
+            Py_END_ALLOW_THREADS
+        } else {
+            KINDS[kind].sum(self, prev & 1, out.buf, count);
+        }
+    }
+    result = PyLong_FromLong(status);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&src);
+    return result;
 }
 
 static PyObject *Channel_release(Channel *self, PyObject *Py_UNUSED(ignored))
@@ -247,6 +391,9 @@ static PyMethodDef Channel_methods[] = {
      "spin(prev, budget_ns, yielding) -> whether every other local rank published past prev"},
     {"matches", (PyCFunction)(void (*)(void))Channel_matches, METH_FASTCALL,
      "matches(d, op, dtype, total, cseq, arg) -> whether every other local rank's descriptor is this one"},
+    {"all_sum", (PyCFunction)(void (*)(void))Channel_all_sum, METH_FASTCALL,
+     "all_sum(src, out, kind, d, op, dtype, total, cseq, arg, seq, prev, budget_ns, yielding) -> "
+     "0 done, 1 wake the sleepers, 2 sleep, 3 mismatch"},
     {"release", (PyCFunction)Channel_release, METH_NOARGS,
      "release() -> None: let the segment go (the channel is unusable after)"},
     {NULL, NULL, 0, NULL},

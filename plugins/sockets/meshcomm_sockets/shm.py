@@ -267,6 +267,8 @@ class ShmGroup:
         self.fifo = -1
         #: the compiled hot loop (meshcomm-sockets-native), when attached (:meth:`attach_native`)
         self.native: Any = None
+        #: dtype -> element kind the C channel sums in the one-piece all_sum (empty: NumPy sums)
+        self.native_sums: dict[np.dtype, int] = {}
         #: (parity, dtype) -> each local rank's whole slot of that parity viewed as dtype
         self._slots: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         #: (parity, dtype, count) -> those slots cut to count elements (the one-piece all-reduce)
@@ -325,6 +327,7 @@ class ShmGroup:
         except ImportError:
             return False
         self.native = Channel(self.map, self.n, self.me, _LINE, self.piece)
+        self.native_sums = dict(_NATIVE_SUMS)
         return True
 
     def connect_fifos(self) -> None:
@@ -620,10 +623,14 @@ class ShmGroup:
                 return
             # the latency path: one wait, every rank combines every slot
             key = (self.seq & 1, dt, sendbuf.size)
+            done = self._native_sum(call, sendbuf, recvbuf) if op == "sum" else None
+            if done:
+                return
             views = self._small.get(key)
             if views is None:
                 views = self._small_views(key)
-            self._step(call, sendbuf, None)
+            if done is None:  # nothing published yet
+                self._step(call, sendbuf, None)
             f(views[0], views[1], out=recvbuf)
             for v in views[2:]:
                 f(recvbuf, v, out=recvbuf)
@@ -638,6 +645,39 @@ class ShmGroup:
             return
         self._run(call, sendbuf, sendbuf.size, True,
                   lambda k, lo, hi: self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi]))
+
+    def _native_sum(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool | None:
+        """The one-piece all_sum of a dtype the compiled channel sums (:attr:`native_sums`) in
+        one C call: publish, spin, compare, sum. True when done; None when it does not apply
+        (nothing published); False when it published and waited but left the sum to the
+        caller (there were peers to wake, or a sleep: the Python steps handle those; a
+        mismatch raises)."""
+        nat = self.native
+        kind = self.native_sums.get(sendbuf.dtype) if nat is not None else None
+        if kind is None:
+            return None
+        fab = self.fabric
+        fab.check()
+        prev = self.seq
+        seq = prev % SEQ_WRAP + 1
+        d = _DESC_AT[prev & 1]
+        status = nat.all_sum(sendbuf, recvbuf, kind, d, call.op, call.dtype, call.total, call.seq, call.arg,
+                             seq, prev, fab.spin_ns, fab.yielding)
+        self.prev, self.seq = prev, seq
+        if status == 0:
+            return True
+        try:
+            if status == 1:
+                self._wake_sleepers(call)
+                self._wait(call)
+            else:
+                if status == 2:
+                    self._sleep(call)
+                self._check(call)  # raises a mismatch
+        except DistributedError as exc:
+            fab.fail(exc)
+            raise
+        return False
 
     def _split_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc) -> None:
         """One piece in two waits: every rank copies its input into its slot; each combines
@@ -838,6 +878,11 @@ class ShmGroup:
         self._announce(sendbuf, recvbuf)
         self._step(call, None, gather)
         self._step(call, None, None)  # nobody still reads this rank's arrays
+
+
+#: dtype -> the element kind the compiled channel sums (``Channel.all_sum``)
+_NATIVE_SUMS = {np.dtype(t): k for t, k in ((np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
+                                             (np.int64, 4), (np.uint64, 4))}
 
 
 def _apart(sendbuf: np.ndarray, recvbuf: np.ndarray) -> np.ndarray:
