@@ -82,14 +82,22 @@ class ProgressWriter:
         self._slots: dict[str, int] = {}
         #: (op, group) -> their encoded names and the group's slot (nothing encoded per operation)
         self._known: dict[tuple[str, str], tuple[bytes, bytes, int]] = {}
+        #: the last operation and group begun (compared by identity) and their entry of _known
+        self._op: str | None = None
+        self._group: str | None = None
+        self._cur: tuple[bytes, bytes, int] = (b"", b"", 0)
         _HEAD.pack_into(self._mm, 0, MAGIC, rank, os.getpid(), IDLE, 0.0, b"", b"", 0, -1)
 
     def begin(self, op: str, group: str, seq: int, peer: int, now: float) -> None:
         """This rank entered ``op`` (collective number ``seq`` of ``group``, or a send/recv with ``peer``)."""
-        known = self._known.get((op, group))
-        if known is None:
-            known = self._learn(op, group)
-        op_b, group_b, slot = known
+        if op is self._op and group is self._group:  # the same operation again: the commonest case
+            op_b, group_b, slot = self._cur
+        else:
+            known = self._known.get((op, group))
+            if known is None:
+                known = self._learn(op, group)
+            op_b, group_b, slot = self._cur = known
+            self._op, self._group = op, group
         _NOW.pack_into(self._mm, _STATE_AT, RUNNING, now, op_b, group_b, seq, peer)
         if peer < 0 and slot:
             _SEQ.pack_into(self._mm, slot + 64, seq)

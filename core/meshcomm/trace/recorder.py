@@ -50,6 +50,8 @@ __all__ = ["Recorder", "Payload", "active", "start", "dump", "stop", "RANK_FILE_
 
 T = TypeVar("T")
 
+_now = time.time  # looked up once: this runs around every operation
+
 #: the ``format`` field of a rank file
 RANK_FILE_FORMAT = "meshcomm-trace-rank/1"
 #: the recorder the core runs every operation through, or None (tracing and inspector off)
@@ -115,45 +117,55 @@ class Recorder:
         #: id(group) -> (weak reference to it, its state); the reference tells a reused id apart
         self._groups: dict[int, tuple[weakref.ref[Group], _GroupState]] = {}
         self._names: dict[str, _GroupState] = {}
-        self._add(world, "world")
+        #: the entry of the group of the last operation (most calls go to the same group)
+        self._last = self._add_entry(world, "world")
+
+    def _add_entry(self, group: Group, name: str) -> tuple[weakref.ref[Group], _GroupState]:
+        st = self._names[name] = _GroupState(name, group.rank(), group.size())
+        entry = self._groups[id(group)] = (weakref.ref(group), st)
+        return entry
 
     def _add(self, group: Group, name: str) -> _GroupState:
-        st = self._names[name] = _GroupState(name, group.rank(), group.size())
-        self._groups[id(group)] = (weakref.ref(group), st)
-        return st
+        return self._add_entry(group, name)[1]
 
-    def _state(self, group: Group) -> _GroupState:
+    def _entry(self, group: Group) -> tuple[weakref.ref[Group], _GroupState]:
         entry = self._groups.get(id(group))
         if entry is not None and entry[0]() is group:
-            return entry[1]
+            return entry
         # a group this recorder did not see being made (another world)
-        return self._add(group, f"{group.backend}:{group._label}")
+        return self._add_entry(group, f"{group.backend}:{group._label}")
+
+    def _state(self, group: Group) -> _GroupState:
+        return self._entry(group)[1]
 
     def call(self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1) -> T:
         """Run ``run()`` (operation ``op`` on ``group``) and record it; ``payload`` is what this
         rank passes, ``arg`` the peer of ``send``/``recv`` or the color of ``split``."""
-        st = self._state(group)
+        entry = self._last
+        if entry[0]() is not group:
+            entry = self._last = self._entry(group)
+        st = entry[1]
         if op == "send" or op == "recv":
             peer = arg
             pair = (st.rank, peer) if op == "send" else (peer, st.rank)
             seq = st.pairs[pair] = st.pairs.get(pair, 0) + 1
         else:
             peer = -1
-            st.seq += 1
-            seq = st.seq
-        t0 = time.time()
+            st.seq = seq = st.seq + 1
+        t0 = _now()
         self.current = (st.name, st.rank, self.world_rank, st.size, seq, op, peer, t0)
-        if self.progress is not None:
-            self.progress.begin(op, st.name, seq, peer, t0)
+        progress = self.progress
+        if progress is not None:
+            progress.begin(op, st.name, seq, peer, t0)
         ok = False
         try:
             result = run()
             ok = True
         finally:
-            t1 = time.time()
+            t1 = _now()
             self.current = None
-            if self.progress is not None:
-                self.progress.end(ok, t1)
+            if progress is not None:
+                progress.end(ok, t1)
             if self.ring is not None:
                 nbytes, dtype = _bytes_and_dtype(payload)
                 self.ring.append((st.name, seq, op, peer, nbytes, dtype, t0, t1, ok))
