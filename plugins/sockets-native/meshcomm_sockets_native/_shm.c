@@ -171,6 +171,22 @@ static int spin_until(const Channel *self, int64_t prev, int64_t budget, int yie
     return ready;
 }
 
+/* spin_until, called with the GIL held: released only when the peers are not there yet. */
+static int wait_past(const Channel *self, int64_t prev, int64_t budget, int yielding)
+{
+    if (all_published(self, prev)) {
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        return 1;
+    }
+    if (budget <= 0)
+        return 0;
+    int ready;
+    Py_BEGIN_ALLOW_THREADS
+    ready = spin_until(self, prev, budget, yielding);
+    Py_END_ALLOW_THREADS
+    return ready;
+}
+
 /* Whether every other local rank's descriptor at word d is desc[0..DESC). */
 static int same_call(const Channel *self, int64_t d, const int64_t *desc)
 {
@@ -244,15 +260,7 @@ static PyObject *Channel_spin(Channel *self, PyObject *const *args, Py_ssize_t n
     int yielding = PyObject_IsTrue(args[2]);
     if (PyErr_Occurred() || yielding < 0)
         return NULL;
-    int ready = all_published(self, prev);
-    if (ready)
-        __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    else if (budget > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        ready = spin_until(self, prev, budget, yielding);
-        Py_END_ALLOW_THREADS
-    }
-    return PyBool_FromLong(ready);
+    return PyBool_FromLong(wait_past(self, prev, budget, yielding));
 }
 
 /* matches(d, op, dtype, total, cseq, arg) -> bool: every other local rank's descriptor at
@@ -345,15 +353,7 @@ static PyObject *Channel_all_sum(Channel *self, PyObject *const *args, Py_ssize_
     put(self, src.buf, src.len, d, v + 2, seq, prev);
     int status = sleepers(self, seq, prev) != 0 ? 1 : 0;
     if (status == 0) {
-        int ready = all_published(self, prev);
-        if (ready)
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-        else if (budget > 0) {
-            Py_BEGIN_ALLOW_THREADS
-            ready = spin_until(self, prev, budget, yielding);
-            Py_END_ALLOW_THREADS
-        }
-        if (!ready)
+        if (!wait_past(self, prev, budget, yielding))
             status = 2;
         else if (!same_call(self, d, v + 2))
             status = 3;
