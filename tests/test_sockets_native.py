@@ -174,7 +174,7 @@ def test_all_sum_leaves_sleepers_lagging_peers_and_mismatches_to_python(segment)
     status, out = run(5, 6)
     assert status == 2 and (out == -1).all()
     _peers_publish(ctrl, data, 6, 7, desc, arrays, 0)
-    ctrl[2, 2 + DESC * 0 + 2] = 9  # rank 2 sends 9 elements
+    ctrl[2, 2 + 2] = 9  # rank 2's descriptor (word 2: prev 6 is even) says 9 elements
     status, out = run(6, 7)
     assert status == 3 and (out == -1).all()
     ch.release()

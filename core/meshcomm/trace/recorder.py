@@ -118,25 +118,19 @@ class Recorder:
         self._groups: dict[int, tuple[weakref.ref[Group], _GroupState]] = {}
         self._names: dict[str, _GroupState] = {}
         #: the entry of the group of the last operation (most calls go to the same group)
-        self._last = self._add_entry(world, "world")
+        self._last = self._add(world, "world")
 
-    def _add_entry(self, group: Group, name: str) -> tuple[weakref.ref[Group], _GroupState]:
+    def _add(self, group: Group, name: str) -> tuple[weakref.ref[Group], _GroupState]:
         st = self._names[name] = _GroupState(name, group.rank(), group.size())
         entry = self._groups[id(group)] = (weakref.ref(group), st)
         return entry
-
-    def _add(self, group: Group, name: str) -> _GroupState:
-        return self._add_entry(group, name)[1]
 
     def _entry(self, group: Group) -> tuple[weakref.ref[Group], _GroupState]:
         entry = self._groups.get(id(group))
         if entry is not None and entry[0]() is group:
             return entry
         # a group this recorder did not see being made (another world)
-        return self._add_entry(group, f"{group.backend}:{group._label}")
-
-    def _state(self, group: Group) -> _GroupState:
-        return self._entry(group)[1]
+        return self._add(group, f"{group.backend}:{group._label}")
 
     def call(self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1) -> T:
         """Run ``run()`` (operation ``op`` on ``group``) and record it; ``payload`` is what this

@@ -622,10 +622,11 @@ class ShmGroup:
                 self._split_all_reduce(call, sendbuf, recvbuf, f)
                 return
             # the latency path: one wait, every rank combines every slot
-            key = (self.seq & 1, dt, sendbuf.size)
+            parity = self.seq & 1  # of the piece this call publishes
             done = self._native_sum(call, sendbuf, recvbuf) if op == "sum" else None
             if done:
                 return
+            key = (parity, dt, sendbuf.size)
             views = self._small.get(key)
             if views is None:
                 views = self._small_views(key)
