@@ -1,11 +1,16 @@
 """meshcomm-sockets-native's Channel against the layout meshcomm_sockets.shm reads and
 writes in Python: the words it publishes, the sleepers it reports, how its spin ends, what
 it compares, and the errors for a layout or a piece that does not fit (no processes: one
-anonymous mapping plays the segment of three local ranks)."""
+anonymous mapping plays the segment of three local ranks; this process plays the peers
+whose memory the direct path reads)."""
 
 from __future__ import annotations
 
+import errno
 import mmap
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -199,4 +204,74 @@ def test_all_sum_refuses_buffers_that_do_not_fit_before_publishing(segment):
         ro.flags.writeable = False
         ch.all_sum(x, ro, 1, *args)
     assert not ctrl.any(), "nothing was published"
+    ch.release()
+
+
+def _spread(dtype, count: int, seed: int) -> np.ndarray:
+    """Floats of very different magnitudes (the order of additions matters) or wrapping integers."""
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(dtype, np.floating):
+        return (rng.standard_normal(count) * 10.0 ** rng.integers(-8, 9, count)).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+
+
+def _where(arrays, me: int, pid: int) -> np.ndarray:
+    """The (pid, address) pairs of the direct path; this process plays every peer."""
+    return np.array([(pid if i != me else 0, a.ctypes.data if i != me else 0) for i, a in enumerate(arrays)],
+                    np.int64)
+
+
+@pytest.mark.parametrize("dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
+                                         (np.int64, 4), (np.uint64, 4)])
+@pytest.mark.parametrize("me", [0, 1, 2])
+def test_read_sum_reads_every_peer_and_sums_in_rank_order_as_numpy_does(segment, dtype, kind, me):
+    """The direct path's block sum: NumPy's ((rank 0 + rank 1) + rank 2), every peer's part
+    read with process_vm_readv (this process plays the peers), in chunks that do not
+    divide the block; in place too, where rank 2's own chunk must be kept before the first
+    addition overwrites it."""
+    import os
+
+    m, _, _ = segment
+    ch = native.Channel(m, N, me, LINE, PIECE)
+    count = 1000  # with 3 * 4- or 8-byte chunks below: chunks of 12 or 24 bytes and a short last one
+    arrays = [_spread(dtype, count, 10 * kind + i) for i in range(N)]
+    with np.errstate(over="ignore"):
+        want = (arrays[0] + arrays[1]) + arrays[2]
+    where = _where(arrays, me, os.getpid())
+    for chunk in (3 * np.dtype(dtype).itemsize, 1 << 20):
+        out = np.empty_like(arrays[me])
+        assert ch.read_sum(out, arrays[me], kind, where, chunk) is None
+        assert out.tobytes() == want.tobytes()
+        mine = arrays[me].copy()
+        assert ch.read_sum(mine, mine, kind, where, chunk) is None  # in place
+        assert mine.tobytes() == want.tobytes()
+    ch.release()
+
+
+def test_read_sum_names_the_peer_it_could_not_read_and_refuses_bad_buffers(segment):
+    m, _, _ = segment
+    ch = native.Channel(m, N, 0, LINE, PIECE)
+    arrays = [np.ones(64, np.float32) for _ in range(N)]
+    where = _where(arrays, 0, os.getpid())
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = where.copy()
+    dead[2, 0] = int(gone.stdout)  # a process that has exited (its pid not reused this soon)
+    out = np.full(64, -1.0, np.float32)
+    assert ch.read_sum(out, arrays[0], 1, dead, 1024) == (2, errno.ESRCH)
+    bad = where.copy()
+    bad[1, 1] = 8  # an address nothing is mapped at
+    assert ch.read_sum(out, arrays[0], 1, bad, 1024) == (1, errno.EFAULT)
+    with pytest.raises(ValueError, match="unknown element kind 7"):
+        ch.read_sum(out, arrays[0], 7, where, 1024)
+    with pytest.raises(ValueError, match="chunk of 2 bytes"):
+        ch.read_sum(out, arrays[0], 1, where, 2)
+    with pytest.raises(ValueError, match="256 bytes out, 252 own"):
+        ch.read_sum(out, arrays[0][1:], 1, where, 1024)
+    with pytest.raises(ValueError, match="for 3 ranks"):
+        ch.read_sum(out, arrays[0], 1, where[:2], 1024)
+    with pytest.raises(ValueError, match="overlapping"):
+        big = np.zeros(65, np.float32)
+        ch.read_sum(big[1:], big[:64], 1, where, 1024)
     ch.release()

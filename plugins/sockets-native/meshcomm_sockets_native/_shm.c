@@ -19,6 +19,8 @@
 #include <string.h>
 #include <time.h>
 #include <sched.h>
+#include <errno.h>
+#include <sys/uio.h>
 /* No PAUSE instruction in the spin: under KVM a vCPU that keeps executing PAUSE may be
  * taken for a lock waiter whose holder was preempted (pause-loop exiting) and descheduled,
  * the opposite of what a spin that waits for another rank wants (not measured separately:
@@ -279,34 +281,37 @@ static PyObject *Channel_matches(Channel *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(same_call(self, v[0], v + 1));
 }
 
-/* The element-wise sums of the one-piece all-reduce: out = slot 0 + slot 1 (+ slot 2 ...),
- * in rank order, the expression NumPy evaluates on the slow path (IEEE additions of two
- * operands give the same bits in any vectorisation; integers wrap, computed unsigned). */
-#define SUM_SLOTS(T)                                                                  \
-    static void sum_##T(const Channel *c, int64_t parity, void *out, Py_ssize_t count) \
+/* out = a + b element-wise (out may be a or b): every sum here is a chain of these in rank
+ * order, the expression NumPy evaluates on the slow path (IEEE additions of two operands
+ * give the same bits in any vectorisation; integers wrap, computed unsigned). */
+typedef void (*adder)(void *, const void *, const void *, Py_ssize_t);
+#define ADD(T)                                                                        \
+    static void add_##T(void *out, const void *a, const void *b, Py_ssize_t count)    \
     {                                                                                 \
         T *o = (T *)out;                                                              \
-        const T *a = (const T *)(c->data + parity * c->piece);                        \
-        const T *b = (const T *)(c->data + (2 + parity) * c->piece);                  \
+        const T *x = (const T *)a, *y = (const T *)b;                                 \
         for (Py_ssize_t j = 0; j < count; j++)                                        \
-            o[j] = a[j] + b[j];                                                       \
-        for (Py_ssize_t i = 2; i < c->n; i++) {                                       \
-            const T *s = (const T *)(c->data + (2 * i + parity) * c->piece);          \
-            for (Py_ssize_t j = 0; j < count; j++)                                    \
-                o[j] = o[j] + s[j];                                                   \
-        }                                                                             \
+            o[j] = x[j] + y[j];                                                       \
     }
-SUM_SLOTS(float)
-SUM_SLOTS(double)
-SUM_SLOTS(uint32_t)
-SUM_SLOTS(uint64_t)
+ADD(float)
+ADD(double)
+ADD(uint32_t)
+ADD(uint64_t)
 
-typedef void (*summer)(const Channel *, int64_t, void *, Py_ssize_t);
-/* kind -> (element size, sum); kind 0 is unused */
-static const struct { Py_ssize_t item; summer sum; } KINDS[] = {
-    {0, NULL}, {4, sum_float}, {8, sum_double}, {4, sum_uint32_t}, {8, sum_uint64_t},
+/* kind -> (element size, add); kind 0 is unused */
+static const struct { Py_ssize_t item; adder add; } KINDS[] = {
+    {0, NULL}, {4, add_float}, {8, add_double}, {4, add_uint32_t}, {8, add_uint64_t},
 };
 enum { NKINDS = sizeof(KINDS) / sizeof(KINDS[0]) };
+
+/* The one-piece all-reduce's sum: out = slot 0 + slot 1 (+ slot 2 ...) of piece parity. */
+static void sum_slots(const Channel *c, int64_t parity, void *out, Py_ssize_t count, adder add)
+{
+    add(out, c->data + parity * c->piece, c->data + (2 + parity) * c->piece, count);
+    for (Py_ssize_t i = 2; i < c->n; i++)
+        add(out, out, c->data + (2 * i + parity) * c->piece, count);
+}
+
 /* above this many bytes the sum runs with the GIL released */
 enum { SUM_NOGIL_BYTES = 32 * 1024 };
 
@@ -362,16 +367,132 @@ static PyObject *Channel_all_sum(Channel *self, PyObject *const *args, Py_ssize_
         Py_ssize_t count = src.len / KINDS[kind].item;
         if (src.len > SUM_NOGIL_BYTES) {
             Py_BEGIN_ALLOW_THREADS
-            KINDS[kind].sum(self, prev & 1, out.buf, count);
+            sum_slots(self, prev & 1, out.buf, count, KINDS[kind].add);
             Py_END_ALLOW_THREADS
         } else {
-            KINDS[kind].sum(self, prev & 1, out.buf, count);
+            sum_slots(self, prev & 1, out.buf, count, KINDS[kind].add);
         }
     }
     result = PyLong_FromLong(status);
 done:
     PyBuffer_Release(&out);
     PyBuffer_Release(&src);
+    return result;
+}
+
+/* len bytes at address in process pid into `into`; 0, or the errno of the refusal
+ * (EFAULT for a read that stops short). */
+static int read_peer(int64_t pid, char *into, int64_t address, Py_ssize_t len)
+{
+    while (len > 0) {
+        struct iovec mine = {into, (size_t)len}, theirs = {(void *)(intptr_t)address, (size_t)len};
+        ssize_t got = process_vm_readv((pid_t)pid, &mine, 1, &theirs, 1, 0);
+        if (got <= 0)
+            return got < 0 ? errno : EFAULT;
+        into += got;
+        address += got;
+        len -= got;
+    }
+    return 0;
+}
+
+/* read_sum(out, own, kind, where, chunk) -> None, or (local rank, errno) of a failed read
+ * The direct path's block sum: out = every local rank's block combined in rank order
+ * (as sum_slots does), this rank's from own, every other rank's read from its memory
+ * (where: int64 pairs (pid, address of its block), one per local rank, this rank's
+ * ignored) chunk bytes at a time into buffers that stay in cache, with the GIL released.
+ * out may be own (in place); they must not overlap otherwise. */
+static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "read_sum takes 5 arguments");
+        return NULL;
+    }
+    int64_t v[2];
+    if (int_args(args + 2, 1, v) < 0 || int_args(args + 4, 1, v + 1) < 0)
+        return NULL;
+    int64_t kind = v[0], chunk = v[1];
+    if (kind < 1 || kind >= NKINDS) {
+        PyErr_Format(PyExc_ValueError, "read_sum: unknown element kind %lld", (long long)kind);
+        return NULL;
+    }
+    Py_ssize_t item = KINDS[kind].item;
+    chunk -= chunk % item;
+    if (chunk <= 0 || chunk > (64 << 20)) {
+        PyErr_Format(PyExc_ValueError, "read_sum: chunk of %lld bytes", (long long)v[1]);
+        return NULL;
+    }
+    Py_buffer out, own, where;
+    if (PyObject_GetBuffer(args[0], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &own, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[3], &where, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&own);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    char *tmp = NULL;
+    const char *o0 = out.buf, *s0 = own.buf;
+    int alias = o0 == s0;
+    if (out.len != own.len || out.len % item || where.len != (Py_ssize_t)(2 * self->n * sizeof(int64_t)) ||
+        (!alias && o0 < s0 + own.len && s0 < o0 + out.len)) {
+        PyErr_Format(PyExc_ValueError, "read_sum: %zd bytes out, %zd own, %zd-byte elements, %zd bytes of "
+                     "(pid, address) for %zd ranks, %s", out.len, own.len, item, where.len, self->n,
+                     alias ? "in place" : "apart or overlapping");
+        goto done;
+    }
+    tmp = PyMem_RawMalloc(3 * chunk);
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *w = where.buf;
+    adder add = KINDS[kind].add;
+    Py_ssize_t n = self->n, me = self->me, failed = -1;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t off = 0; off < out.len && failed < 0; off += chunk) {
+        Py_ssize_t m = out.len - off < chunk ? out.len - off : chunk;
+        char *o = (char *)out.buf + off;
+        const char *mine = (const char *)own.buf + off;
+        if (alias && me >= 2) { /* the first add overwrites my chunk before I combine it */
+            memcpy(tmp + 2 * chunk, mine, m);
+            mine = tmp + 2 * chunk;
+        }
+        const char *part[2];
+        for (Py_ssize_t i = 0; i < 2 && failed < 0; i++) {
+            part[i] = mine;
+            if (i != me && (err = read_peer(w[2 * i], tmp + i * chunk, w[2 * i + 1] + off, m)) != 0)
+                failed = i;
+            else if (i != me)
+                part[i] = tmp + i * chunk;
+        }
+        if (failed >= 0)
+            break;
+        add(o, part[0], part[1], m / item);
+        for (Py_ssize_t i = 2; i < n; i++) {
+            const char *p = mine;
+            if (i != me) {
+                if ((err = read_peer(w[2 * i], tmp, w[2 * i + 1] + off, m)) != 0) {
+                    failed = i;
+                    break;
+                }
+                p = tmp;
+            }
+            add(o, o, p, m / item);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = failed < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(ni)", failed, err);
+done:
+    PyMem_RawFree(tmp);
+    PyBuffer_Release(&where);
+    PyBuffer_Release(&own);
+    PyBuffer_Release(&out);
     return result;
 }
 
@@ -394,6 +515,8 @@ static PyMethodDef Channel_methods[] = {
     {"all_sum", (PyCFunction)(void (*)(void))Channel_all_sum, METH_FASTCALL,
      "all_sum(src, out, kind, d, op, dtype, total, cseq, arg, seq, prev, budget_ns, yielding) -> "
      "0 done, 1 wake the sleepers, 2 sleep, 3 mismatch"},
+    {"read_sum", (PyCFunction)(void (*)(void))Channel_read_sum, METH_FASTCALL,
+     "read_sum(out, own, kind, where, chunk) -> None, or (local rank, errno) of the read that failed"},
     {"release", (PyCFunction)Channel_release, METH_NOARGS,
      "release() -> None: let the segment go (the channel is unusable after)"},
     {NULL, NULL, 0, NULL},

@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from meshcomm.plugin import (
@@ -90,7 +90,8 @@ SPLIT_MIN_BYTES = 128 * 1024
 #: ... and below this size they stay on the split slots, piece by piece, even when direct
 #: reads are possible (measured faster on 3 and 4 ranks sharing 2 cores up to 8-16 MiB)
 SPLIT_MAX_BYTES = 16 << 20
-#: elements a rank reduces per direct read (a peer's chunk is read into a buffer this size)
+#: bytes a rank reduces per direct read (a peer's chunk is read into a buffer this size; in
+#: C, 64 KiB-256 KiB measured the same at 1 MiB and 256 KiB best from 4 MiB up)
 _DIRECT_CHUNK_BYTES = 256 * 1024
 #: piece numbers run 1..SEQ_WRAP (even, so parity alternates across the wrap)
 SEQ_WRAP = 1 << 32
@@ -817,17 +818,21 @@ class ShmGroup:
         try:
             cma.read(int(self.ctrl[i, _PID]), address, into)
         except cma.CmaError as exc:
-            peer = self.local[i]
-            # it may have failed because of someone else and said so (ABORT): that wins
-            mine = self.fabric.pending_abort() or self.fabric.stalled_error(f"found local rank {peer} gone")
-            if mine is not None:
-                raise mine from None
-            if exc.errno == errno.ESRCH:
-                raise PeerLostError(f"rank {self.fabric.rank}: rank {peer} (same host) died during "
-                                    f"{call.describe()} in group {call.label}; check its output.", peer=peer) from None
-            raise DistributedError(f"rank {self.fabric.rank}: cannot read rank {peer}'s array (same host) during "
-                                   f"{call.describe()} in group {call.label}: {exc.strerror}. Set "
-                                   "MESHCOMM_SOCKETS_DIRECT=0 to copy through shared memory instead.") from None
+            self._read_failed(call, i, exc.errno or 0, str(exc.strerror))
+
+    def _read_failed(self, call: Call, i: int, err: int, reason: str) -> NoReturn:
+        """Raise for a direct read from local rank ``i`` that the kernel refused (``err``)."""
+        peer = self.local[i]
+        # it may have failed because of someone else and said so (ABORT): that wins
+        mine = self.fabric.pending_abort() or self.fabric.stalled_error(f"found local rank {peer} gone")
+        if mine is not None:
+            raise mine from None
+        if err == errno.ESRCH:
+            raise PeerLostError(f"rank {self.fabric.rank}: rank {peer} (same host) died during "
+                                f"{call.describe()} in group {call.label}; check its output.", peer=peer) from None
+        raise DistributedError(f"rank {self.fabric.rank}: cannot read rank {peer}'s array (same host) during "
+                               f"{call.describe()} in group {call.label}: {reason}. Set "
+                               "MESHCOMM_SOCKETS_DIRECT=0 to copy through shared memory instead.") from None
 
     def _reduce_block(self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray,
                       f: np.ufunc) -> None:
@@ -836,6 +841,14 @@ class ShmGroup:
         path or rank computes them), a chunk at a time read straight from each peer.
         ``out`` may be this rank's own ``sendbuf[first:last]`` (in place), nothing else of it."""
         item = sendbuf.itemsize
+        kind = self.native_sums.get(sendbuf.dtype) if self.native is not None and f is np.add else None
+        if kind is not None:  # one C call: chunks small enough to add from cache
+            ctrl = self.ctrl
+            where = np.stack((ctrl[:, _PID], ctrl[:, _ADDR + 2 * (self.prev & 1)] + first * item), axis=1)
+            failed = self.native.read_sum(out, sendbuf[first:last], kind, where, _DIRECT_CHUNK_BYTES)
+            if failed is not None:
+                self._read_failed(call, failed[0], failed[1], os.strerror(failed[1]))
+            return
         per = max(1, _DIRECT_CHUNK_BYTES // item)
         alias = np.may_share_memory(sendbuf[first:last], out)
         # two peers' chunks at once (the first step combines ranks 0 and 1), and in place a
