@@ -82,3 +82,37 @@ def test_two_threads_per_rank_never_return_wrong_sums():
     assert not any(t.is_alive() for t in threads)
     assert not wrong, f"wrong sums returned: {wrong[:3]}"
     assert errors, "the threads never overlapped: the test did not test anything"
+
+
+def test_the_guard_discards_exactly_the_operations_in_flight_when_another_thread_intruded():
+    """The guard's bookkeeping alone (no ranks): tickets issued before an intrusion and
+    still in flight raise when they end well; one issued after it, or one that failed
+    anyway, does not; once idle, any thread may enter."""
+    from meshcomm.guard import WorldGuard
+
+    guard = WorldGuard()
+    first = guard.enter("all_sum", "rank 0")
+    second = guard.enter("broadcast", "rank 0")  # the same thread may queue more (async_op)
+    refused = {}
+
+    def intrude():
+        try:
+            guard.enter("barrier", "rank 0")
+        except mc.DistributedError as exc:
+            refused["error"] = str(exc)
+
+    t = threading.Thread(target=intrude, name="intruder")
+    t.start()
+    t.join()
+    assert "from thread 'intruder' while thread 'MainThread' is inside all_sum" in refused["error"]
+    third = guard.enter("all_gather", "rank 0")  # issued after the intrusion: its peers saw no mix-up
+    guard.leave(second, "broadcast", "rank 0", False)  # failed anyway: its own error stands
+    with pytest.raises(mc.DistributedError, match=r"result of all_sum \(thread 'MainThread'\) is discarded: "
+                                                   r"thread 'intruder' called barrier"):
+        guard.leave(first, "all_sum", "rank 0", True)
+    guard.leave(third, "all_gather", "rank 0", True)
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("ticket", guard.enter("barrier", "rank 0")))
+    t.start()
+    t.join()
+    guard.leave(done["ticket"], "barrier", "rank 0", True)  # idle again: another thread is welcome

@@ -59,9 +59,10 @@ def as_array(x: Any, what: str = "x") -> np.ndarray:
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous 1-D view of ``a`` (a copy only if ``a`` is not contiguous)."""
+    """A C-contiguous 1-D view of ``a`` (a copy only if ``a`` is not contiguous; ``a``
+    itself when it already is one: a reshape costs more than the rest of a small call's checks)."""
     if a.flags.c_contiguous:
-        return a.reshape(-1)
+        return a if a.ndim == 1 else a.reshape(-1)
     return np.ascontiguousarray(a).reshape(-1)
 
 
@@ -678,7 +679,7 @@ class Group:
         except Exception as exc:
             raise DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            self._guard.leave(ticket, self._who, ok)
+            self._guard.leave(ticket, op, self._who, ok)
 
 
 _UNPICKLABLE = -1

@@ -23,6 +23,9 @@ from .errors import DistributedError
 
 __all__ = ["WorldGuard", "Ticket"]
 
+#: an operation in flight, as :meth:`WorldGuard.enter` numbers it (1, 2, ... per world)
+Ticket = int
+
 
 def _thread_name(ident: int) -> str:
     """The name of the thread ``ident`` (for messages; threads not made by ``threading`` get one too)."""
@@ -32,71 +35,63 @@ def _thread_name(ident: int) -> str:
     return f"thread-{ident}"
 
 
-class Ticket:
-    """One operation in flight: who issued it, and who intruded while it ran (if anyone)."""
-
-    __slots__ = ("op", "thread", "intruder")
-
-    def __init__(self, op: str, thread: int) -> None:
-        self.op = op
-        self.thread = thread  #: the issuing thread's ident (its name is looked up for messages only)
-        self.intruder: str | None = None
-
-
 class WorldGuard:
-    """Admits the operations of one thread at a time into a world and its splits."""
+    """Admits the operations of one thread at a time into a world and its splits.
 
-    __slots__ = ("_mutex", "_active")
+    Runs on every call, so it keeps counts, not a list: operations are numbered as they
+    enter; while any is in flight they all belong to one thread (the others are refused);
+    an intrusion marks every number issued so far, and an operation that leaves with a
+    marked number (it was in flight then) raises. No per-call object, one lock round."""
+
+    __slots__ = ("_mutex", "_issued", "_inflight", "_owner", "_first_op", "_marked", "_intruder")
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
-        self._active: list[Ticket] = []
+        self._issued = 0  #: tickets handed out
+        self._inflight = 0  #: operations entered and not yet left
+        self._owner = 0  #: the thread whose operations are in flight (when any are)
+        self._first_op = ""  #: the operation that was first in flight since the guard was last idle
+        self._marked = 0  #: tickets up to this one were in flight when another thread intruded
+        self._intruder = ""  #: what that thread did
 
     def enter(self, op: str, who: str) -> Ticket:
         """Register ``op`` as in flight; raise DistributedError if another thread's are."""
-        ticket = Ticket(op, get_ident())
+        me = get_ident()
         mutex = self._mutex
         mutex.acquire()  # not ``with``: this runs on every call, and the fast path is short
-        try:
-            active = self._active
-            if not active:  # the common case: nothing in flight
-                active.append(ticket)
-                return ticket
-            me = ticket.thread
-            others = [t for t in active if t.thread != me]
-            if not others:
-                active.append(ticket)
-                return ticket
-            name = _thread_name(me)
-            for t in active:
-                if t.intruder is None:
-                    t.intruder = f"thread {name!r} called {op}"
-            running, holder = others[0].op, _thread_name(others[0].thread)
-        finally:
+        if not self._inflight:  # the common case: nothing in flight
+            self._owner, self._first_op = me, op
+        elif self._owner != me:
+            name, holder, running = _thread_name(me), _thread_name(self._owner), self._first_op
+            if self._marked < self._issued:
+                self._marked, self._intruder = self._issued, f"thread {name!r} called {op}"
             mutex.release()
-        raise DistributedError(
-            f"{who}: {op} was called from thread {name!r} while thread {holder!r} is inside {running} "
-            "on the same world. A world (and the groups split from it) runs one operation at a "
-            "time: ranks pair calls by their order, and two threads' calls could be paired "
-            f"differently on other ranks and mix their data, so {running} fails too. Make the "
-            "calls from one thread, or serialise them with one lock, taken in the same order on "
-            "every rank."
-        )
+            raise DistributedError(
+                f"{who}: {op} was called from thread {name!r} while thread {holder!r} is inside {running} "
+                "on the same world. A world (and the groups split from it) runs one operation at a "
+                "time: ranks pair calls by their order, and two threads' calls could be paired "
+                f"differently on other ranks and mix their data, so {running} fails too. Make the "
+                "calls from one thread, or serialise them with one lock, taken in the same order on "
+                "every rank."
+            )
+        self._inflight += 1
+        self._issued = ticket = self._issued + 1
+        mutex.release()
+        return ticket
 
-    def leave(self, ticket: Ticket, who: str, ok: bool) -> None:
-        """``ticket``'s operation ended; if another thread intruded and ``ok``, raise for it."""
+    def leave(self, ticket: Ticket, op: str, who: str, ok: bool) -> None:
+        """Operation ``op`` (``ticket``) ended; if another thread intruded while it was in
+        flight and ``ok``, raise for it (its peers may have paired another call with it)."""
         mutex = self._mutex
         mutex.acquire()
-        try:
-            self._active.remove(ticket)
-        except ValueError:  # pragma: no cover - left twice
-            pass
-        finally:
-            mutex.release()
-        if ticket.intruder is not None and ok:
+        self._inflight -= 1
+        intruder = self._intruder if ticket <= self._marked else ""
+        issuer = self._owner  # the thread that issued it (async operations end on the worker)
+        mutex.release()
+        if intruder and ok:
             raise DistributedError(
-                f"{who}: the result of {ticket.op} (thread {_thread_name(ticket.thread)!r}) is discarded: "
-                f"{ticket.intruder} on the same world while it ran, so other ranks may have paired "
+                f"{who}: the result of {op} (thread {_thread_name(issuer)!r}) is discarded: "
+                f"{intruder} on the same world while it ran, so other ranks may have paired "
                 "a different call with it. Make every call on a world from one thread, or serialise "
                 "the threads' calls with one lock taken in the same order on every rank."
             )
