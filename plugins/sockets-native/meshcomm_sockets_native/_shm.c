@@ -463,13 +463,15 @@ static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize
             memcpy(tmp + 2 * chunk, mine, m);
             mine = tmp + 2 * chunk;
         }
-        const char *part[2];
-        for (Py_ssize_t i = 0; i < 2 && failed < 0; i++) {
-            part[i] = mine;
-            if (i != me && (err = read_peer(w[2 * i], tmp + i * chunk, w[2 * i + 1] + off, m)) != 0)
+        const char *part[2] = {mine, mine};
+        for (Py_ssize_t i = 0; i < 2; i++) {
+            if (i == me)
+                continue;
+            if ((err = read_peer(w[2 * i], tmp + i * chunk, w[2 * i + 1] + off, m)) != 0) {
                 failed = i;
-            else if (i != me)
-                part[i] = tmp + i * chunk;
+                break;
+            }
+            part[i] = tmp + i * chunk;
         }
         if (failed >= 0)
             break;
@@ -487,7 +489,12 @@ static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize
         }
     }
     Py_END_ALLOW_THREADS
-    result = failed < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(ni)", failed, err);
+    if (failed < 0) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    } else {
+        result = Py_BuildValue("(ni)", failed, err);
+    }
 done:
     PyMem_RawFree(tmp);
     PyBuffer_Release(&where);
