@@ -123,19 +123,23 @@ def _peers_publish(ctrl, data, prev, seq, desc, arrays, me):
         ctrl[i, SEQ] = seq
 
 
+def _spread(dtype, count: int, seed: int) -> np.ndarray:
+    """Floats of very different magnitudes (the order of additions matters) or wrapping integers."""
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(dtype, np.floating):
+        return (rng.standard_normal(count) * 10.0 ** rng.integers(-8, 9, count)).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+
+
 @pytest.mark.parametrize("dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
                                          (np.int64, 4), (np.uint64, 4)])
 def test_all_sum_publishes_then_sums_every_slot_in_rank_order_as_numpy_does(segment, dtype, kind):
     """The same bits as NumPy's ((slot 0 + slot 1) + slot 2): floats of very different
     magnitudes (the order matters) and integers that wrap."""
     m, ctrl, data = segment
-    rng = np.random.default_rng(kind)
     count = PIECE // np.dtype(dtype).itemsize
-    if np.issubdtype(dtype, np.floating):
-        arrays = [(rng.standard_normal(count) * 10.0 ** rng.integers(-8, 9, count)).astype(dtype) for _ in range(N)]
-    else:
-        info = np.iinfo(dtype)
-        arrays = [rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True) for _ in range(N)]
+    arrays = [_spread(dtype, count, 10 * kind + i) for i in range(N)]
     me, prev, seq, desc = 1, 6, 7, [3, 11, count, 42, 0]
     _peers_publish(ctrl, data, prev, seq, desc, arrays, me)
     ch = native.Channel(m, N, me, LINE, PIECE)
@@ -207,15 +211,6 @@ def test_all_sum_refuses_buffers_that_do_not_fit_before_publishing(segment):
     ch.release()
 
 
-def _spread(dtype, count: int, seed: int) -> np.ndarray:
-    """Floats of very different magnitudes (the order of additions matters) or wrapping integers."""
-    rng = np.random.default_rng(seed)
-    if np.issubdtype(dtype, np.floating):
-        return (rng.standard_normal(count) * 10.0 ** rng.integers(-8, 9, count)).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
-
-
 def _where(arrays, me: int, pid: int) -> np.ndarray:
     """The (pid, address) pairs of the direct path; this process plays every peer."""
     return np.array([(pid if i != me else 0, a.ctypes.data if i != me else 0) for i, a in enumerate(arrays)],
@@ -230,8 +225,6 @@ def test_read_sum_reads_every_peer_and_sums_in_rank_order_as_numpy_does(segment,
     read with process_vm_readv (this process plays the peers), in chunks that do not
     divide the block; in place too, where rank 2's own chunk must be kept before the first
     addition overwrites it."""
-    import os
-
     m, _, _ = segment
     ch = native.Channel(m, N, me, LINE, PIECE)
     count = 1000  # with 3 * 4- or 8-byte chunks below: chunks of 12 or 24 bytes and a short last one
