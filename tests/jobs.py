@@ -11,6 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "programs"
+#: Open MPI's own start-up failing before any rank ran (seen in CI: mpiexec exit 213);
+#: nothing of meshcomm ran, so a test starts such a job once more
+MPI_RUNTIME_NOT_STARTED = "The PMIx server's listener thread failed to start"
 
 
 def launch(n: int, *args: str, backend: str = "sockets", timeout: float = 240, env: dict[str, str] | None = None,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from jobs import MPI_RUNTIME_NOT_STARTED
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "programs" / "failure_rank.py"
@@ -109,14 +110,9 @@ def _kill_all(marker: str) -> None:
                 pass
 
 
-#: Open MPI's own start-up failing before any rank ran (seen once in CI: mpiexec exit 213);
-#: nothing of meshcomm ran, so such a job is started once more
-_MPI_RUNTIME_NOT_STARTED = "The PMIx server's listener thread failed to start"
-
-
 def run_job(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
     job = _run_job_once(backend, kind, extra)
-    if _MPI_RUNTIME_NOT_STARTED in job.err and "READY" not in job.out:
+    if MPI_RUNTIME_NOT_STARTED in job.err and "READY" not in job.out:
         job = _run_job_once(backend, kind, extra)
     return job
 
