@@ -52,6 +52,14 @@ def connect_when_listening(port: int, host: str = "127.0.0.1", timeout: float = 
             time.sleep(0.05)
 
 
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP pair on loopback (the sockets engine names peers by their TCP address)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        b = socket.create_connection(srv.getsockname()[:2])
+        a, _ = srv.accept()
+    return a, b
+
+
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p such that p and p + 1 were both free a moment ago (a torchrun MASTER_PORT:
     meshcomm's coordinator takes the next port)."""

@@ -29,7 +29,7 @@ import tracemalloc
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from jobs import connect_when_listening, finish, free_ports, start_ranks, write_hostfile
+from jobs import connect_when_listening, finish, free_ports, start_ranks, tcp_pair, write_hostfile
 from meshcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -152,14 +152,6 @@ def test_welcome_round_trip_and_any_change_is_rejected(secret: bytes, nonce_c: b
 EXPECT = engine.Call(group=0, seq=5, op=wire.OP_CODES["broadcast"], dtype=11, total=64, label="world", arg=1)
 
 
-def _tcp_pair() -> tuple[socket.socket, socket.socket]:
-    """A connected TCP pair on loopback (the engine names peers by their TCP address)."""
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        b = socket.create_connection(srv.getsockname()[:2])
-        a, _ = srv.accept()
-    return a, b
-
-
 MAC = wire.Mac(b"")  # the engine's keys when none are given
 
 
@@ -174,7 +166,7 @@ def _receive(header: bytes, payload: bytes, expect_bytes: int = 256, timeout: fl
     """Rank 0 expects one frame of ``EXPECT`` from rank 1, which sends ``header + payload``
     (authenticated, see _frame; or ``raw`` bytes) and closes; returns what the receive loop
     raised (None: it accepted the frame)."""
-    a, b = _tcp_pair()
+    a, b = tcp_pair()
     try:
         fab = engine.Fabric(0, 2, {1: a}, timeout, payload_integrity=payload_integrity)
         a.setblocking(False)
@@ -240,7 +232,7 @@ def test_abort_announcing_4_gib_reads_at_most_4_kib() -> None:
 
 
 def test_header_split_into_single_bytes_is_checked_like_a_whole_one() -> None:
-    a, b = _tcp_pair()
+    a, b = tcp_pair()
     try:
         fab = engine.Fabric(0, 2, {1: a}, 2.0)
         a.setblocking(False)

@@ -261,6 +261,73 @@ class Fabric:
             last = lo + frame >= n
             link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None, seal))
 
+    def exchange(self, link: Link, out: Call, payload: memoryview, inc: Call, target: memoryview,
+                 frame: int) -> None:
+        """Send ``payload`` to ``link``'s peer and receive ``target`` from it, in frames of at
+        most ``frame`` bytes (a sendrecv with one peer: every round of a small reduction).
+        When each is one frame and the link is idle this is the short path: one ``sendmsg``
+        of the whole frame, then reads spinning on the socket itself; whatever does not move
+        at once (a frame the socket did not take whole, a reply later than the spin) goes on
+        in the general loop from the same state. Both paths put the same bytes on the wire."""
+        if link.out or link.cur is not None or link.expect or len(payload) > frame or len(target) > frame:
+            self.post_send(link, out, payload, frame)
+            self.post_recv(link, inc, target, frame)
+            self.progress([link])
+            return
+        self.check()
+        try:
+            self._send_frame(link, out, payload)
+            link.cur = _Expect(inc, target, None, self._seals(link, len(target)))
+            link.hdr_got = link.got = link.tail_got = 0
+            link.checked = False
+            start = time.monotonic()
+            until, yielding = start + self.spin, self.yielding
+            while True:
+                self._recv(link)
+                if link.out:
+                    self._send(link)
+                elif link.cur is None:
+                    return
+                if time.monotonic() >= until:
+                    break
+                if yielding:
+                    os.sched_yield()
+            self._progress([link], start, spun=True)
+        except DistributedError as exc:
+            self.fail(exc)
+            raise
+        except BaseException as exc:  # as in progress(): the stream is now unusable
+            self.fail(DistributedError(f"rank {self.rank}: interrupted mid-transfer ({type(exc).__name__})"))
+            raise
+
+    def _send_frame(self, link: Link, call: Call, payload: memoryview) -> None:
+        """One frame written at once when the socket takes it all; the rest of it queued as
+        :meth:`post_send` would have queued it."""
+        n = len(payload)
+        mac = link.send_mac
+        ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
+        parts: list[bytes | memoryview] = [
+            mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, n, call.arg, call.total))]
+        if n:
+            parts.append(payload)
+            if self._seals(link, n):
+                parts.append(mac.tag(b"P", ctr, payload))
+        try:
+            sent = link.sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise self._lost(link, f"connection reset ({exc.strerror})") from None
+        except OSError as exc:
+            raise self._lost(link, f"send failed ({exc.strerror})") from None
+        for i, part in enumerate(parts):
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            link.starts.append(ctr if i == 0 and not sent else _CONT)
+            link.out.append(memoryview(part)[sent:])
+            sent = 0
+
     # -- the loop -----------------------------------------------------------------------
     def progress(self, links: list[Link]) -> None:
         """Move data until every queued frame of ``links`` is sent and every expected one
@@ -278,11 +345,15 @@ class Fabric:
             self.fail(DistributedError(f"rank {self.rank}: interrupted mid-transfer ({type(exc).__name__})"))
             raise
 
-    def _progress(self, links: list[Link]) -> None:
-        """The loop itself: send what is queued and receive what is expected on ``links``."""
+    def _progress(self, links: list[Link], entered: float | None = None, spun: bool = False) -> None:
+        """The loop itself: send what is queued and receive what is expected on ``links``
+        (``entered``: when the wait began, if earlier; ``spun``: its spin is spent)."""
         poller: select.poll | None = None
         registered: dict[int, int] = {}
-        last = entered = tick = time.monotonic()
+        last = tick = time.monotonic()
+        if entered is None:
+            entered = last
+        spin = 0.0 if spun else self.spin
         asked = 0.0
         while True:
             self.note_stall(tick, asked)  # one round never takes long unless this rank was stopped
@@ -333,7 +404,7 @@ class Fabric:
                 del registered[fd]
             left = self.timeout - (now - last)
             wait_ms = int(min(left, WAIT_SLICE) * 1000) + 1 if left > 0 else 0
-            if now - entered < self.spin:  # a short bounded spin first: waking up costs more
+            if now - entered < spin:  # a short bounded spin first: waking up costs more
                 if self.yielding:
                     os.sched_yield()
                 wait_ms = 0
