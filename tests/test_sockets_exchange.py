@@ -7,9 +7,10 @@ process (one thread per end):
 
 * both paths put the same bytes on the wire: an end on the short path and an end on the
   general one (``post_send``/``post_recv``/``progress``) understand each other, round after
-  round, with and without payload tags;
-* a frame larger than the socket takes at once (small socket buffers, 2 MiB each way at
-  the same time) is finished by the general loop, without a deadlock, spinning or not;
+  round, with and without payload tags, for a sendrecv and for a send or a recv alone;
+* a frame larger than the socket takes at once (64 KiB socket buffers, the largest frame
+  of the short path each way at the same time) is finished, without a deadlock, spinning
+  or not; larger transfers take the general loop and meet the short path's frames;
 * a peer that closes its end is a ``PeerLostError`` naming it; a peer in another call is a
   ``CollectiveMismatchError`` naming both calls.
 """
@@ -117,14 +118,47 @@ def test_short_and_general_paths_speak_the_same_frames(integrity, count, paths):
         _close(fab0, fab1)
 
 
+def _send(path: str, fab: engine.Fabric, call: engine.Call, x: np.ndarray) -> None:
+    link = fab.links[1 - fab.rank]
+    if path == "short":
+        fab.exchange(link, call, engine.as_bytes(x), None, None, FRAME)
+    else:
+        fab.post_send(link, call, engine.as_bytes(x), FRAME)
+        fab.progress([link])
+
+
+def _recv(path: str, fab: engine.Fabric, call: engine.Call, y: np.ndarray) -> None:
+    link = fab.links[1 - fab.rank]
+    if path == "short":
+        fab.exchange(link, None, None, call, engine.as_bytes(y), FRAME)
+    else:
+        fab.post_recv(link, call, engine.as_bytes(y), FRAME)
+        fab.progress([link])
+
+
+@pytest.mark.parametrize("count", [0, 2, 1 << 16, 1 << 19])
+@pytest.mark.parametrize("sender,receiver", [("short", "general"), ("general", "short"), ("short", "short")])
+def test_a_send_or_a_recv_alone_speaks_the_same_frames(sender, receiver, count):
+    fab0, fab1 = _fabrics(True, buffer=65536)
+    try:
+        for seq in range(1, 4):
+            x = np.arange(count, dtype=np.float32) + seq
+            y = np.full(count, np.nan, np.float32)
+            call = _call(seq, count)
+            _both(partial(_recv, receiver, fab1, call, y), partial(_send, sender, fab0, call, x))
+            assert np.array_equal(y, x), f"message {seq}"
+    finally:
+        _close(fab0, fab1)
+
+
 @pytest.mark.parametrize("spin", [0.0, 0.05], ids=["sleeping", "spinning"])
 @pytest.mark.parametrize("paths", [("short", "short"), ("short", "general")], ids=lambda p: "-".join(p))
 def test_a_frame_the_socket_takes_in_parts_is_finished_without_deadlock(spin, paths):
-    """2 MiB each way through 64 KiB socket buffers: the first sendmsg takes a part, the rest
-    is queued, and each end keeps reading while it writes."""
+    """SHORT_BYTES each way through 64 KiB socket buffers: the first sendmsg takes a part,
+    the rest is queued, and each end keeps reading while it writes."""
     fab0, fab1 = _fabrics(True, buffer=65536, spin=spin)
     try:
-        _rounds(fab0, fab1, *paths, 1 << 19, rounds=2)
+        _rounds(fab0, fab1, *paths, engine.SHORT_BYTES // 4, rounds=2)
     finally:
         _close(fab0, fab1)
 

@@ -111,14 +111,11 @@ class SocketsBackend(Backend):
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
-        link = self.link(dst)
-        self.fabric.post_send(link, self._p2p(self._sent, dst, buf), as_bytes(buf), FRAME_BYTES)
-        self.fabric.progress([link])
+        self.fabric.exchange(self.link(dst), self._p2p(self._sent, dst, buf), as_bytes(buf), None, None, FRAME_BYTES)
 
     def recv(self, buf: np.ndarray, src: int) -> None:
-        link = self.link(src)
-        self.fabric.post_recv(link, self._p2p(self._received, src, buf), as_bytes(buf), FRAME_BYTES)
-        self.fabric.progress([link])
+        self.fabric.exchange(self.link(src), None, None, self._p2p(self._received, src, buf), as_bytes(buf),
+                             FRAME_BYTES)
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
         out, inc = self.link(dst), self.link(src)

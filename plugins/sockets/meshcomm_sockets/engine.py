@@ -67,6 +67,9 @@ _LINGER = 0.5
 _resumed = [0.0]
 #: ``Link.starts`` entry of a buffer that continues a frame (frame starts hold their counter)
 _CONT = -1
+#: largest frame of :meth:`Fabric.exchange`'s short path (above it the general loop was
+#: measured faster: a 16 MiB send/recv on 2 ranks 3.7-4.1 ms against 5.0 ms)
+SHORT_BYTES = 256 * 1024
 
 
 class FrameAuthError(DistributedError):
@@ -261,29 +264,39 @@ class Fabric:
             last = lo + frame >= n
             link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None, seal))
 
-    def exchange(self, link: Link, out: Call, payload: memoryview, inc: Call, target: memoryview,
-                 frame: int) -> None:
-        """Send ``payload`` to ``link``'s peer and receive ``target`` from it, in frames of at
-        most ``frame`` bytes (a sendrecv with one peer: every round of a small reduction).
-        When each is one frame and the link is idle this is the short path: one ``sendmsg``
-        of the whole frame, then reads spinning on the socket itself; whatever does not move
-        at once (a frame the socket did not take whole, a reply later than the spin) goes on
-        in the general loop from the same state. Both paths put the same bytes on the wire."""
-        if link.out or link.cur is not None or link.expect or len(payload) > frame or len(target) > frame:
-            self.post_send(link, out, payload, frame)
-            self.post_recv(link, inc, target, frame)
+    def exchange(self, link: Link, out: Call | None, payload: memoryview | None, inc: Call | None,
+                 target: memoryview | None, frame: int) -> None:
+        """Send ``payload`` (call ``out``) to ``link``'s peer and receive ``target`` (call
+        ``inc``) from it, in frames of at most ``frame`` bytes; either may be None (a send
+        or a recv alone). This is every point-to-point transfer and every round of a small
+        reduction. When each is one frame of at most SHORT_BYTES and the link is idle it
+        takes the short path:
+        one ``sendmsg`` of the whole frame, then reads spinning on the socket itself;
+        whatever does not move at once (a frame the socket did not take whole, a reply
+        later than the spin) goes on in the general loop from the same state. Both paths
+        put the same bytes on the wire."""
+        limit = min(frame, SHORT_BYTES)
+        if (link.out or link.cur is not None or link.expect or (payload is not None and len(payload) > limit)
+                or (target is not None and len(target) > limit)):
+            if out is not None and payload is not None:
+                self.post_send(link, out, payload, frame)
+            if inc is not None and target is not None:
+                self.post_recv(link, inc, target, frame)
             self.progress([link])
             return
         self.check()
         try:
-            self._send_frame(link, out, payload)
-            link.cur = _Expect(inc, target, None, self._seals(link, len(target)))
-            link.hdr_got = link.got = link.tail_got = 0
-            link.checked = False
+            if out is not None and payload is not None:
+                self._send_frame(link, out, payload)
+            if inc is not None and target is not None:
+                link.cur = _Expect(inc, target, None, self._seals(link, len(target)))
+                link.hdr_got = link.got = link.tail_got = 0
+                link.checked = False
             start = time.monotonic()
             until, yielding = start + self.spin, self.yielding
             while True:
-                self._recv(link)
+                if link.cur is not None:
+                    self._recv(link)
                 if link.out:
                     self._send(link)
                 elif link.cur is None:
