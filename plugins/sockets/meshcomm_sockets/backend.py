@@ -125,7 +125,7 @@ class SocketsBackend(Backend):
             return
         self.fabric.post_send(out, self._p2p(self._sent, dst, sendbuf), as_bytes(sendbuf), FRAME_BYTES)
         self.fabric.post_recv(inc, self._p2p(self._received, src, recvbuf), as_bytes(recvbuf), FRAME_BYTES)
-        self.fabric.progress([out] if out is inc else [out, inc])
+        self.fabric.progress([out, inc])
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:

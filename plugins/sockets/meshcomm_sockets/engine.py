@@ -230,27 +230,36 @@ class Fabric:
 
     def post_send(self, link: Link, call: Call, payload: memoryview, frame: int) -> None:
         """Queue ``payload`` to ``link`` as frames of at most ``frame`` bytes (tags computed
-        now: the caller does not change a buffer it queued)."""
+        now: the caller does not change a buffer it queued); an empty payload is one frame."""
         n = len(payload)
-        mac = link.send_mac
-        if n == 0:
-            ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
-            link.starts.append(ctr)
-            link.out.append(memoryview(mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, 0,
-                                                                      call.arg, call.total))))
-            return
         seal = self._seals(link, n)
-        for lo in range(0, n, frame):
-            part = payload[lo : lo + frame]
-            ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
-            link.starts.append(ctr)
-            link.out.append(memoryview(mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype,
-                                                                      len(part), call.arg, call.total))))
-            link.starts.append(_CONT)
-            link.out.append(part)
+        for lo in range(0, max(n, 1), frame):
+            self._queue(link, *self._frame(link, call, payload[lo : lo + frame], seal))
+
+    def _frame(self, link: Link, call: Call, part: memoryview, seal: bool) -> tuple[int, list[bytes | memoryview]]:
+        """The next frame to ``link`` carrying ``part``: its counter, and its buffers (the
+        header with its tag, the payload, the payload's tag when ``seal``)."""
+        ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
+        mac = link.send_mac
+        parts: list[bytes | memoryview] = [
+            mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.arg, call.total))]
+        if len(part):
+            parts.append(part)
             if seal:
-                link.starts.append(_CONT)
-                link.out.append(memoryview(mac.tag(b"P", ctr, part)))
+                parts.append(mac.tag(b"P", ctr, part))
+        return ctr, parts
+
+    @staticmethod
+    def _queue(link: Link, ctr: int, parts: list[bytes | memoryview], sent: int = 0) -> None:
+        """Queue frame ``ctr``'s buffers on ``link`` but their first ``sent`` bytes (already
+        written), marking where the frame starts if none of it was written."""
+        for i, part in enumerate(parts):
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            link.starts.append(ctr if i == 0 and not sent else _CONT)
+            link.out.append(memoryview(part)[sent:])
+            sent = 0
 
     def post_recv(self, link: Link, call: Call, target: memoryview, frame: int,
                   done: Callable[[], None] | None = None) -> None:
@@ -270,11 +279,8 @@ class Fabric:
         ``inc``) from it, in frames of at most ``frame`` bytes; either may be None (a send
         or a recv alone). This is every point-to-point transfer and every round of a small
         reduction. When each is one frame of at most SHORT_BYTES and the link is idle it
-        takes the short path:
-        one ``sendmsg`` of the whole frame, then reads spinning on the socket itself;
-        whatever does not move at once (a frame the socket did not take whole, a reply
-        later than the spin) goes on in the general loop from the same state. Both paths
-        put the same bytes on the wire."""
+        takes the short path (:meth:`_short`); otherwise both are queued for the general
+        loop. Both paths put the same bytes on the wire."""
         limit = min(frame, SHORT_BYTES)
         if (link.out or link.cur is not None or link.expect or (payload is not None and len(payload) > limit)
                 or (target is not None and len(target) > limit)):
@@ -284,47 +290,39 @@ class Fabric:
                 self.post_recv(link, inc, target, frame)
             self.progress([link])
             return
-        self.check()
-        try:
-            if out is not None and payload is not None:
-                self._send_frame(link, out, payload)
-            if inc is not None and target is not None:
-                link.cur = _Expect(inc, target, None, self._seals(link, len(target)))
-                link.hdr_got = link.got = link.tail_got = 0
-                link.checked = False
-            start = time.monotonic()
-            until, yielding = start + self.spin, self.yielding
-            while True:
-                if link.cur is not None:
-                    self._recv(link)
-                if link.out:
-                    self._send(link)
-                elif link.cur is None:
-                    return
-                if time.monotonic() >= until:
-                    break
-                if yielding:
-                    os.sched_yield()
-            self._progress([link], start, spun=True)
-        except DistributedError as exc:
-            self.fail(exc)
-            raise
-        except BaseException as exc:  # as in progress(): the stream is now unusable
-            self.fail(DistributedError(f"rank {self.rank}: interrupted mid-transfer ({type(exc).__name__})"))
-            raise
+        self._guarded(self._short, link, out, payload, inc, target)
+
+    def _short(self, link: Link, out: Call | None, payload: memoryview | None, inc: Call | None,
+               target: memoryview | None) -> None:
+        """One ``sendmsg`` of the whole frame, then reads spinning on the socket itself for
+        the bounded spin; whatever does not move at once (a frame the socket did not take
+        whole, a reply later than the spin) goes on in the general loop from the same
+        state, its spin spent."""
+        if out is not None and payload is not None:
+            self._send_frame(link, out, payload)
+        if inc is not None and target is not None:
+            link.cur = _Expect(inc, target, None, self._seals(link, len(target)))
+            link.hdr_got = link.got = link.tail_got = 0
+            link.checked = False
+        start = time.monotonic()
+        until, yielding = start + self.spin, self.yielding
+        while True:
+            if link.cur is not None:
+                self._recv(link)
+            if link.out:
+                self._send(link)
+            elif link.cur is None:
+                return
+            if time.monotonic() >= until:
+                break
+            if yielding:
+                os.sched_yield()
+        self._progress([link], start, spun=True)
 
     def _send_frame(self, link: Link, call: Call, payload: memoryview) -> None:
         """One frame written at once when the socket takes it all; the rest of it queued as
         :meth:`post_send` would have queued it."""
-        n = len(payload)
-        mac = link.send_mac
-        ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
-        parts: list[bytes | memoryview] = [
-            mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, n, call.arg, call.total))]
-        if n:
-            parts.append(payload)
-            if self._seals(link, n):
-                parts.append(mac.tag(b"P", ctr, payload))
+        ctr, parts = self._frame(link, call, payload, self._seals(link, len(payload)))
         try:
             sent = link.sock.sendmsg(parts)
         except BlockingIOError:
@@ -333,13 +331,7 @@ class Fabric:
             raise self._lost(link, f"connection reset ({exc.strerror})") from None
         except OSError as exc:
             raise self._lost(link, f"send failed ({exc.strerror})") from None
-        for i, part in enumerate(parts):
-            if sent >= len(part):
-                sent -= len(part)
-                continue
-            link.starts.append(ctr if i == 0 and not sent else _CONT)
-            link.out.append(memoryview(part)[sent:])
-            sent = 0
+        self._queue(link, ctr, parts, sent)
 
     # -- the loop -----------------------------------------------------------------------
     def progress(self, links: list[Link]) -> None:
@@ -348,9 +340,14 @@ class Fabric:
 
         One thread does it all (a helper thread that sent while this one received was
         measured slower, see docs/sockets.md)."""
+        self._guarded(self._progress, links)
+
+    def _guarded(self, move: Callable[..., None], *args: object) -> None:
+        """``move(*args)`` after an earlier failure's check; any failure inside is told to
+        every peer before it is raised."""
         self.check()
         try:
-            self._progress(links)
+            move(*args)
         except DistributedError as exc:
             self.fail(exc)
             raise
