@@ -93,6 +93,18 @@ class Backend(abc.ABC):
         if errors:
             raise errors[0]
 
+    #: results of at least this many bytes are allocated with :meth:`empty`; smaller ones
+    #: with ``np.empty`` (the core skips the method call on small, latency-bound calls)
+    EMPTY_MIN_BYTES = 64 * 1024
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A new array for the result of an ``all_reduce`` that the core returns to the
+        caller (its receive buffer, flattened); the core calls it for results of at least
+        :attr:`EMPTY_MIN_BYTES`. The default is ``np.empty``; a transport may place the
+        result where its peers can write into it (the sockets backend: shared memory). It
+        must be a writable C-contiguous array the caller may keep and use like any other."""
+        return np.empty(shape, dtype)
+
     # -- collectives with generic defaults -----------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         """``recvbuf`` = reduction ``op`` ("sum", "max", "min") of every rank's ``sendbuf``.

@@ -253,7 +253,12 @@ class Group:
         send = _flat(a)
 
         def run() -> np.ndarray:
-            res = np.empty(a.shape, a.dtype) if o is None else o
+            if o is not None:
+                res = o
+            elif a.nbytes < Backend.EMPTY_MIN_BYTES:
+                res = np.empty(a.shape, a.dtype)
+            else:
+                res = backend.empty(a.shape, a.dtype)
             backend.all_reduce(send, res if res.ndim == 1 else res.reshape(-1), op)
             return res
 

@@ -21,6 +21,9 @@
 #include <sched.h>
 #include <errno.h>
 #include <sys/uio.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 /* No PAUSE instruction in the spin: under KVM a vCPU that keeps executing PAUSE may be
  * taken for a lock waiter whose holder was preempted (pause-loop exiting) and descheduled,
  * the opposite of what a spin that waits for another rank wants (not measured separately:
@@ -298,9 +301,66 @@ ADD(double)
 ADD(uint32_t)
 ADD(uint64_t)
 
+/* out = a + b like add_float/add_double, with stores that bypass the cache (the direct
+ * path's block sum of a large array: its result is read back from memory by the peers and
+ * copied out much later, so caching it only evicts the inputs, and a normal store first
+ * reads the line it overwrites). */
+#if defined(__SSE2__)
+#define ADD_STREAM(T, V, LOAD, ADDV, STREAM)                                          \
+    static void stream_##T(void *out, const void *a, const void *b, Py_ssize_t count) \
+    {                                                                                 \
+        T *o = (T *)out;                                                              \
+        const T *x = (const T *)a, *y = (const T *)b;                                 \
+        Py_ssize_t j = 0, lane = 16 / sizeof(T);                                      \
+        for (; j < count && ((uintptr_t)(o + j) & 15); j++)                           \
+            o[j] = x[j] + y[j];                                                       \
+        for (; j + 4 * lane <= count; j += 4 * lane)                                  \
+            for (Py_ssize_t k = 0; k < 4 * lane; k += lane)                           \
+                STREAM((V *)(o + j + k), ADDV(LOAD((const V *)(x + j + k)), LOAD((const V *)(y + j + k)))); \
+        for (; j < count; j++)                                                        \
+            o[j] = x[j] + y[j];                                                       \
+    }
+#define LOADPS(p) _mm_loadu_ps((const float *)(p))
+#define STOREPS(p, v) _mm_stream_ps((float *)(p), v)
+#define LOADPD(p) _mm_loadu_pd((const double *)(p))
+#define STOREPD(p, v) _mm_stream_pd((double *)(p), v)
+ADD_STREAM(float, __m128, LOADPS, _mm_add_ps, STOREPS)
+ADD_STREAM(double, __m128d, LOADPD, _mm_add_pd, STOREPD)
+ADD_STREAM(uint32_t, __m128i, _mm_loadu_si128, _mm_add_epi32, _mm_stream_si128)
+ADD_STREAM(uint64_t, __m128i, _mm_loadu_si128, _mm_add_epi64, _mm_stream_si128)
+#define STREAMER(T) stream_##T
+#define FENCE() _mm_sfence()
+#else
+#define STREAMER(T) add_##T
+#define FENCE() ((void)0)
+#endif
+
+/* dst = the n bytes at src (a smaller result stays in cache for whoever reads it next) */
+static void plain_copy(char *dst, const char *src, Py_ssize_t n)
+{
+    memcpy(dst, src, n);
+}
+
+/* dst = the n bytes at src, stored past the cache where the CPU can (see above) */
+static void stream_copy(char *dst, const char *src, Py_ssize_t n)
+{
+#if defined(__SSE2__)
+    Py_ssize_t head = (Py_ssize_t)((16 - ((uintptr_t)dst & 15)) & 15);
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64)
+        for (int k = 0; k < 64; k += 16)
+            _mm_stream_si128((__m128i *)(dst + k), _mm_loadu_si128((const __m128i *)(src + k)));
+#endif
+    memcpy(dst, src, n);
+}
+
 /* kind -> (element size, add); kind 0 is unused */
-static const struct { Py_ssize_t item; adder add; } KINDS[] = {
-    {0, NULL}, {4, add_float}, {8, add_double}, {4, add_uint32_t}, {8, add_uint64_t},
+static const struct { Py_ssize_t item; adder add, stream; } KINDS[] = {
+    {0, NULL, NULL}, {4, add_float, STREAMER(float)}, {8, add_double, STREAMER(double)},
+    {4, add_uint32_t, STREAMER(uint32_t)}, {8, add_uint64_t, STREAMER(uint64_t)},
 };
 enum { NKINDS = sizeof(KINDS) / sizeof(KINDS[0]) };
 
@@ -311,6 +371,9 @@ static void sum_slots(const Channel *c, int64_t parity, void *out, Py_ssize_t co
     for (Py_ssize_t i = 2; i < c->n; i++)
         add(out, out, c->data + (2 * i + parity) * c->piece, count);
 }
+
+/* from this many bytes of result the direct path's block sum streams its stores */
+enum { STREAM_MIN_BYTES = 8 << 20 };
 
 /* above this many bytes the sum runs with the GIL released */
 enum { SUM_NOGIL_BYTES = 32 * 1024 };
@@ -396,16 +459,17 @@ static int read_peer(int64_t pid, char *into, int64_t address, Py_ssize_t len)
     return 0;
 }
 
-/* read_sum(out, own, kind, where, chunk) -> None, or (local rank, errno) of a failed read
+/* read_sum(out, own, kind, where, chunk[, copies]) -> None, or (local rank, errno) of a failed read
  * The direct path's block sum: out = every local rank's block combined in rank order
  * (as sum_slots does), this rank's from own, every other rank's read from its memory
  * (where: int64 pairs (pid, address of its block), one per local rank, this rank's
  * ignored) chunk bytes at a time into buffers that stay in cache, with the GIL released.
- * out may be own (in place); they must not overlap otherwise. */
+ * out may be own (in place); they must not overlap otherwise. copies: int64 addresses in
+ * this process (peers' shared results mapped here) that get the same bytes as out. */
 static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "read_sum takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "read_sum takes 5 or 6 arguments");
         return NULL;
     }
     int64_t v[2];
@@ -434,10 +498,22 @@ static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize
         PyBuffer_Release(&out);
         return NULL;
     }
+    Py_buffer copies = {0};
+    if (nargs == 6 && PyObject_GetBuffer(args[5], &copies, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&where);
+        PyBuffer_Release(&own);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_ssize_t ncopies = copies.len / (Py_ssize_t)sizeof(int64_t);
     PyObject *result = NULL;
     char *tmp = NULL;
     const char *o0 = out.buf, *s0 = own.buf;
     int alias = o0 == s0;
+    if (copies.len % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "read_sum: %zd bytes of copy addresses", copies.len);
+        goto done;
+    }
     if (out.len != own.len || out.len % item || where.len != (Py_ssize_t)(2 * self->n * sizeof(int64_t)) ||
         (!alias && o0 < s0 + own.len && s0 < o0 + out.len)) {
         PyErr_Format(PyExc_ValueError, "read_sum: %zd bytes out, %zd own, %zd-byte elements, %zd bytes of "
@@ -445,19 +521,22 @@ static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize
                      alias ? "in place" : "apart or overlapping");
         goto done;
     }
-    tmp = PyMem_RawMalloc(3 * chunk);
+    tmp = PyMem_RawMalloc(4 * chunk);
     if (tmp == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    const int64_t *w = where.buf;
-    adder add = KINDS[kind].add;
+    const int64_t *w = where.buf, *to = copies.buf;
+    /* with copies, each chunk is summed in cache (acc) and streamed to out and every copy;
+     * without, a large out gets streamed stores directly */
+    adder add = !ncopies && out.len >= STREAM_MIN_BYTES ? KINDS[kind].stream : KINDS[kind].add;
+    void (*copier)(char *, const char *, Py_ssize_t) = out.len >= STREAM_MIN_BYTES ? stream_copy : plain_copy;
     Py_ssize_t n = self->n, me = self->me, failed = -1;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t off = 0; off < out.len && failed < 0; off += chunk) {
         Py_ssize_t m = out.len - off < chunk ? out.len - off : chunk;
-        char *o = (char *)out.buf + off;
+        char *o = ncopies ? tmp + 3 * chunk : (char *)out.buf + off;
         const char *mine = (const char *)own.buf + off;
         if (alias && me >= 2) { /* the first add overwrites my chunk before I combine it */
             memcpy(tmp + 2 * chunk, mine, m);
@@ -487,7 +566,13 @@ static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize
             }
             add(o, o, p, m / item);
         }
+        if (failed < 0 && ncopies) {
+            copier(((char *)out.buf) + off, o, m);
+            for (Py_ssize_t c = 0; c < ncopies; c++)
+                copier((char *)(intptr_t)to[c] + off, o, m);
+        }
     }
+    FENCE(); /* the streamed stores are visible before this rank says it is done */
     Py_END_ALLOW_THREADS
     if (failed < 0) {
         Py_INCREF(Py_None);
@@ -497,6 +582,8 @@ static PyObject *Channel_read_sum(Channel *self, PyObject *const *args, Py_ssize
     }
 done:
     PyMem_RawFree(tmp);
+    if (nargs == 6)
+        PyBuffer_Release(&copies);
     PyBuffer_Release(&where);
     PyBuffer_Release(&own);
     PyBuffer_Release(&out);
@@ -523,7 +610,7 @@ static PyMethodDef Channel_methods[] = {
      "all_sum(src, out, kind, d, op, dtype, total, cseq, arg, seq, prev, budget_ns, yielding) -> "
      "0 done, 1 wake the sleepers, 2 sleep, 3 mismatch"},
     {"read_sum", (PyCFunction)(void (*)(void))Channel_read_sum, METH_FASTCALL,
-     "read_sum(out, own, kind, where, chunk) -> None, or (local rank, errno) of the read that failed"},
+     "read_sum(out, own, kind, where, chunk[, copies]) -> None, or (local rank, errno) of the read that failed"},
     {"release", (PyCFunction)Channel_release, METH_NOARGS,
      "release() -> None: let the segment go (the channel is unusable after)"},
     {NULL, NULL, 0, NULL},

@@ -164,6 +164,9 @@ class SocketsBackend(Backend):
         with self._op("scatter", recvbuf, root) as call:  # recvbuf: the same size on every rank
             self.path.scatter(call, sendbuf, recvbuf, root)
 
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return self.path.empty(shape, dtype)
+
     def barrier(self) -> None:
         token = np.zeros(0, np.uint8)
         with self._op("barrier", token) as call:

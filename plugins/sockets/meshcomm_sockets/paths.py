@@ -49,6 +49,7 @@ class Path(Protocol):
     def gather(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None: ...
     def scatter(self, call: Call, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None: ...
     def barrier(self, call: Call) -> None: ...
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray: ...
     def close(self) -> None: ...
 
 
@@ -99,6 +100,10 @@ class TcpPath:
 
     def barrier(self, call: Call) -> None:
         algorithms.barrier(self.group)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A result array (see Backend.empty): an ordinary one."""
+        return np.empty(shape, dtype)
 
     def close(self) -> None:
         pass
@@ -211,6 +216,9 @@ class LocalPath(TcpPath):
 
     def barrier(self, call: Call) -> None:
         self.shm.barrier(call)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return self.shm.empty(shape, dtype)
 
     def close(self) -> None:
         self.shm.close()

@@ -37,6 +37,7 @@ still shows the previous number", an equality test that survives the wrap.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import hashlib
@@ -67,6 +68,7 @@ from meshcomm.plugin import (
 
 from . import cma
 from .engine import Call, Fabric, _describe
+from .results import OwnResults, PeerResults
 
 __all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "ShmSetupError", "SEQ_WRAP", "next_piece",
            "new_name", "check_name", "check_piece", "remove_dir", "MIN_PIECE", "MAX_PIECE", "DIRECT_MIN_BYTES"]
@@ -80,6 +82,10 @@ _DESC_AT = (2, 2 + _DESC)
 #: direct reads (cma.py): the rank's pid, the address and value of its 16-byte probe token,
 #: and per parity p the addresses of the call's send and receive buffers at _ADDR + 2p
 _PID, _TOKEN_AT, _TOKEN, _ADDR = 12, 13, 14, 16
+#: the push path (results.py): the fd and ident of the shared buffer the rank's result of
+#: this direct all-reduce is in (fd -1: a private array), and the mask of the local ranks
+#: whose results it wrote its block into
+_RESULT_FD, _RESULT_ID, _PUSHED = 20, 21, 22
 #: collectives of at least this many bytes read peers' arrays directly when every local
 #: rank can (below it the two-copy slots are faster: one wait instead of two or three)
 DIRECT_MIN_BYTES = 256 * 1024
@@ -318,6 +324,9 @@ class ShmGroup:
         self.links = [fabric.links[q] for q in local if q != fabric.rank]
         #: every local rank reads the others' arrays directly (set by topology after probe_direct)
         self.direct = False
+        #: this rank's results of large all-reduces in shared memory, and the peers' mapped here
+        self.results = OwnResults()
+        self.peer_results = PeerResults()
 
     def attach_native(self) -> bool:
         """Publish, spin and compare descriptors in C (the optional ``meshcomm-sockets-native``
@@ -378,6 +387,9 @@ class ShmGroup:
         if self.native is not None:
             self.native.release()  # its hold on the map, before closing it
             self.native = None
+        if hasattr(self, "results"):
+            self.results.close()
+            self.peer_results.close()
         try:
             self.ctrl = np.zeros((0, _LINE), np.int64)  # drop views before closing the map
             self.data = np.zeros(0, np.uint8)
@@ -616,6 +628,20 @@ class ShmGroup:
         all when ranks outnumber cores and every wait costs context switches)."""
         return self.direct and nbytes >= DIRECT_MIN_BYTES and nbytes > self.piece
 
+    def _direct_reduce(self, nbytes: int) -> bool:
+        """An all-reduce of ``nbytes`` takes the direct path (:meth:`_direct_all_reduce`)."""
+        return self.is_direct(nbytes) and (self.n == 2 or nbytes >= SPLIT_MAX_BYTES)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A new array for the result of an all-reduce of this shape and dtype: in shared
+        memory when that call takes the direct path and a shared buffer is free (the peers
+        then write their blocks into it), else an ordinary one."""
+        if self._direct_reduce(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize):
+            res = self.results.empty(shape, dtype)
+            if res is not None:
+                return res
+        return np.empty(shape, dtype)
+
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         f, dt = UFUNCS[op], sendbuf.dtype
         if sendbuf.nbytes <= self.piece:  # one piece (never direct)
@@ -637,7 +663,7 @@ class ShmGroup:
             for v in views[2:]:
                 f(recvbuf, v, out=recvbuf)
             return
-        if self.is_direct(sendbuf.nbytes) and (self.n == 2 or sendbuf.nbytes >= SPLIT_MAX_BYTES):
+        if self._direct_reduce(sendbuf.nbytes):
             self._direct_all_reduce(call, sendbuf, recvbuf, f)
             return
         if self.n > 2:
@@ -835,20 +861,30 @@ class ShmGroup:
                                "MESHCOMM_SOCKETS_DIRECT=0 to copy through shared memory instead.") from None
 
     def _reduce_block(self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray,
-                      f: np.ufunc) -> None:
+                      f: np.ufunc, copies: list[int] | None = None) -> None:
         """``out`` = elements ``first:last`` of every local rank's send buffer combined with
         ``f`` in rank order (the expression of :meth:`_combine`: the same bytes whichever
         path or rank computes them), a chunk at a time read straight from each peer.
-        ``out`` may be this rank's own ``sendbuf[first:last]`` (in place), nothing else of it."""
+        ``out`` may be this rank's own ``sendbuf[first:last]`` (in place), nothing else of it.
+        ``copies``: addresses here (peers' shared results) that get the same bytes."""
         item = sendbuf.itemsize
         kind = self.native_sums.get(sendbuf.dtype) if self.native is not None and f is np.add else None
         if kind is not None:  # one C call: chunks small enough to add from cache
             ctrl = self.ctrl
             where = np.stack((ctrl[:, _PID], ctrl[:, _ADDR + 2 * (self.prev & 1)] + first * item), axis=1)
-            failed = self.native.read_sum(out, sendbuf[first:last], kind, where, _DIRECT_CHUNK_BYTES)
+            failed = self.native.read_sum(out, sendbuf[first:last], kind, where, _DIRECT_CHUNK_BYTES,
+                                          np.array(copies or (), np.int64))
             if failed is not None:
                 self._read_failed(call, failed[0], failed[1], os.strerror(failed[1]))
             return
+        self._reduce_chunks(call, sendbuf, first, last, out, f)
+        for address in copies or ():
+            ctypes.memmove(address, out.ctypes.data, out.nbytes)
+
+    def _reduce_chunks(self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray,
+                       f: np.ufunc) -> None:
+        """:meth:`_reduce_block` in NumPy (any dtype and op), a chunk at a time."""
+        item = sendbuf.itemsize
         per = max(1, _DIRECT_CHUNK_BYTES // item)
         alias = np.may_share_memory(sendbuf[first:last], out)
         # two peers' chunks at once (the first step combines ranks 0 and 1), and in place a
@@ -874,24 +910,54 @@ class ShmGroup:
                 f(acc, part(i, tmp[0]), out=acc)
 
     def _direct_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc) -> None:
-        """Each local rank reduces its block reading the others' inputs, then reads the
-        others' blocks from their outputs: one copy of every byte and three waits."""
+        """Each local rank reduces its block reading the others' inputs and writes it into
+        its result and into every peer's result that is in shared memory (results.py); then
+        it reads the blocks nobody wrote into its result from the others' results. Two
+        waits when every result is shared (one copy of every byte), else three."""
         bounds = algorithms.block_bounds(sendbuf.size, self.n)
         item = sendbuf.itemsize
         if sendbuf.ctypes.data != recvbuf.ctypes.data:  # in place is fine; any other overlap is not
             sendbuf = _apart(sendbuf, recvbuf)
         self._announce(sendbuf, recvbuf)
+        own = self.results.find(recvbuf.ctypes.data, recvbuf.nbytes)
+        w, me = self.words, self._mine
+        w[me + _RESULT_FD], w[me + _RESULT_ID] = (-1, 0) if own is None else (own.fd, own.ident)
         mine = slice(bounds[self.me], bounds[self.me + 1])
-        self._step(call, None, lambda: self._reduce_block(call, sendbuf, mine.start, mine.stop, recvbuf[mine], f))
 
-        def gather() -> None:
+        def reduce() -> None:
+            copies, pushed = self._push_targets(recvbuf.nbytes, mine.start * item)
+            w[me + _PUSHED] = pushed  # read by the peers after the next wait
+            self._reduce_block(call, sendbuf, mine.start, mine.stop, recvbuf[mine], f, copies)
+
+        self._step(call, None, reduce)
+        masks: list[int] = []
+
+        def gather() -> None:  # after the wait: every rank has written its mask
+            masks.extend(w[i * _LINE + _PUSHED] for i in range(self.n))
             for i in range(self.n):
-                if i != self.me and bounds[i] < bounds[i + 1]:
+                if i != self.me and bounds[i] < bounds[i + 1] and not masks[i] >> self.me & 1:
                     self._read(call, i, 1, bounds[i] * item, recvbuf[bounds[i] : bounds[i + 1]])
 
         self._announce(sendbuf, recvbuf)
         self._step(call, None, gather)
-        self._step(call, None, None)  # nobody still reads this rank's arrays
+        everyone = (1 << self.n) - 1
+        if any(m != everyone & ~(1 << i) for i, m in enumerate(masks)):
+            self._step(call, None, None)  # somebody read a result: nobody still does
+
+    def _push_targets(self, nbytes: int, offset: int) -> tuple[list[int], int]:
+        """Where this rank's block goes in the peers' shared results of ``nbytes`` (the
+        block starts ``offset`` bytes in), and the mask of those peers."""
+        copies, mask = [], 0
+        for i in range(self.n):
+            fd = self.words[i * _LINE + _RESULT_FD]
+            if i == self.me or fd < 0:
+                continue
+            address = self.peer_results.address(i, int(self.ctrl[i, _PID]), fd,
+                                                self.words[i * _LINE + _RESULT_ID], nbytes)
+            if address is not None:
+                copies.append(address + offset)
+                mask |= 1 << i
+        return copies, mask
 
 
 #: dtype -> the element kind the compiled channel sums (``Channel.all_sum``)
