@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -106,3 +108,30 @@ def test_a_peer_killed_between_calls_is_named_within_the_timeout(tmp_path):
     reports = _run(tmp_path, 2, ["die"], env={"MLX_TIMEOUT": "10"}, died=(1,))
     assert reports[0]["error"] == "PeerLostError" and reports[0]["peer"] == 1, reports
     assert time.monotonic() - started < 60
+
+
+OPENER = """
+import os, sys
+try:
+    os.open(sys.argv[1], os.O_RDWR)
+    print("opened")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def test_another_user_cannot_open_a_ranks_result_buffer():
+    """The path peers use (/proc/<pid>/fd/<fd>) is closed to a process of another user."""
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root (to run the opener as uid 65534) and /usr/bin/python3")
+    own = OwnResults()
+    try:
+        a = own.empty((1 << 16,), np.dtype(np.float32))
+        path = f"/proc/{os.getpid()}/fd/{own.find(a.ctypes.data, a.nbytes).fd}"
+        other = subprocess.run(["/usr/bin/python3", "-c", OPENER, path], user=65534, group=65534, extra_groups=[],
+                               capture_output=True, text=True, timeout=60, cwd="/")
+        same = subprocess.run([sys.executable, "-c", OPENER, path], capture_output=True, text=True, timeout=60)
+    finally:
+        own.close()
+    assert other.stdout.strip() == "PermissionError", other
+    assert same.stdout.strip() == "opened", "the same user (a peer rank) can open it"
