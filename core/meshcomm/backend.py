@@ -95,7 +95,7 @@ class Backend(abc.ABC):
 
     #: results of at least this many bytes are allocated with :meth:`empty`; smaller ones
     #: with ``np.empty`` (the core skips the method call on small, latency-bound calls)
-    EMPTY_MIN_BYTES = 64 * 1024
+    EMPTY_MIN_BYTES = 256 * 1024
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A new array for the result of an ``all_reduce`` that the core returns to the
