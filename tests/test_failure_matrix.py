@@ -45,9 +45,15 @@ MLX_TIMEOUT = 5.0
 #: seconds allowed on top of MLX_TIMEOUT + 5 s for start-up and the launcher's teardown
 ALLOWANCE = {"sockets": 10.0, "mpi": 12.0, "gloo": 14.0}
 BACKENDS = ("sockets", "mpi", "gloo")
-#: the sockets backend again with 4 MiB arrays (above a slot even with 2 MiB slots): ranks read each other's arrays in place
-#: (process_vm_readv) instead of going through the shared slots
+#: the sockets backend again with 4 MiB arrays (above a slot even with 2 MiB slots): an
+#: all_sum on 3 ranks goes through the split slots piece by piece, all_to_all and gather read
+#: each other's arrays in place (process_vm_readv)
 LARGE = "sockets-4MiB"
+#: ... and with 16 MiB arrays (shm.SPLIT_MAX_BYTES): an all_sum on 3 ranks takes the direct
+#: path, and its results are shared buffers the peers write into (results.py, the push path)
+PUSH = "sockets-16MiB"
+#: float32 elements per array of each large variant
+ELEMENTS = {LARGE: 1 << 20, PUSH: 1 << 22}
 DEATHS = ("raise", "exit3", "exit0", "sigkill", "sigstop")
 MISMATCHES = ("shape", "dtype", "op", "root", "send")
 KINDS = (*DEATHS, *MISMATCHES, "threads")
@@ -120,8 +126,8 @@ def run_job(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
 def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
     marker = f"mcfm-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
-    if backend == LARGE:
-        backend, env["FAILURE_ELEMENTS"] = "sockets", str(1 << 20)
+    if backend in ELEMENTS:
+        backend, env["FAILURE_ELEMENTS"] = "sockets", str(ELEMENTS[backend])
     env.update(MLX_TIMEOUT=f"{MLX_TIMEOUT:g}", PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--backend", backend,
@@ -205,10 +211,10 @@ def _survivor_problems(job: Job, survivors: tuple[int, ...], kind: str, backend:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("backend", [*BACKENDS, LARGE])
+@pytest.mark.parametrize("backend", [*BACKENDS, LARGE, PUSH])
 def test_failure(backend: str, kind: str) -> None:
     job = run_job(backend, kind)
-    large = backend == LARGE
+    large = backend in ELEMENTS
     backend = backend.split("-")[0]
     # with two threads, a rank whose threads happened not to overlap may get a true result
     problems = _timely_and_no_result(job, backend, "RESULT WRONG" if kind == "threads" else "RESULT")

@@ -21,6 +21,7 @@ cannot open a peer's, only makes that call fall back to reading.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
@@ -76,7 +77,7 @@ class OwnResults:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """An uninitialised array of ``shape`` and ``dtype`` on a free shared buffer, or None
         when every buffer is still in the caller's hands or memfd is unavailable."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         free = [b for b in self._buffers if not _in_use(b)]
         fits = [b for b in free if b.size >= nbytes]
         buf = min(fits, key=lambda b: b.size) if fits else None
@@ -115,20 +116,16 @@ class OwnResults:
         return buf
 
     def _drop(self, buf: Buffer) -> None:
+        """Forget ``buf``; an array the caller still holds on it keeps the memory."""
         self._buffers.remove(buf)
         os.close(buf.fd)
-        try:
+        if not _in_use(buf):
             buf.map.close()
-        except BufferError:  # pragma: no cover - only free buffers are dropped
-            pass
 
     def close(self) -> None:
         """Let every buffer go; arrays the caller still holds keep their memory."""
         for buf in list(self._buffers):
-            self._buffers.remove(buf)
-            os.close(buf.fd)
-            if not _in_use(buf):
-                buf.map.close()
+            self._drop(buf)
 
 
 class PeerResults:

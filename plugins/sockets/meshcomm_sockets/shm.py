@@ -41,6 +41,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -636,7 +637,8 @@ class ShmGroup:
         """A new array for the result of an all-reduce of this shape and dtype: in shared
         memory when that call takes the direct path and a shared buffer is free (the peers
         then write their blocks into it), else an ordinary one."""
-        if self._direct_reduce(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._direct_reduce(nbytes):
             res = self.results.empty(shape, dtype)
             if res is not None:
                 return res
@@ -872,8 +874,8 @@ class ShmGroup:
         if kind is not None:  # one C call: chunks small enough to add from cache
             ctrl = self.ctrl
             where = np.stack((ctrl[:, _PID], ctrl[:, _ADDR + 2 * (self.prev & 1)] + first * item), axis=1)
-            failed = self.native.read_sum(out, sendbuf[first:last], kind, where, _DIRECT_CHUNK_BYTES,
-                                          np.array(copies or (), np.int64))
+            extra = (np.array(copies, np.int64),) if copies else ()
+            failed = self.native.read_sum(out, sendbuf[first:last], kind, where, _DIRECT_CHUNK_BYTES, *extra)
             if failed is not None:
                 self._read_failed(call, failed[0], failed[1], os.strerror(failed[1]))
             return
