@@ -49,7 +49,7 @@ BACKENDS = ("sockets", "mpi", "gloo")
 #: all_sum on 3 ranks goes through the split slots piece by piece, all_to_all and gather read
 #: each other's arrays in place (process_vm_readv)
 LARGE = "sockets-4MiB"
-#: ... and with 16 MiB arrays (shm.SPLIT_MAX_BYTES): an all_sum on 3 ranks takes the direct
+#: ... and with 16 MiB arrays (shm.DIRECT_REDUCE_MIN_BYTES): an all_sum on 3 ranks takes the direct
 #: path, and its results are shared buffers the peers write into (results.py, the push path)
 PUSH = "sockets-16MiB"
 #: float32 elements per array of each large variant

@@ -94,7 +94,8 @@ class Backend(abc.ABC):
             raise errors[0]
 
     #: results of at least this many bytes are allocated with :meth:`empty`; smaller ones
-    #: with ``np.empty`` (the core skips the method call on small, latency-bound calls)
+    #: with ``np.empty`` (the core skips the method call on small, latency-bound calls). A
+    #: backend whose :meth:`empty` only matters from some larger size raises it
     EMPTY_MIN_BYTES = 256 * 1024
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -255,7 +255,7 @@ class Group:
         def run() -> np.ndarray:
             if o is not None:
                 res = o
-            elif a.nbytes < Backend.EMPTY_MIN_BYTES:
+            elif a.nbytes < backend.EMPTY_MIN_BYTES:
                 res = np.empty(a.shape, a.dtype)
             else:
                 res = backend.empty(a.shape, a.dtype)

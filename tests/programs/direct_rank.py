@@ -23,8 +23,8 @@ print(json.dumps({"rank": r, "path": path.name, "direct": getattr(getattr(path, 
       flush=True)
 
 if sys.argv[1:] == ["mismatch"]:
-    try:  # rank 0 takes the direct path (1 MiB), the others the slots (8 B)
-        mc.all_sum(np.ones((1 << 18) if r == 0 else 2, np.float32))
+    try:  # rank 0 takes the direct path (16 MiB), the others the slots (8 B)
+        mc.all_sum(np.ones((1 << 22) if r == 0 else 2, np.float32))
         print(json.dumps({"error": None}), flush=True)
     except mc.DistributedError as exc:
         print(json.dumps({"error": type(exc).__name__}), flush=True)
@@ -78,11 +78,18 @@ for count_bytes in (limit - 4, limit, 3 * limit + 12, (4 << 20) + 8):
                 assert np.array_equal(got, np.concatenate(xs)), f"rank {r}: gather"
             part = mc.scatter(x, root=root)
             assert np.array_equal(part, xs[root][r * m : (r + 1) * m]), f"rank {r}: scatter from {root}"
-# on 3+ ranks all_sum reads peers directly only from 16 MiB (below it the split slots win)
-count = ((16 << 20) + 12) // 4
-count -= count % n
-xs = [inputs(q, count, np.float32) for q in range(n)]
-got = mc.all_sum(xs[r])
-same(got, np.sum(xs, axis=0), f"all_sum {count} x float32")
-digest.update(got.tobytes())
+# all-reduces read peers directly only from 16 MiB (shm.DIRECT_REDUCE_MIN_BYTES; below it
+# the slots win); blocks of unequal size, every dtype, in place and all_max
+for dtype in (np.float32, np.float64, np.int64):
+    count = (16 << 20) // np.dtype(dtype).itemsize + 3  # not a multiple of 2, 3 or 4 ranks
+    xs = [inputs(q, count, dtype) for q in range(n)]
+    total = sum(xs[1:], xs[0].copy()) if np.dtype(dtype).kind != "f" else np.sum(xs, axis=0)
+    got = mc.all_sum(xs[r])
+    same(got, total, f"all_sum {count} x {dtype.__name__}")
+    digest.update(got.tobytes())
+    y = xs[r].copy()
+    mc.all_sum(y, out=y)
+    assert np.array_equal(y, got), f"rank {r}: in-place all_sum differs from all_sum"
+    same(mc.all_max(xs[r]), np.max(xs, axis=0), "all_max")
+    del xs, total, got, y
 print(json.dumps({"digest": digest.hexdigest()}), flush=True)

@@ -22,8 +22,8 @@ from meshcomm_sockets.shm import _PUSHED
 g = mc.init(strict=True)
 r, n = g.rank(), g.size()
 shm = getattr(g.transport.path, "shm", None)
-# on 3+ local ranks all_sum takes the direct path from 16 MiB (below it the split slots)
-count = ((16 << 20) + 4 * 12) // 4 if n > 2 else (1 << 20) + 12
+# all_sum takes the direct path from 16 MiB (shm.DIRECT_REDUCE_MIN_BYTES; below it the slots)
+count = ((16 << 20) + 4 * 12) // 4
 digest = hashlib.sha256()
 
 

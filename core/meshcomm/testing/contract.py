@@ -112,11 +112,13 @@ def check_large_and_noncontiguous(g: mc.Group) -> None:
         _identical_everywhere(g, got, f"all_sum({dt}, {LARGE} elements)")
         got = mc.all_max(inputs[r], group=g)
         _same(got, _expect("max", inputs), f"all_max({dt}, {LARGE} elements)", r)
-    # results the caller keeps are its own: later calls leave every one of them alone
-    kept = [mc.all_sum(rank_input(r, (LARGE,), np.float32, salt=k), group=g) for k in range(4)]
+    # results the caller keeps are its own: later calls leave every one of them alone (large
+    # enough that the backend allocates them with its own empty())
+    big = max(LARGE, g.transport.EMPTY_MIN_BYTES // 4 + 13)
+    kept = [mc.all_sum(rank_input(r, (big,), np.float32, salt=k), group=g) for k in range(4)]
     for k, got in enumerate(kept):
         assert got.flags.c_contiguous and got.flags.writeable, f"rank {r}: all_sum result {k} is read-only"
-        _same(got, _expect("sum", [rank_input(q, (LARGE,), np.float32, salt=k) for q in range(n)]),
+        _same(got, _expect("sum", [rank_input(q, (big,), np.float32, salt=k) for q in range(n)]),
               f"all_sum result {k} kept across later calls", r)
     # strided and transposed views, Fortran order
     base = [rank_input(q, (6, 10), np.float32) for q in range(n)]

@@ -25,6 +25,7 @@ from meshcomm.plugin import UFUNCS, Backend, algorithms, dtype_code
 from . import wire
 from .engine import Call, Fabric, Link, as_bytes
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
+from .shm import DIRECT_REDUCE_MIN_BYTES
 
 __all__ = ["SocketsBackend", "RING_MIN_BYTES", "FRAME_BYTES"]
 
@@ -163,6 +164,9 @@ class SocketsBackend(Backend):
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
         with self._op("scatter", recvbuf, root) as call:  # recvbuf: the same size on every rank
             self.path.scatter(call, sendbuf, recvbuf, root)
+
+    #: results in shared memory only pay on the direct path (shm.DIRECT_REDUCE_MIN_BYTES)
+    EMPTY_MIN_BYTES = DIRECT_REDUCE_MIN_BYTES
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return self.path.empty(shape, dtype)

@@ -94,9 +94,10 @@ DIRECT_MIN_BYTES = 256 * 1024
 #: combines its block of every slot, then copies the others' (ShmGroup._split_all_reduce;
 #: below it one wait with every rank combining everything is faster)
 SPLIT_MIN_BYTES = 128 * 1024
-#: ... and below this size they stay on the split slots, piece by piece, even when direct
-#: reads are possible (measured faster on 3 and 4 ranks sharing 2 cores up to 8-16 MiB)
-SPLIT_MAX_BYTES = 16 << 20
+#: all-reduces below this size stay on the slots (split on 3+ ranks), piece by piece, even
+#: when direct reads are possible: measured faster up to 8-16 MiB on 2, 3 and 4 ranks, and
+#: on 2 ranks with a busy process 1.7-4x faster at 1-8 MiB (docs/sockets.md)
+DIRECT_REDUCE_MIN_BYTES = 16 << 20
 #: bytes a rank reduces per direct read (a peer's chunk is read into a buffer this size; in
 #: C, 64 KiB-256 KiB measured the same at 1 MiB and 256 KiB best from 4 MiB up)
 _DIRECT_CHUNK_BYTES = 256 * 1024
@@ -631,7 +632,7 @@ class ShmGroup:
 
     def _direct_reduce(self, nbytes: int) -> bool:
         """An all-reduce of ``nbytes`` takes the direct path (:meth:`_direct_all_reduce`)."""
-        return self.is_direct(nbytes) and (self.n == 2 or nbytes >= SPLIT_MAX_BYTES)
+        return self.is_direct(nbytes) and nbytes >= DIRECT_REDUCE_MIN_BYTES
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A new array for the result of an all-reduce of this shape and dtype: in shared
