@@ -68,7 +68,8 @@ class SocketsSettings(JobSecretSettings):
     direct: bool = setting(
         True, env="MESHCOMM_SOCKETS_DIRECT", accepts="1/0, true/false",
         description="ranks on the same host read each other's arrays in place (process_vm_readv) for "
-        "collectives of 256 KiB and more: one copy instead of two (0: always copy through shared memory)",
+        "collectives of 256 KiB and more (all-reduces from 16 MiB): one copy instead of two (0: always copy "
+        "through shared memory)",
     )
     native: bool = setting(
         True, env="MESHCOMM_SOCKETS_NATIVE", accepts="1/0, true/false",
