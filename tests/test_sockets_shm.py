@@ -4,6 +4,7 @@ it (alone and hierarchical across hosts), dead peers detected, nothing left in /
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -141,3 +142,26 @@ def test_launcher_removes_segments_of_a_job_that_died_during_start_up(tmp_path):
     assert _segments() == before
 
 
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("native", ["all", "mixed"])
+@pytest.mark.parametrize("late", [False, True])
+def test_small_sums_in_one_c_call_keep_the_call_numbers_of_every_other_path(tmp_path, n, native, late):
+    """A small all_sum on the compiled channel runs without the Python call descriptor
+    (ShmGroup.quick_sum): between calls of every other path, with late peers, and with ranks
+    on the pure-Python loop ("mixed": rank 1), every result is right, and a mismatch names
+    one call number for every rank, the same on every rank."""
+    pytest.importorskip("meshcomm_sockets_native", reason="meshcomm-sockets-native is not installed")
+    rank_env = {1: {"MESHCOMM_SOCKETS_NATIVE": "0"}} if native == "mixed" else None
+    results = _run(n, tmp_path, rank_env=rank_env, args=[PROG, "numbering", *(["late"] if late else [])])
+    infos = _infos(results)
+    assert [i["native"] for i in infos] == [native == "all" or r != 1 for r in range(n)]
+    numbers = set()
+    for r, (rc, out, err) in results.items():
+        report = json.loads(out.splitlines()[-1])
+        assert rc == 0 and report["results"] is True, (r, out, err[-2000:])
+        named = re.findall(r"all_sum #(\d+)", report["error"])
+        assert len(named) == 2 and "float32" in report["error"] and "float64" in report["error"], (r, report)
+        numbers.update(named)
+    assert len(numbers) == 1, f"every rank and peer must be at the same call number: {numbers}"

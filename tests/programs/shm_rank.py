@@ -1,6 +1,6 @@
 """A rank for the shared-memory tests: report the path, then run a mode.
 
-usage: shm_rank.py MODE  (ok | loop | kill | wake-ended)
+usage: shm_rank.py MODE  (ok | loop | kill | wake-ended | numbering [late])
 """
 
 import json
@@ -56,6 +56,29 @@ elif mode == "wake-ended":  # 2 ranks: waking a rank whose FIFO nobody reads any
             outcome = f"PeerLostError peer={exc.peer}"
         shm.seq -= 1
         print(json.dumps({"ahead": outcome}), flush=True)
+elif mode == "numbering":  # numbering [late]
+    # small all_sums (one C call each, no Call object made) between calls of every other
+    # path, with late peers (a sleep, a wake-up); then a mismatch (rank 1 late with "late"),
+    # whose message names each rank's call number
+    total = n * (n + 1) // 2
+    ok = True
+    for i in range(12):
+        if r == 1 and i in (3, 7):
+            time.sleep(0.3)  # beyond the spin: the others sleep, then rank 1 wakes them
+        ok &= bool(np.all(mc.all_sum(np.full(3, r + 1.0, np.float32)) == total))
+        ok &= bool(np.all(mc.all_max(np.full(3, r + 1, np.int64)) == n))
+        ok &= bool(np.all(mc.all_sum(np.full(3, r + 1, np.float16)) == total))  # not summed in C
+        ok &= bool(np.all(mc.all_sum(np.full(1 << 16, r + 1, np.int32)) == total))  # 256 KiB
+        ok &= bool(np.all(mc.all_gather(np.full(2, r, np.int32)) == np.repeat(np.arange(n), 2)))
+        g.barrier()
+    if r == 1 and sys.argv[2:] == ["late"]:
+        time.sleep(0.3)
+    try:
+        mc.all_sum(np.ones(2, np.float64 if r == 1 else np.float32))
+        error = "no error"
+    except mc.CollectiveMismatchError as exc:
+        error = str(exc)
+    print(json.dumps({"results": ok, "error": error}), flush=True)
 else:
     got = mc.all_sum(np.full(5, r + 1.0))
     assert (got == n * (n + 1) / 2).all(), got

@@ -16,6 +16,7 @@ numbers calls and picks nothing per operation.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -40,6 +41,9 @@ class Path(Protocol):
 
     #: ``tcp``, ``local`` or ``hier``
     name: str
+    #: the all_sum of a small call without a :class:`Call` object (``ShmGroup.quick_sum``:
+    #: sendbuf, recvbuf, group id, call number, label -> done), or None on paths without one
+    quick_sum: Callable[[np.ndarray, np.ndarray, int, int, str], bool] | None
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
     def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
@@ -57,6 +61,7 @@ class TcpPath:
     """Every collective of ``group`` over its TCP links."""
 
     name = "tcp"
+    quick_sum: Callable[[np.ndarray, np.ndarray, int, int, str], bool] | None = None
 
     def __init__(self, group: SocketsBackend) -> None:
         self.group = group
@@ -183,6 +188,7 @@ class LocalPath(TcpPath):
     def __init__(self, group: SocketsBackend, shm: ShmGroup) -> None:
         super().__init__(group)
         self.shm = shm
+        self.quick_sum = shm.quick_sum
 
     def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.shm.is_direct(sendbuf.nbytes):

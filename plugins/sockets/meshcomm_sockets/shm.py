@@ -64,10 +64,11 @@ from meshcomm.plugin import (
     DistributedError,
     PeerLostError,
     algorithms,
+    dtype_code,
     reducer,
 )
 
-from . import cma
+from . import cma, wire
 from .engine import Call, Fabric, _describe
 from .results import OwnResults, PeerResults
 
@@ -652,19 +653,9 @@ class ShmGroup:
                 self._split_all_reduce(call, sendbuf, recvbuf, f)
                 return
             # the latency path: one wait, every rank combines every slot
-            parity = self.seq & 1  # of the piece this call publishes
-            done = self._native_sum(call, sendbuf, recvbuf) if op == "sum" else None
-            if done:
+            if op == "sum" and self.quick_sum(sendbuf, recvbuf, call.group, call.seq, call.label, call):
                 return
-            key = (parity, dt, sendbuf.size)
-            views = self._small.get(key)
-            if views is None:
-                views = self._small_views(key)
-            if done is None:  # nothing published yet
-                self._step(call, sendbuf, None)
-            f(views[0], views[1], out=recvbuf)
-            for v in views[2:]:
-                f(recvbuf, v, out=recvbuf)
+            self._slots_reduce(call, sendbuf, recvbuf, f, self.seq & 1, publish=True)
             return
         if self._direct_reduce(sendbuf.nbytes):
             self._direct_all_reduce(call, sendbuf, recvbuf, f)
@@ -677,26 +668,45 @@ class ShmGroup:
         self._run(call, sendbuf, sendbuf.size, True,
                   lambda k, lo, hi: self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi]))
 
-    def _native_sum(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool | None:
-        """The one-piece all_sum of a dtype the compiled channel sums (:attr:`native_sums`) in
-        one C call: publish, spin, compare, sum. True when done; None when it does not apply
-        (nothing published); False when it published and waited but left the sum to the
-        caller (there were peers to wake, or a sleep: the Python steps handle those; a
-        mismatch raises)."""
+    def _slots_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc, parity: int,
+                      *, publish: bool) -> None:
+        """The one-piece all-reduce in Python: publish ``sendbuf`` (unless already
+        published) and wait, then combine every local rank's slot of ``parity`` in rank order."""
+        key = (parity, sendbuf.dtype, sendbuf.size)
+        views = self._small.get(key)
+        if views is None:
+            views = self._small_views(key)
+        if publish:
+            self._step(call, sendbuf, None)
+        f(views[0], views[1], out=recvbuf)
+        for v in views[2:]:
+            f(recvbuf, v, out=recvbuf)
+
+    def quick_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, group_id: int, cseq: int, label: str,
+                  call: Call | None = None) -> bool:
+        """The all_sum numbered ``cseq`` in group ``group_id`` (``label``) when it is one piece
+        of a dtype the compiled channel sums (:attr:`native_sums`): publish, spin, compare
+        and sum in one C call. The latency path of a small call: ``call`` (its
+        :class:`Call`) is made only if the C call leaves work to Python (peers to wake, a
+        sleep, a mismatch). False when it does not apply: nothing was published, take
+        :meth:`all_reduce`."""
         nat = self.native
         kind = self.native_sums.get(sendbuf.dtype) if nat is not None else None
-        if kind is None:
-            return None
+        nbytes = sendbuf.nbytes
+        if kind is None or nbytes > self.piece or (nbytes >= SPLIT_MIN_BYTES and self.n > 2):
+            return False
         fab = self.fabric
         fab.check()
+        dcode, total = dtype_code(sendbuf.dtype), sendbuf.size
         prev = self.seq
         seq = prev % SEQ_WRAP + 1
-        d = _DESC_AT[prev & 1]
-        status = nat.all_sum(sendbuf, recvbuf, kind, d, call.op, call.dtype, call.total, call.seq, call.arg,
+        status = nat.all_sum(sendbuf, recvbuf, kind, _DESC_AT[prev & 1], _ALL_SUM, dcode, total, cseq, 0,
                              seq, prev, fab.spin_ns, fab.yielding)
         self.prev, self.seq = prev, seq
         if status == 0:
             return True
+        if call is None:
+            call = Call(group_id, cseq, _ALL_SUM, dcode, total, label)
         try:
             if status == 1:
                 self._wake_sleepers(call)
@@ -708,7 +718,8 @@ class ShmGroup:
         except DistributedError as exc:
             fab.fail(exc)
             raise
-        return False
+        self._slots_reduce(call, sendbuf, recvbuf, np.add, prev & 1, publish=False)
+        return True
 
     def _split_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc) -> None:
         """One piece in two waits: every rank copies its input into its slot; each combines
@@ -962,6 +973,9 @@ class ShmGroup:
                 mask |= 1 << i
         return copies, mask
 
+
+#: the wire code of all_sum (what :meth:`ShmGroup.quick_sum` publishes)
+_ALL_SUM = wire.OP_CODES["all_sum"]
 
 #: dtype -> the element kind the compiled channel sums (``Channel.all_sum``)
 _NATIVE_SUMS = {np.dtype(t): k for t, k in ((np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
