@@ -142,8 +142,6 @@ def test_launcher_removes_segments_of_a_job_that_died_during_start_up(tmp_path):
     assert _segments() == before
 
 
-
-
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("native", ["all", "mixed"])
 @pytest.mark.parametrize("late", [False, True])
