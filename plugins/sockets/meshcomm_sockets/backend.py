@@ -137,7 +137,7 @@ class SocketsBackend(Backend):
             return
         quick = self.path.quick_sum
         if quick is not None and op == "sum":
-            seq = (self._seq + 1) & wire.SEQ_MASK  # the next call's number, taken if quick_sum applies
+            seq = (self._seq + 1) & wire.SEQ_MASK  # as in _new_call; taken only if quick_sum applies
             if quick(sendbuf, recvbuf, self.gid, seq, self.label):
                 self._seq = seq
                 return

@@ -34,6 +34,8 @@ __all__ = ["Path", "TcpPath", "LocalPath", "HostsPath", "RING_MIN_BYTES", "FRAME
 RING_MIN_BYTES = 256 * 1024
 #: largest frame of a plain transfer (the header's size field is 32 bits)
 FRAME_BYTES = 1 << 26
+#: ``ShmGroup.quick_sum``: (sendbuf, recvbuf, group id, call number, label) -> done
+QuickSum = Callable[[np.ndarray, np.ndarray, int, int, str], bool]
 
 
 class Path(Protocol):
@@ -41,9 +43,8 @@ class Path(Protocol):
 
     #: ``tcp``, ``local`` or ``hier``
     name: str
-    #: the all_sum of a small call without a :class:`Call` object (``ShmGroup.quick_sum``:
-    #: sendbuf, recvbuf, group id, call number, label -> done), or None on paths without one
-    quick_sum: Callable[[np.ndarray, np.ndarray, int, int, str], bool] | None
+    #: the all_sum of a small call without a :class:`Call` object, or None on paths without one
+    quick_sum: QuickSum | None
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
     def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
@@ -61,7 +62,7 @@ class TcpPath:
     """Every collective of ``group`` over its TCP links."""
 
     name = "tcp"
-    quick_sum: Callable[[np.ndarray, np.ndarray, int, int, str], bool] | None = None
+    quick_sum: QuickSum | None = None
 
     def __init__(self, group: SocketsBackend) -> None:
         self.group = group
