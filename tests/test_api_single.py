@@ -49,6 +49,9 @@ def test_unsupported_dtypes_are_rejected_before_communication(solo):
 
 
 def test_point_to_point_needs_a_peer(solo):
+    # a process started without a launcher is alone: the error says how to start more ranks
+    with pytest.raises(ValueError, match=r"size 1: there is no other rank\. This process runs alone.*meshcomm launch -n N"):
+        mc.send(np.zeros(2), 1)
     with pytest.raises(ValueError, match="size 1"):
         mc.send(np.zeros(2), 0)
     with pytest.raises(ValueError, match="size 1"):

@@ -13,6 +13,7 @@ shared with ``test_launch_multihost.py``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -379,7 +380,37 @@ BAD_ARGS = {
     "hostfile missing": (["-n", "1", "--hostfile", "{hf}.nothere", "prog.py"], None, ["{hf}.nothere", "cannot be read"]),
     "unknown backend": (["-n", "1", "--backend", "nosuchbackend", "prog.py"], None, ["nosuchbackend", "sockets"]),
     "no program": (["-n", "2"], None, ["no program"]),
+    # what the ranks would reject, refused before any starts
+    "negative --timeout": (["-n", "2", "--timeout", "-5", str(RANK_PROG), "whoami"], None, ["--timeout -5", "> 0"]),
+    "program file missing": (["-n", "2", "{hf}.nothere.py"], None, ["{hf}.nothere.py", "does not exist"]),
+    "program file missing after python": (["-n", "2", "--", "python3", "{hf}.nothere.py"], None,
+                                          ["{hf}.nothere.py", "does not exist"]),
+    "command not found": (["-n", "2", "--", "no-such-command-4711", "x"], None, ["no-such-command-4711", "not found"]),
 }
+
+#: the same, from the launcher's environment: (environment, extra arguments, words of the error)
+BAD_ENV = {
+    "MLX_BACKEND typo": ({"MLX_BACKEND": "sokets"}, [], ["MLX_BACKEND=sokets", "unknown backend 'sokets'", "sockets"]),
+    "MLX_BACKEND against the hostfile": ({"MLX_BACKEND": "mpi"}, ["--hostfile", "{hf}"],
+                                         ["MLX_BACKEND=mpi", "hostfile's backend 'gloo'", "--backend"]),
+    "--env MLX_BACKEND against --backend": ({}, ["--backend", "sockets", "--env", "MLX_BACKEND=gloo"],
+                                            ["--backend sockets", "MLX_BACKEND=gloo", "disagree"]),
+    "MLX_TIMEOUT not a number": ({"MLX_TIMEOUT": "abc"}, [], ["MLX_TIMEOUT='abc' is invalid", "seconds"]),
+    "MLX_DEBUG not a boolean": ({"MLX_DEBUG": "maybe"}, [], ["MLX_DEBUG='maybe'", "true/false"]),
+    "--env MESHCOMM_STALL_AFTER negative": ({}, ["--env", "MESHCOMM_STALL_AFTER=-1"], ["MESHCOMM_STALL_AFTER='-1'"]),
+    "backend setting": ({"MESHCOMM_SOCKETS_CHUNK_KIB": "lots"}, [], ["MESHCOMM_SOCKETS_CHUNK_KIB='lots'"]),
+}
+
+
+def _one_line_error(p: subprocess.CompletedProcess[bytes], words: list[str], piddir: Path) -> None:
+    """Exit 2, one ``meshcomm launch: error:`` line holding ``words``, and no rank started."""
+    assert p.returncode == 2, show(p)
+    err = p.stderr.decode().strip().splitlines()
+    assert len(err) == 1, f"expected a one-line error:\n{show(p)}"
+    assert err[0].startswith("meshcomm launch: error: "), show(p)
+    for w in words:
+        assert w in err[0], f"{w!r} not in {err[0]!r}"
+    assert p.stdout == b"" and not recorded_pids(piddir), "a rank was started"
 
 
 @pytest.mark.parametrize("case", list(BAD_ARGS))
@@ -389,13 +420,19 @@ def test_bad_arguments_exit_2_with_one_line(case: str, tmp_path: Path) -> None:
     if hostfile is not None:
         hf.write_text(hostfile)
     p = run_launch(*(a.replace("{hf}", str(hf)) for a in args), piddir=tmp_path)
-    assert p.returncode == 2, show(p)
-    err = p.stderr.decode().strip().splitlines()
-    assert len(err) == 1, f"expected a one-line error:\n{show(p)}"
-    assert err[0].startswith("meshcomm launch: error: "), show(p)
-    for w in words:
-        assert w.replace("{hf}", str(hf)) in err[0], f"{w!r} not in {err[0]!r}"
-    assert p.stdout == b"" and not recorded_pids(tmp_path), "a rank was started"
+    _one_line_error(p, [w.replace("{hf}", str(hf)) for w in words], tmp_path)
+
+
+@pytest.mark.parametrize("case", list(BAD_ENV))
+def test_bad_settings_in_the_environment_exit_2_before_any_rank(case: str, tmp_path: Path) -> None:
+    env, args, words = BAD_ENV[case]
+    hf = tmp_path / "hosts.json"
+    hf.write_text(json.dumps({"backend": "gloo", "hosts": [{"ssh": "localhost", "slots": 2}]}))
+    argv = [a.replace("{hf}", str(hf)) for a in args]
+    if "--hostfile" not in argv:
+        argv = ["-n", "2", *argv]
+    p = run_launch(*argv, str(RANK_PROG), "whoami", piddir=tmp_path, env=env)
+    _one_line_error(p, words, tmp_path)
 
 
 # -- failures and signals --------------------------------------------------------------------------

@@ -122,11 +122,16 @@ def test_exit_code_of_the_failing_rank_is_the_jobs(backend: str, tmp_path: Path)
 # -- a timeout shows every rank's stack ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("form", ["prog.py", "-- python prog.py"])
 @pytest.mark.parametrize("backend", backend_param("sockets", "mpi", "gloo", "mpich"))
-def test_timeout_prints_every_ranks_stack(backend: str, tmp_path: Path) -> None:
-    """Rank 1 sleeps in ``stuck_here`` while 0 and 2 wait in all_sum until MLX_TIMEOUT."""
+def test_timeout_prints_every_ranks_stack(backend: str, form: str, tmp_path: Path) -> None:
+    """Rank 1 sleeps in ``stuck_here`` while 0 and 2 wait in all_sum until MLX_TIMEOUT; the
+    stacks come however the ranks were started (through the rank runner, or as a command
+    ``-- python prog.py``, where ``meshcomm.init`` installs the handler)."""
     timeout = 4
-    p, took = run_job(backend, "-n", "3", "--timeout", str(timeout), str(PROG), "stuck", "1", piddir=tmp_path)
+    python = str(MPICH_PY) if backend == "mpich" else sys.executable
+    program = [str(PROG)] if form == "prog.py" else ["--", python, str(PROG)]
+    p, took = run_job(backend, "-n", "3", "--timeout", str(timeout), *program, "stuck", "1", piddir=tmp_path)
     assert p.returncode == 1, show(p)
     assert b"every rank's Python stack follows" in p.stderr, show(p)
     frame = re.compile(r'File "[^"]*launch_jobs\.py", line \d+,? in (\w+)')

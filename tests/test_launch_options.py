@@ -161,6 +161,22 @@ def test_backend_option_overrides_the_hostfile(how: list[str], want: str, tmp_pa
         assert info["backend"] == want and info["MLX_BACKEND"] == want, info
 
 
+@pytest.mark.skipif(bool(_reason("gloo")), reason=str(_reason("gloo")))
+@pytest.mark.parametrize("env,how,want", [
+    ({"MLX_BACKEND": "gloo"}, [], "gloo"),
+    ({"MLX_BACKEND": " GLOO "}, [], "gloo"),  # normalised as init() normalises it
+    ({"MLX_BACKEND": "gloo"}, ["--backend", "sockets"], "sockets"),
+    ({"MLX_BACKEND": "any"}, [], "sockets"),  # MLX_BACKEND's default names no backend
+    ({"MLX_BACKEND": "sockets"}, ["--env", "MLX_BACKEND=gloo"], "gloo"),
+], ids=["exported", "exported-spaced-upper", "--backend-overrides", "any-is-the-default", "--env-overrides"])
+def test_exported_mlx_backend_chooses_the_backend(env: dict[str, str], how: list[str], want: str,
+                                                  tmp_path: Path) -> None:
+    p = run_launch("-n", "2", *how, prog(tmp_path), piddir=tmp_path, env=env)
+    assert p.returncode == 0, show(p)
+    for info in envs(p.stdout, 2).values():
+        assert info["backend"] == want and info["MLX_BACKEND"] == want, info
+
+
 # -- rank variables and prefix on every backend -------------------------------------------------
 
 

@@ -22,8 +22,10 @@ to blame.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-__all__ = ["JOB_DIR_ENV", "install", "end_rank", "failure_record", "read_records", "rank_from_env"]
+__all__ = ["JOB_DIR_ENV", "STACKS_FILE", "install", "install_stack_dump", "end_rank", "failure_record", "read_records", "rank_from_env"]
 
 #: set by ``meshcomm launch``: the job's directory, where ranks leave their failure records
 JOB_DIR_ENV = "MESHCOMM_JOB_DIR"
@@ -40,8 +42,13 @@ JOB_DIR_ENV = "MESHCOMM_JOB_DIR"
 #: rank variables of the launchers a rank may run under, in the order they are trusted
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
+#: ``<MESHCOMM_JOB_DIR>/pids/stacks-<R>.pid``: rank R's process prints its Python stacks on
+#: SIGUSR1 (the launcher sends it on a timeout only to processes that wrote this file)
+STACKS_FILE = "stacks-{rank}.pid"
+
 _lock = threading.Lock()
 _installed = False
+_stacks_installed = False
 _ended = False
 _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
 
@@ -58,6 +65,40 @@ def install() -> None:
         _installed = True
         _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
+
+
+def install_stack_dump(rank: int) -> None:
+    """``SIGUSR1`` prints every thread's Python stack to stderr, however this rank was started
+    (the rank runner, ``-- python prog.py``, mpirun, srun, torchrun), unless the program
+    handles ``SIGUSR1`` itself; under ``meshcomm launch`` the process then says so in the
+    job's directory (:data:`STACKS_FILE`), so that a timed-out job's launcher asks it for its
+    stacks. Once per process; the first call's rank is recorded."""
+    global _stacks_installed
+    with _lock:
+        if _stacks_installed:
+            return
+        _stacks_installed = True
+    try:
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            return  # the program's own handler stays
+    except ValueError:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return  # no usable stderr (e.g. closed): no stacks, nothing else changes
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return
+    folder = os.path.join(job_dir, "pids")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        tmp = os.path.join(folder, f".stacks.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, os.path.join(folder, STACKS_FILE.format(rank=rank)))
+    except OSError:
+        pass  # the launcher will not ask this rank for stacks; nothing else changes
 
 
 def _excepthook(etype: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:

@@ -425,16 +425,21 @@ class Group:
         return self._submit("broadcast", run, async_op, a)
 
     # -- point-to-point -----------------------------------------------------------------
-    def send(self, x: Any, dst: int, *, async_op: bool = False) -> None | Work[None]:
-        """Send ``x`` to rank ``dst``; received in order by ``recv``/``recv_like`` from this rank."""
+    def send(self, x: Any, dst: int, *, async_op: bool = False) -> Any:
+        """Send ``x`` to rank ``dst``; received in order by ``recv``/``recv_like`` from this rank.
+
+        Returns ``x`` itself once it is sent (as MLX's ``send`` returns its array, so code that
+        orders work by the returned value ports unchanged); ``Work`` whose ``wait()`` returns
+        ``x`` when ``async_op``."""
         a = as_array(x)
         dst = self._peer(dst, "dst")
         flat = _flat(a)
 
-        def run() -> None:
+        def run() -> Any:
             if self._debug:
                 _debug.check_send(self._b, self._where(), a.shape, flat.dtype, dst)
             self._b.send(flat, dst)
+            return x
 
         return self._submit("send", run, async_op, a, dst)
 
@@ -552,7 +557,10 @@ class Group:
     def _peer(self, value: Any, what: str, *, allow_self: bool = False) -> int:
         peer = _index(value, what)
         if self._size == 1 and not allow_self:
-            raise ValueError(f"cannot use {what}={peer} in a group of size 1: there is no other rank")
+            alone = (" This process runs alone (nothing started it as one rank of a job): start several "
+                     "ranks with 'meshcomm launch -n N program.py', or mpirun/srun/torchrun (docs/launch.md)"
+                     if self._label == "world" else "")
+            raise ValueError(f"cannot use {what}={peer} in a group of size 1: there is no other rank.{alone}")
         if not 0 <= peer < self._size:
             raise ValueError(
                 f"invalid {what}={peer} for a group of size {self._size} (rank {self._rank}); "

@@ -58,7 +58,8 @@ def broadcast(x: Any, root: int = 0, *, group: Group | None = None, out: Out = N
 
 
 def send(x: Any, dst: int, *, group: Group | None = None, async_op: bool = False) -> Any:
-    """Send ``x`` to rank ``dst``; received in order by ``recv``/``recv_like`` from this rank."""
+    """Send ``x`` to rank ``dst``; received in order by ``recv``/``recv_like`` from this rank.
+    Returns ``x`` once sent (like MLX's ``send``), or ``Work`` when ``async_op``."""
     return _g(group).send(x, dst, async_op=async_op)
 
 

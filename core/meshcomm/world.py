@@ -50,6 +50,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         if started != "single":
             # An uncaught exception on this rank tells its peers and the launcher (exits.py).
             exits.install()
+            exits.install_stack_dump(transport.rank())
             if config.keep_memory:
                 keep_freed_memory()
         group = Group(transport, started, debug=config.debug, check_calls=config.check_calls,

@@ -9,8 +9,11 @@ The command line is parsed into one of these (:mod:`meshcomm.launch.cli`) and ha
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from .hosts import LaunchHostfile
 
 __all__ = ["LaunchOptions", "DEFAULT_SSH", "DEFAULT_BACKEND"]
@@ -28,7 +31,8 @@ class LaunchOptions:
     #: total number of ranks; None: the hosts' slots (``--hosts a:2,b:2``, hostfile
     #: ``slots``, ``ranks_per_host``) decide
     nranks: int | None = None
-    #: None: the hostfile's ``backend``, else :data:`DEFAULT_BACKEND`
+    #: None: ``--env MLX_BACKEND=X``, else an exported ``MLX_BACKEND``, else the hostfile's
+    #: ``backend``, else :data:`DEFAULT_BACKEND` (see :meth:`backend_choice`)
     backend: str | None = None
     hosts: LaunchHostfile | None = None  #: None: this machine (or the starter's hosts)
     ranks_per_host: int | None = None  #: slots of every host that does not give its own
@@ -45,9 +49,36 @@ class LaunchOptions:
     #: ``MESHCOMM_TRACE`` of every rank; the ranks' files are merged into ``DIR/trace.json`` at the end
     trace: str | None = None
 
-    def backend_name(self) -> str:
-        if self.backend:
-            return self.backend
-        if self.hosts is not None and self.hosts.backend:
-            return self.hosts.backend
-        return DEFAULT_BACKEND
+    def backend_name(self, environ: Mapping[str, str] | None = None) -> str:
+        """The backend the ranks run on (see :meth:`backend_choice`)."""
+        return self.backend_choice(environ)[0]
+
+    def backend_choice(self, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+        """The backend's name and where it came from, first that is set: ``--backend``,
+        ``--env MLX_BACKEND=X``, ``MLX_BACKEND`` in the launcher's environment, the
+        hostfile's ``backend``, :data:`DEFAULT_BACKEND`. ``any`` (MLX_BACKEND's default)
+        names no backend here. An exported ``MLX_BACKEND`` that contradicts the hostfile is
+        refused rather than silently overriding either one."""
+        env = os.environ if environ is None else environ
+        if self.backend and self.backend.strip():
+            name = self.backend.strip().lower()
+            given = self.env.get("MLX_BACKEND", "").strip().lower()
+            if given and given != name:
+                raise ConfigError(f"--backend {self.backend} and --env MLX_BACKEND={self.env['MLX_BACKEND']} "
+                                  "disagree: give the backend once, with --backend")
+            return name, f"--backend {self.backend}"
+        hostfile = self.hosts.backend if self.hosts is not None and self.hosts.backend else None
+        for value, source in ((self.env.get("MLX_BACKEND"), "--env MLX_BACKEND={}"),
+                              (env.get("MLX_BACKEND"), "MLX_BACKEND={} (from the environment)")):
+            name = (value or "").strip().lower()
+            if not name or name == "any":
+                continue
+            if hostfile is not None and hostfile.strip().lower() != name:
+                raise ConfigError(
+                    f"{source.format(value)} contradicts the hostfile's backend {hostfile!r}: "
+                    f"pass --backend NAME to choose one, or unset MLX_BACKEND"
+                )
+            return name, source.format(value)
+        if hostfile is not None:
+            return hostfile.strip().lower(), "the hostfile's backend"
+        return DEFAULT_BACKEND, "the default"

@@ -14,13 +14,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..errors import ConfigError
-from ..exits import JOB_DIR_ENV, read_records
-from ..registry import get_registry
+from ..errors import BackendUnavailableError, ConfigError
+from ..exits import JOB_DIR_ENV, STACKS_FILE, read_records
+from ..registry import BackendSpec, get_registry
 from .blame import Failure, blame, describe_status, exit_code
 from .hosts import Host, job_size, place_ranks
 from .job import Job
 from .options import LaunchOptions
+from .preflight import check_program, check_settings, check_timeout
 from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines, say
 from .rank import OUTPUT_DIR_ENV
 from .safety import check_env_name, mask
@@ -94,7 +95,11 @@ class _Interrupt:
 
 def launch(options: LaunchOptions) -> int:
     """Run the job ``options`` describes; return the exit status for the shell."""
-    spec = get_registry().spec(options.backend_name())
+    name, source = options.backend_choice()
+    try:
+        spec = get_registry().spec(name)
+    except (ValueError, BackendUnavailableError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     reason = spec.unavailable_reason()
     if reason is not None:
         raise ConfigError(f"backend {spec.name!r} is not usable here: {reason}")
@@ -117,6 +122,7 @@ def launch(options: LaunchOptions) -> int:
         host_list = (default_hosts(options.nranks) if default_hosts else None) or [Host(ssh="localhost")]
     n = job_size(options.nranks, host_list, options.ranks_per_host)
     places = place_ranks(n, host_list, options.ranks_per_host, local_ranks=getattr(starter, "local_ranks", True))
+    _check_before_start(options, spec, places, n)
     output = RankOutput(options.prefix, n, options.log_dir)
     try:
         job = Job(places, verbose=options.verbose, port_base=options.port_base)
@@ -180,6 +186,18 @@ def launch(options: LaunchOptions) -> int:
         job.cleanup()
         if options.trace is not None:
             _merge_trace(options.trace)
+
+
+def _check_before_start(options: LaunchOptions, spec: BackendSpec, places: list, n: int) -> None:
+    """Everything the ranks would reject, refused once here before any of them starts."""
+    check_timeout(options.timeout)
+    if all(p.host is None for p in places):
+        check_program(options.program, options.cwd or os.getcwd())
+    given = dict(options.hosts.env() if options.hosts else {})
+    given.update(options.env)
+    if options.timeout is not None:
+        given["MLX_TIMEOUT"] = f"{options.timeout:g}"
+    check_settings(spec, given, n)
 
 
 def _fresh_trace_dir(folder: str) -> str:
@@ -273,7 +291,7 @@ def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankO
             merged.update(s.poll())
         return merged
 
-    watch = _Watch(job, signal_ranks if runner else None, remote_records)
+    watch = _Watch(job, signal_ranks if runner else _stack_signaller(job), remote_records)
     with _Interrupt() as intr:
         try:
             sessions = starter.start(hosts, output)
@@ -371,7 +389,7 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
             if proc.poll() is None:
                 proc.send_signal(sig)  # Open MPI's and MPICH's (Hydra) mpiexec forward SIGUSR1
 
-        watch = _Watch(job, signal_ranks if runner else None)
+        watch = _Watch(job, signal_ranks if runner else _stack_signaller(job))
 
         def sleep(seconds: float) -> None:
             deadline = time.monotonic() + seconds
@@ -434,28 +452,39 @@ def _retagger(output: RankOutput, stream: str) -> Callable[[bytes], None]:
     return deliver
 
 
-def _rank_pids(job: Job) -> list[int]:
-    """Pids the local ranks' runners recorded (``<job dir>/pids``)."""
+def _job_pids(job: Job, pattern: str) -> list[int]:
+    """Live pids of this job's local ranks recorded in ``<job dir>/pids/PATTERN`` (checked
+    against the job's id in their environment, so a recycled pid is never signalled)."""
     pids = []
-    for f in (job.dir / "pids").glob("rank-*.pid"):
+    for f in (job.dir / "pids").glob(pattern):
         try:
-            pids.append(int(f.read_text()))
+            pid = int(f.read_text())
+            env = Path(f"/proc/{pid}/environ").read_bytes()
         except (OSError, ValueError):
             continue
+        if f"MESHCOMM_JOB_ID={job.job_id}".encode() in env.split(b"\0"):
+            pids.append(pid)
     return pids
+
+
+def _stack_signaller(job: Job) -> Callable[[int], None]:
+    """Signals the ranks that said they print their stacks on SIGUSR1 (``meshcomm.init`` does,
+    :data:`meshcomm.exits.STACKS_FILE`): for programs the rank runner does not run
+    (``-- python prog.py``), whose processes would otherwise die of the signal."""
+    def signal_ranks(sig: int) -> None:
+        for pid in _job_pids(job, STACKS_FILE.format(rank="*")):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return signal_ranks
 
 
 def _kill_ranks(job: Job) -> None:
     """Ranks of an external launcher that are still there once it ended (it was killed, or
     left them): SIGKILL, so that none outlives the job."""
-    for pid in _rank_pids(job):
+    for pid in _job_pids(job, "rank-*.pid"):
         try:
-            os.kill(pid, 0)
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except (OSError, ProcessLookupError):
-            continue
-        if f"MESHCOMM_JOB_ID={job.job_id}".encode() in env.split(b"\0"):  # not a recycled pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -214,8 +214,10 @@ def check_send_recv(g: mc.Group) -> None:
             a = rank_input(src, (dst + 3, 2), np.float64, salt=4)
             b = rank_input(src, (), np.int16, salt=5)
             if r == src:
-                mc.send(a, dst, group=g)
-                mc.send(b, dst, group=g)
+                sent = mc.send(a, dst, group=g)
+                assert sent is a, f"rank {r}: send returned {type(sent).__name__}, not the array it sent (as MLX's send)"
+                work = mc.send(b, dst, group=g, async_op=True)
+                assert work.wait() is b, f"rank {r}: send(async_op=True).wait() is not the array it sent"
             elif r == dst:
                 _same(mc.recv(a.shape, a.dtype, src, group=g), a, f"recv from {src}", r)
                 _same(mc.recv_like(b, src, group=g), b, f"recv_like from {src}", r)
