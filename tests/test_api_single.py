@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import meshcomm as mc
 import numpy as np
 import pytest
@@ -85,3 +89,46 @@ def test_bfloat16_when_installed(solo):
     x = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
     y = mc.all_sum(x)
     assert y.dtype == x.dtype and y.tolist() == x.tolist()
+
+
+# -- start-up: import meshcomm imports what a call needs only when it needs it -----------------
+
+_FRESH = """
+import sys
+import meshcomm as mc
+heavy = [m for m in ("ml_dtypes", "pydantic") if m in sys.modules]
+assert not heavy, "import meshcomm imported " + str(heavy)
+{body}
+print("ok")
+"""
+
+
+def _fresh(body: str) -> None:
+    """Run ``body`` after ``import meshcomm`` in a new interpreter (the imports of this one
+    are not those of a user's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
+    p = subprocess.run([sys.executable, "-c", _FRESH.replace("{body}", body)], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+
+
+def test_import_meshcomm_pulls_neither_ml_dtypes_nor_pydantic() -> None:
+    _fresh("import numpy as np\n"
+           "assert mc.init().size() == 1 and 'pydantic' in sys.modules  # init reads the settings\n"
+           "assert 'ml_dtypes' not in sys.modules, 'a float32 call imported ml_dtypes'\n"
+           "assert mc.all_sum(np.ones(2, np.float32)).tolist() == [1.0, 1.0]\n"
+           "assert 'ml_dtypes' not in sys.modules and mc.Config().timeout > 0")
+
+
+def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
+    pytest.importorskip("ml_dtypes")
+    _fresh("import ml_dtypes, numpy as np\n"
+           "from meshcomm import dtypes\n"
+           "x = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)\n"
+           "y = mc.all_sum(x)\n"
+           "assert y.dtype == x.dtype and y.tolist() == x.tolist()\n"
+           "code = dtypes.dtype_code(x.dtype)\n"
+           "assert code == dtypes.BFLOAT16_CODE and dtypes.dtype_from_code(code) == x.dtype\n"
+           "assert dtypes.bfloat16 == x.dtype and x.dtype in dtypes.SUPPORTED\n"
+           "from meshcomm import plugin\n"
+           "assert plugin.bfloat16 == x.dtype and plugin.SUPPORTED == dtypes.SUPPORTED")

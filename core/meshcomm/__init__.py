@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .backend import Backend
-from .config import Config
 from .errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -41,6 +42,19 @@ from .work import Work
 from .world import backends, init, is_available
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .config import Config
+
+
+def __getattr__(name: str) -> Any:
+    """``Config`` on first use: the settings model needs pydantic, which ``init()`` imports
+    anyway and ``import meshcomm`` need not (start-up of every rank)."""
+    if name == "Config":
+        from .config import Config
+
+        return Config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "init", "is_available", "backends", "Group", "Config", "Backend", "BackendInfo",

@@ -24,7 +24,7 @@ import numpy as np
 from . import debug as _debug
 from . import exits
 from .backend import Backend
-from .dtypes import SUPPORTED, check_dtype
+from .dtypes import BASE_SUPPORTED, check_dtype
 from .errors import DistributedError
 from .guard import Ticket, WorldGuard
 from .operations import REDUCTIONS
@@ -36,7 +36,7 @@ __all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
 T = TypeVar("T")
 
 #: the dtypes as_array passes through without further checks
-_MOVABLE = frozenset(SUPPORTED)
+_MOVABLE = frozenset(BASE_SUPPORTED)
 #: the operation name of each reduction's all-reduce
 _ALL_NAMES = {op: f"all_{op}" for op in REDUCTIONS}
 

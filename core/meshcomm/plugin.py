@@ -46,12 +46,15 @@ module imports it at load time.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import algorithms
+from . import dtypes as _dtypes
 from .algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
 from .backend import Backend, in_place
 from .config import Config, Settings, load_settings, setting
 from .coordinator import exchange, local_address
-from .dtypes import SUPPORTED, UFUNCS, bfloat16, check_dtype, dtype_code, dtype_from_code, reducer
+from .dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
 from .errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -76,6 +79,9 @@ from .placement import FAMILIES, Coordinator, Family, Placement, coordinator, pl
 from .registry import Availability, BackendRegistrar, EnvironmentCheck, Factory
 from .sockio import recv_exact
 
+if TYPE_CHECKING:  # resolved by __getattr__ at run time
+    from .dtypes import SUPPORTED, bfloat16
+
 __all__ = [
     # registering
     "hookimpl", "BackendRegistrar", "Factory", "Availability", "EnvironmentCheck",
@@ -95,3 +101,11 @@ __all__ = [
     "DistributedError", "PeerLostError", "CommTimeoutError", "CollectiveMismatchError",
     "BackendUnavailableError", "ConfigError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``SUPPORTED`` and ``bfloat16``, resolved on first use (they import the optional
+    ml_dtypes, which costs ~0.9 s: only code that reads them pays it)."""
+    if name in ("SUPPORTED", "bfloat16"):
+        return getattr(_dtypes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

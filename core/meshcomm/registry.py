@@ -16,16 +16,19 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
-from pydantic import BaseModel
 
 from . import hookspecs
 from .backend import Backend
-from .config import Config, load_settings
 from .errors import BackendUnavailableError, ConfigError
 from .launch.spec import ExternalLauncher, LauncherSupport, RankEnvLauncher
+
+if TYPE_CHECKING:  # pydantic is imported by the first init(), not by import meshcomm
+    from pydantic import BaseModel
+
+    from .config import Config
 
 __all__ = [
     "BackendInfo",
@@ -41,11 +44,11 @@ __all__ = [
 
 #: ``factory(config, settings) -> Backend``: starts the backend (``settings`` is an instance
 #: of the model passed as ``settings=``, or None)
-Factory = Callable[[Config, Any], Backend]
+Factory = Callable[["Config", Any], Backend]
 #: ``available() -> None | str``: None when the backend's libraries load, else why not
 Availability = Callable[[], str | None]
 #: ``environment(config, settings) -> None | str``: None when this process was started for the backend
-EnvironmentCheck = Callable[[Config, Any], str | None]
+EnvironmentCheck = Callable[["Config", Any], str | None]
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class BackendSpec:
 
     def load_settings(self, overrides: Mapping[str, Any] | None = None) -> Any:
         """This backend's validated settings section (None when it has none)."""
+        from .config import load_settings
+
         return None if self.settings is None else load_settings(self.settings, overrides)
 
 
@@ -339,6 +344,8 @@ def _environment_reason(spec: BackendSpec, config: Config) -> str | None:
 
 
 def _quiet_config() -> Config:
+    from .config import Config
+
     try:
         return Config.load()
     except ConfigError:

@@ -5,14 +5,16 @@ Registered through the same hook as every other backend.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .backend import Backend
-from .config import Config
 from .hookspecs import hookimpl
 from .registry import BackendRegistrar
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = ["SingleBackend", "meshcomm_register_backends"]
 

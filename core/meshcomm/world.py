@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import exits
 from .backend import Backend
-from .config import Config
 from .group import Group
 from .memory import keep_freed_memory
 from .registry import BackendInfo, get_registry
 from .trace import recorder
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = ["init", "is_available", "backends", "default_group", "started_backends", "shutdown"]
 
@@ -39,6 +41,10 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             overrides: dict[str, Any] = dict(settings)
             if backend:
                 overrides["backend"] = backend
+            from .config import (
+                Config,  # pydantic: imported by the first init(), not by import meshcomm
+            )
+
             config = Config.load(None, **overrides)
         elif backend or settings:
             config = config.model_copy(update={**settings, **({"backend": backend.strip().lower()} if backend else {})})
