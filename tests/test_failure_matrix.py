@@ -197,6 +197,9 @@ def _survivor_problems(job: Job, survivors: tuple[int, ...], kind: str, backend:
             want = ("CommTimeoutError",) if kind == "sigstop" else ("PeerLostError", "CommTimeoutError")
             if name not in want or peer != "1":
                 problems.append(f"rank {r} raised {name} peer={peer}; want {' or '.join(want)} peer=1")
+            elif kind == "exit0" and "rank 1 exited (its program ended)" not in errs[0][2]:
+                # every backend says the same: the rank's program ended, it did not crash
+                problems.append(f"rank {r}'s error does not say that rank 1's program ended: {errs[0][2][:300]}")
         elif kind == "send" and backend == "sockets":
             # documented limit (docs/errors-and-failures.md): sockets has no exit notice carrying a rank's
             # last call, so a collective met by a send is seen as the sender's exit once its

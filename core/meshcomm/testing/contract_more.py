@@ -219,14 +219,15 @@ def check_async(g: mc.Group) -> None:
         # queued operations run one at a time in issue order, so order sends and receives as
         # for blocking calls (a send may not complete before its receive is posted: gloo)
         first, second = ((r + 1) % n, (r - 1) % n)
+        sent = np.full(5, r)
         if r % 2 == 0:
-            hs = mc.send(np.full(5, r), first, group=g, async_op=True)
+            hs = mc.send(sent, first, group=g, async_op=True)
             hr = mc.recv((5,), np.int64, second, group=g, async_op=True)
         else:
             hr = mc.recv((5,), np.int64, second, group=g, async_op=True)
-            hs = mc.send(np.full(5, r), first, group=g, async_op=True)
+            hs = mc.send(sent, first, group=g, async_op=True)
         _same(hr.wait(), np.full(5, (r - 1) % n), "async recv around the ring", r)
-        assert hs.wait() is None
+        assert hs.wait() is sent, f"rank {r}: an async send's wait() is not the array it sent (as MLX's send)"
     # bad arguments raise at the call, not in wait
     _raises(ValueError, lambda: mc.scatter(np.zeros(n + 1), 0, group=g, async_op=True) if n > 1
             else mc.all_to_all(np.float32(1), group=g, async_op=True), "async call with a bad shape")

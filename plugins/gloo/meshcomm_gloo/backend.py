@@ -56,6 +56,11 @@ def _tensor(buf: np.ndarray, wire: np.dtype | None = None, torch_name: str | Non
         t = t.view(_TORCH[torch_name])
     return t
 
+#: the status a rank leaves when it closes its world group normally (its program ended, or
+#: it called meshcomm.shutdown()); peers still waiting on it say so in the common words
+_ENDED_STATUS = ("it closed its group: its program ended or called meshcomm.shutdown() while this rank still "
+                 "waited for it")
+
 
 class GlooBackend(Backend):
     """One meshcomm group = one ProcessGroupGloo; ``split`` makes a new one for each colour.
@@ -190,6 +195,12 @@ class GlooBackend(Backend):
                 and not statuses[self._members[q]].startswith("after")]
         if gone:
             q = gone[0]
+            if statuses[self._members[q]] == _ENDED_STATUS:  # the same words as every backend
+                return PeerLostError(
+                    f"[gloo] rank {self._rank}: rank {q} exited (its program ended) while rank {self._rank} waits "
+                    f"in {call.describe()} on the {self._label} group, an operation rank {q} never reached; make every "
+                    "rank run the same sequence of collectives (and matching sends and receives) before it ends."
+                    f"{said}", peer=q)
             return PeerLostError(
                 f"{what} failed: rank {q} (world rank {self._members[q]}) left the job: "
                 f"{statuses[self._members[q]]}. Check that rank's output; this group cannot be used any more."
@@ -406,8 +417,7 @@ class GlooBackend(Backend):
         (which exits early) names it and says it left.
         """
         if self._pg is not None or self._failed is not None:
-            self._set_status("it closed its group: its program ended or called meshcomm.shutdown() "
-                             "while this rank still waited for it")
+            self._set_status(_ENDED_STATUS)
         for ref in self._children:
             child = ref()
             if child is not None:

@@ -145,7 +145,7 @@ class Link:
 
     __slots__ = ("peer", "sock", "fd", "where", "out", "starts", "expect", "cur", "hdr", "hdr_mv", "hdr_got",
                  "got", "checked", "send_blocked", "recv_blocked", "closed", "send_mac", "recv_mac", "send_ctr",
-                 "recv_ctr", "tail", "tail_mv", "tail_got", "seal_payload")
+                 "recv_ctr", "tail", "tail_mv", "tail_got", "seal_payload", "ended")
 
     def __init__(self, peer: int, sock: socket.socket, send_key: bytes = b"", recv_key: bytes = b"") -> None:
         self.peer = peer
@@ -168,6 +168,8 @@ class Link:
         self.tail_got = 0
         #: every data frame's payload carries a tag (decided by the Fabric)
         self.seal_payload = True
+        #: the peer said its program ended normally (an ABORT frame of kind wire.ENDED)
+        self.ended = False
         self.send_mac = wire.Mac(send_key)
         self.recv_mac = wire.Mac(recv_key)
         #: frames queued to send so far (the next one's counter); frames received so far
@@ -477,8 +479,8 @@ class Fabric:
             except OSError:
                 continue
             if len(head) == wire.FRAME_HEAD and self._authentic(link, head):
-                group, _seq, op, _dt, _nb, _arg, _total = wire.HEADER.unpack(head[: wire.HEADER_SIZE])
-                if op == wire.ABORT and (found is None or group == self.rank):
+                group, _seq, op, kind, _nb, _arg, _total = wire.HEADER.unpack(head[: wire.HEADER_SIZE])
+                if op == wire.ABORT and kind != wire.ENDED and (found is None or group == self.rank):
                     found = link
                     if group == self.rank:
                         break
@@ -511,16 +513,31 @@ class Fabric:
             peer=link.peer,
         )
 
-    def _lost(self, link: Link, why: str) -> DistributedError:
+    def _lost(self, link: Link, why: str, call: Call | None = None) -> DistributedError:
+        """The error for a connection that closed or broke (``call``: the operation this rank
+        waits in elsewhere, e.g. in shared memory, when no frame of ``link`` is expected)."""
         exp = link.cur or (link.expect[0] if link.expect else None)
-        what = f" during {exp.call.describe()} in group {exp.call.label}" if exp else ""
+        call = exp.call if exp is not None else call
+        what = f" during {call.describe()} in group {call.label}" if call is not None else ""
         mine = self.pending_abort() or self.stalled_error(f"lost rank {link.peer} ({why}){what}")
         link.closed = True
         if mine is not None:
             return mine
+        if link.ended:
+            return self._ended(link, call)
         return PeerLostError(
             f"rank {self.rank}: lost rank {link.peer} ({link.where}){what}: {why}. "
             f"Rank {link.peer} exited or crashed; check its output.",
+            peer=link.peer,
+        )
+
+    def _ended(self, link: Link, call: Call | None) -> PeerLostError:
+        """The error for a peer whose program ended normally while this rank still needs it."""
+        where = f"{call.describe()} in group {call.label}" if call is not None else "an operation"
+        return PeerLostError(
+            f"rank {self.rank}: rank {link.peer} exited (its program ended) while rank {self.rank} waits in "
+            f"{where}, an operation rank {link.peer} never reached; make every rank run the same sequence "
+            "of collectives (and matching sends and receives) before it ends",
             peer=link.peer,
         )
 
@@ -626,6 +643,10 @@ class Fabric:
             raise self._forged(link, "header", exp)
         group, seq, op, dtype, nbytes, arg, total = wire.HEADER.unpack_from(link.hdr)
         call = exp.call
+        if op == wire.ABORT and dtype == wire.ENDED and nbytes == 0:
+            link.ended = True
+            link.closed = True
+            raise self._ended(link, call)
         if op == wire.ABORT:  # what came after the header so far is the start of its message
             sofar = bytes(exp.target[: link.got]) + bytes(link.tail[: link.tail_got])
             raise self._abort_from(link, dtype, nbytes, sofar, None if group == 0xFFFFFFFF else group)
@@ -682,7 +703,11 @@ class Fabric:
                 peer=self.rank,
             )
         cls = _ABORT_CLASS.get(kind, DistributedError)
-        text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
+        # "rank 2: rank 1 failed and is ending the job: ...", not "rank 1 stopped the job: rank 1 failed ..."
+        if msg.startswith(f"rank {link.peer}: "):  # the peer's own error, prefixed with its rank
+            msg = msg[len(f"rank {link.peer}: "):]
+        said = msg if msg.startswith(f"rank {link.peer} ") else f"rank {link.peer} stopped the job: {msg}"
+        text = f"rank {self.rank}: {said}"
         peer = link.peer if lost is None else lost
         err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]  # PeerLostError/CommTimeoutError take peer=
         link.closed = True
@@ -698,10 +723,10 @@ class Fabric:
         if self.failure is not None:
             raise _again(self.failure)
 
-    def probe(self, link: Link) -> bool:
+    def probe(self, link: Link, call: Call | None = None) -> bool:
         """Look at a link that became readable while this rank waited elsewhere (in shared
-        memory): raise if the peer closed it or sent an ABORT frame; return True if it holds
-        an ordinary frame of a later operation (leave it for that operation)."""
+        memory, in ``call``): raise if the peer closed it or sent an ABORT frame; return True
+        if it holds an ordinary frame of a later operation (leave it for that operation)."""
         if link.cur is not None:  # a frame is being read: the stream is not at a boundary
             return True
         try:
@@ -709,9 +734,9 @@ class Fabric:
         except BlockingIOError:
             return False
         except OSError as exc:
-            raise self._lost(link, f"connection reset ({exc.strerror})") from None
+            raise self._lost(link, f"connection reset ({exc.strerror})", call) from None
         if not head:
-            raise self._lost(link, "connection closed")
+            raise self._lost(link, "connection closed", call)
         if len(head) < wire.FRAME_HEAD:
             return False
         if not self._authentic(link, head):
@@ -720,6 +745,9 @@ class Fabric:
         group, seq, op, dtype, nbytes, _arg, _total = wire.HEADER.unpack(head[: wire.HEADER_SIZE])
         if op != wire.ABORT:
             return True
+        if dtype == wire.ENDED and nbytes == 0:  # the peer's program ended: its close follows
+            self._take_ended(link, head)
+            return False
         link.sock.recv(wire.FRAME_HEAD)
         link.got = 0
         raise self._abort_from(link, dtype, nbytes, b"", None if group == 0xFFFFFFFF else group)
@@ -762,6 +790,41 @@ class Fabric:
             link.out.clear()
             link.starts.clear()
 
+    def _take_ended(self, link: Link, head: bytes) -> None:
+        """Consume the ENDED frame ``head`` announces (its empty payload's tag follows)."""
+        frame = b""
+        link.sock.settimeout(1.0)
+        try:
+            frame = link.sock.recv(wire.FRAME_HEAD + wire.TAG, socket.MSG_WAITALL)
+        except OSError:
+            pass
+        finally:
+            link.sock.setblocking(False)
+        if len(frame) < wire.FRAME_HEAD + wire.TAG or not hmac.compare_digest(
+                link.recv_mac.tag(b"P", link.recv_ctr, b""), frame[wire.FRAME_HEAD:]):
+            link.closed = True
+            raise self._forged(link, "end notice", None)
+        link.recv_ctr += 1
+        link.ended = True
+
+    def say_ended(self) -> None:
+        """This rank's program ended normally: tell every peer (an ABORT frame of kind
+        wire.ENDED, no message), so that one still waiting on this rank says that its program
+        ended, not that it crashed. Nothing is sent after a failure (its ABORT said more)."""
+        if self.failure is not None:
+            return
+        header = wire.HEADER.pack(0xFFFFFFFF, self.rank, wire.ABORT, wire.ENDED, 0, 0, 0)
+        for link in self.links.values():
+            if link.closed or link.out:
+                continue  # a frame still unsent: the peer reads a closed connection, as before
+            ctr = link.send_ctr
+            link.send_ctr = ctr + 1
+            try:
+                link.sock.settimeout(0.5)
+                link.sock.sendall(link.send_mac.seal(ctr, header) + link.send_mac.tag(b"P", ctr, b""))
+            except OSError:
+                pass
+
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed: tell every peer (an ABORT naming this rank, so each
         raises PeerLostError about it at once) unless an earlier failure was reported."""
@@ -775,6 +838,8 @@ class Fabric:
     def close(self) -> None:
         if self.failure is not None:
             self._linger()
+        else:
+            self.say_ended()
         for link in self.links.values():
             try:
                 link.sock.close()

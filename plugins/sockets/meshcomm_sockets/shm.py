@@ -567,7 +567,7 @@ class ShmGroup:
             if self._ready():  # a peer may publish and then exit: its data counts first
                 break
             for fd, _ev in events:
-                if fd != self.fifo and self.fabric.probe(watch[fd]):
+                if fd != self.fifo and self.fabric.probe(watch[fd], call):
                     poller.unregister(fd)  # data of a later operation: not our concern now
 
     def _check(self, call: Call) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from meshcomm.plugin import wire_names
 
 __all__ = [
-    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT",
+    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ENDED",
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
     "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
     "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
@@ -74,8 +74,12 @@ def next_seq(seq: int) -> int:
 OPS = wire_names()
 OP_CODES = {name: i for i, name in enumerate(OPS) if name != "?"}
 #: the opcode of an ABORT frame, which carries the kind of failure in the dtype field
-#: (1 peer lost, 2 timeout, 3 mismatch, 4 other: engine._KIND_OF)
+#: (1 peer lost, 2 timeout, 3 mismatch, 4 other: engine._KIND_OF; :data:`ENDED`)
 ABORT = 0xFFFF
+#: the kind of the ABORT frame a rank sends each peer when its program ends normally: no
+#: failure, only "nothing more comes from me", so that a peer still waiting on it can say
+#: the rank's program ended rather than that it crashed
+ENDED = 5
 
 STATUS_OK, STATUS_VERSION, STATUS_WORLD, STATUS_RANK = 0, 1, 2, 3
 STATUS_TEXT = {
