@@ -110,9 +110,21 @@ def test_raising_rank_is_named_and_its_code_is_the_jobs(backend: str, tmp_path: 
     assert_no_leftovers(tmp_path, 3, grace=5)
 
 
+@pytest.mark.parametrize("form", ["prog.py", "-- python prog.py, busy machine"])
 @pytest.mark.parametrize("backend", backend_param("sockets", "mpi", "gloo", "mpich"))
-def test_exit_code_of_the_failing_rank_is_the_jobs(backend: str, tmp_path: Path) -> None:
-    p, took = run_job(backend, "-n", "3", "--timeout", str(TIMEOUT), str(PROG), "exit", "1", "3", piddir=tmp_path)
+def test_exit_code_of_the_failing_rank_is_the_jobs(backend: str, form: str, tmp_path: Path) -> None:
+    """``sys.exit(3)`` on rank 1 makes the job exit 3, naming rank 1, however the program was
+    given; the ``-- python`` form runs beside a spinning process (the survivors' abort used to
+    win the race against rank 1's own exit there, and the job exited 1)."""
+    python = str(MPICH_PY) if backend == "mpich" else sys.executable
+    program = [str(PROG)] if form == "prog.py" else ["--", python, str(PROG)]
+    spinner = None if form == "prog.py" else subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        p, took = run_job(backend, "-n", "3", "--timeout", str(TIMEOUT), *program, "exit", "1", "3", piddir=tmp_path)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     assert p.returncode == 3, show(p)
     assert summary(p).startswith("meshcomm launch: rank 1 exited with code 3"), show(p)
     assert took < TIMEOUT + 5 + ALLOWANCE, f"the job took {took:.1f}s to end\n{show(p)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,20 @@ def program_argv(argv: Sequence[str], python: str, *, remote: bool = False, exec
 def is_python(argv: Sequence[str]) -> bool:
     """True for the programs the launcher runs with Python (and so through the rank runner)."""
     return bool(argv) and (argv[0].endswith(".py") or argv[0] in ("-m", "-c"))
+
+
+def own_python_program(argv: Sequence[str], interpreter: str) -> list[str]:
+    """``python prog.py ARGS`` (``-m mod``, ``-c code``) where ``python`` is this launch's
+    interpreter (same directory, so the same environment) becomes ``prog.py ARGS``: the rank
+    runner then runs it in-process, exactly as ``python`` would, and adds what a rank needs
+    (the failing rank's own exit code and failure record, stacks, parent death). Other
+    commands, and other interpreters, are left as given."""
+    if len(argv) < 2 or not is_python(argv[1:]) or not Path(argv[0]).name.startswith("python"):
+        return list(argv)
+    found = shutil.which(argv[0]) if os.sep not in argv[0] else argv[0]
+    if found is None or Path(os.path.abspath(found)).parent != Path(os.path.abspath(interpreter)).parent:
+        return list(argv)
+    return list(argv[1:])
 
 
 def _thread_limits(places: list) -> dict[str, str]:
@@ -123,6 +138,8 @@ def launch(options: LaunchOptions) -> int:
     n = job_size(options.nranks, host_list, options.ranks_per_host)
     places = place_ranks(n, host_list, options.ranks_per_host, local_ranks=getattr(starter, "local_ranks", True))
     _check_before_start(options, spec, places, n)
+    if all(p.host is None for p in places):
+        argv = own_python_program(argv, interpreter)
     output = RankOutput(options.prefix, n, options.log_dir)
     try:
         job = Job(places, verbose=options.verbose, port_base=options.port_base)

@@ -228,7 +228,7 @@ def meshcomm_register_backends(register: BackendRegistrar) -> None:
         settings=SocketsSettings,
         launcher=SocketsLauncher(),
         priority=10,
-        description="TCP sockets, standard library only (the default)",
+        description="TCP sockets and shared memory, standard library + NumPy only (the default)",
     )
 
 
