@@ -106,6 +106,13 @@ def test_raising_rank_is_named_and_its_code_is_the_jobs(backend: str, tmp_path: 
     assert summary(p).startswith("meshcomm launch: rank 1 exited with code 1 (KeyError: 'launch-jobs')"), show(p)
     assert "KeyError: 'launch-jobs'" in rank_text(p, 1), "rank 1's traceback is missing:\n" + show(p)
     assert b"returned without the failed rank" not in p.stdout, show(p)
+    # the output is meshcomm's: every line prefixed, the MPI launcher's banners condensed, no
+    # library traceback chained above meshcomm's error
+    for line in (p.stdout + p.stderr).decode(errors="replace").splitlines():
+        assert line.startswith(("[rank ", "[mpiexec] ", "meshcomm launch: ")), f"unprefixed line {line!r}\n{show(p)}"
+    mpiexec = [ln for ln in p.stderr.decode(errors="replace").splitlines() if ln.startswith("[mpiexec] ")]
+    assert len(mpiexec) <= 3 and not any("Epoll" in ln or "-----" in ln for ln in mpiexec), show(p)
+    assert "direct cause of the following exception" not in rank_text(p, 0) + rank_text(p, 2), show(p)
     assert took < TIMEOUT + 5 + ALLOWANCE, f"the job took {took:.1f}s to end\n{show(p)}"
     assert_no_leftovers(tmp_path, 3, grace=5)
 

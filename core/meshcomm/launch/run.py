@@ -21,6 +21,7 @@ from ..registry import BackendSpec, get_registry
 from .blame import Failure, blame, describe_status, exit_code
 from .hosts import Host, job_size, place_ranks
 from .job import Job
+from .mpiexec_lines import MpiexecLines
 from .options import LaunchOptions
 from .preflight import check_program, check_settings, check_timeout
 from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines, say
@@ -399,8 +400,9 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         assert proc.stdout is not None and proc.stderr is not None
         # mpiexec's own messages, and the ranks' output when it tags them (ranks on other hosts)
-        pumps = [pump_lines(proc.stdout, _retagger(output, "out"), strip_nul=True),
-                 pump_lines(proc.stderr, _retagger(output, "err"), strip_nul=True)]
+        own = {stream: MpiexecLines(_host_writer(output, stream)) for stream in ("out", "err")}
+        pumps = [pump_lines(proc.stdout, _retagger(output, "out", own["out"]), strip_nul=True),
+                 pump_lines(proc.stderr, _retagger(output, "err", own["err"]), strip_nul=True)]
 
         def signal_ranks(sig: int) -> None:
             if proc.poll() is None:
@@ -433,6 +435,8 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
             fifos.close()
         for t in pumps:
             t.join(2.0)
+        for lines in own.values():
+            lines.close()
     if intr.signum is not None:
         say(f"meshcomm launch: interrupted by {signal.Signals(intr.signum).name}; stopped all ranks\n")
         return 128 + intr.signum
@@ -455,13 +459,18 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
 _MPI_TAG = re.compile(rb"^\[\d+,(\d+)\]<(stdout|stderr|stddiag)>: ?|^\[(\d+)\] ")
 
 
-def _retagger(output: RankOutput, stream: str) -> Callable[[bytes], None]:
+def _host_writer(output: RankOutput, stream: str) -> Callable[[bytes], None]:
+    return lambda line: output.host_line("mpiexec", stream, line)
+
+
+def _retagger(output: RankOutput, stream: str, mpiexec: MpiexecLines) -> Callable[[bytes], None]:
     """Deliver mpiexec's lines: a line mpiexec tagged with a rank goes out as that rank's
-    (prefixed ``[rank R] `` like on every backend, and into its log); others as they are."""
+    (prefixed ``[rank R] `` like on every backend, and into its log); mpiexec's own lines
+    as ``[mpiexec] `` lines, its failure banners condensed (:mod:`.mpiexec_lines`)."""
     def deliver(line: bytes) -> None:
         m = _MPI_TAG.match(line)
         if m is None:
-            output.host_line(None, stream, line)
+            mpiexec.feed(line)
             return
         rank = int(m.group(1) or m.group(3))
         own = "err" if m.group(2) in (b"stderr", b"stddiag") else ("out" if m.group(2) else stream)

@@ -136,15 +136,20 @@ class GlooBackend(Backend):
         try:
             start(pg).wait()
         except RuntimeError as exc:
-            raise self._fail(exc, call, peer) from exc
+            raise self._fail(exc, call, peer) from None
 
     def _fail(self, exc: BaseException | DistributedError, call: Call, peer: int | None) -> DistributedError:
-        """The error to raise for ``exc`` in ``call``; breaks this group (see the class docstring)."""
+        """The error to raise for ``exc`` in ``call``; breaks this group (see the class docstring).
+
+        Raised ``from None``: its message already quotes gloo's first line, and torch's chained
+        traceback above meshcomm's error only buried it; gloo's exception stays reachable as
+        ``err.gloo_error``."""
         call = Call.parse(call.text())  # dtype names, as the other ranks publish them
         if isinstance(exc, DistributedError):
             err = exc
         else:
             err = self._explain(exc, call, peer)
+            err.gloo_error = exc  # type: ignore[attr-defined]
         self._failed = err
         self._records.publish(self._rank, call, type(err).__name__, getattr(err, "peer", None), str(err))
         self._pg = None  # closes this group's connections: peers waiting on this rank learn now
@@ -277,7 +282,7 @@ class GlooBackend(Backend):
             for w in self._post_send(pg, buf, dst):
                 w.wait()
         except RuntimeError as exc:
-            raise self._fail(exc, call, dst) from exc
+            raise self._fail(exc, call, dst) from None
 
     def recv(self, buf: np.ndarray, src: int) -> None:
         if not buf.nbytes:
@@ -287,7 +292,7 @@ class GlooBackend(Backend):
         try:
             self._recv_into(pg, buf, src, call)
         except (RuntimeError, CollectiveMismatchError) as exc:
-            raise self._fail(exc, call, src) from exc
+            raise self._fail(exc, call, src) from None
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
         """Both directions posted before waiting: gloo's send/recv are asynchronous."""
@@ -302,7 +307,7 @@ class GlooBackend(Backend):
             for w in works:
                 w.wait()
         except (RuntimeError, CollectiveMismatchError) as exc:
-            raise self._fail(exc, call, src if dst == src else None) from exc
+            raise self._fail(exc, call, src if dst == src else None) from None
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:

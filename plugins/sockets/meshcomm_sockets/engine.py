@@ -703,11 +703,9 @@ class Fabric:
                 peer=self.rank,
             )
         cls = _ABORT_CLASS.get(kind, DistributedError)
-        # "rank 2: rank 1 failed and is ending the job: ...", not "rank 1 stopped the job: rank 1 failed ..."
-        if msg.startswith(f"rank {link.peer}: "):  # the peer's own error, prefixed with its rank
+        if msg.startswith(f"rank {link.peer}: "):  # the peer's own error: its rank is said just before
             msg = msg[len(f"rank {link.peer}: "):]
-        said = msg if msg.startswith(f"rank {link.peer} ") else f"rank {link.peer} stopped the job: {msg}"
-        text = f"rank {self.rank}: {said}"
+        text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
         peer = link.peer if lost is None else lost
         err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]  # PeerLostError/CommTimeoutError take peer=
         link.closed = True
@@ -831,7 +829,7 @@ class Fabric:
         if self.failure is not None:
             return
         self.fail(PeerLostError(
-            f"rank {self.rank} failed and is ending the job: {reason} (exit code {code}); see its output",
+            f"its program failed: {reason} (exit code {code}); see rank {self.rank}'s output",
             peer=self.rank,
         ))
 
