@@ -70,6 +70,12 @@ try:
                 time.sleep(float(os.environ["LATE"]))  # the others wait for it in the kernel
             g.barrier()
         say(error=None, ok=ok, seconds=time.monotonic() - t0)
+    elif mode == "reshaped":  # the last rank passes the same number of elements in another shape
+        shape = tuple(int(d) for d in os.environ["SHAPE"].split(","))
+        mine = (shape[::-1] if len(shape) > 1 else ()) if r == n - 1 else shape
+        x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(mine) + r
+        got = getattr(mc, os.environ["OP"])(x)
+        say(error=None, shape=list(np.shape(got)))
     elif mode == "abort":  # rank 1's program fails while the others wait in an all_sum
         if r == 1:
             time.sleep(0.5)
@@ -133,6 +139,31 @@ def test_ranks_disagreeing_on_the_root_all_raise_a_mismatch(tmp_path, path, mode
         assert first["error"] == "CollectiveMismatchError", (r, first, results[r][2][-2000:])
         assert first["elapsed"] < 20, first
         assert "root" in first["message"], first
+
+
+# -- 1b. the shape is part of every call (never reinterpreted) ----------------------------------
+
+#: how each path is chosen: the compiled loop (when installed), the pure-Python loop, TCP
+#: only, and two "hosts" (TCP between them, shared memory within)
+SHAPE_PATHS = {"c": ({}, None), "python": ({"MESHCOMM_SOCKETS_NATIVE": "0"}, None),
+               "tcp": (PATHS["tcp"], None), "hier": ({}, {r: {"MESHCOMM_HOST_ID": "ab"[r // 2]} for r in range(3)})}
+
+
+@pytest.mark.parametrize("op,shape", [("all_sum", "6,3"), ("all_gather", "6,3"), ("all_to_all", "6,3"),
+                                      ("all_sum", "1")])
+@pytest.mark.parametrize("path", list(SHAPE_PATHS))
+def test_same_count_in_another_shape_is_a_mismatch_on_every_path(tmp_path, path, op, shape):
+    """Rank 2 passes (3, 6) where ranks 0 and 1 pass (6, 3) (or () against (1,)): the same
+    18 float32s. Every rank raises CollectiveMismatchError, none returns an array of its own
+    shape holding the others' reinterpreted rows."""
+    if shape == "1" and path != "c":
+        pytest.skip("() against (1,) once is enough: the key is the same on every path")
+    env, rank_env = SHAPE_PATHS[path]
+    results = _job(tmp_path, 3, "reshaped", {"MLX_TIMEOUT": "20", "OP": op, "SHAPE": shape, **env},
+                   rank_env=rank_env)
+    reports = [_report(results, r) for r in range(3)]
+    assert [rep["error"] for rep in reports] == ["CollectiveMismatchError"] * 3, reports
+    assert any("another shape" in rep["message"] for rep in reports), reports
 
 
 # -- 2. sequence numbers wrap around ------------------------------------------------------------

@@ -28,7 +28,20 @@ import numpy as np
 
 from . import algorithms
 
-__all__ = ["Backend", "in_place"]
+__all__ = ["Backend", "in_place", "shape_key"]
+
+
+def shape_key(shape: tuple[int, ...]) -> int:
+    """:attr:`Backend.shape_key` of ``shape``: 0 for 1-D shapes (their length is the element
+    count the transport compares anyway), else a 23-bit number, never 0, that differs for
+    shapes of the same element count (``()`` vs ``(1,)``, ``(2, 3)`` vs ``(3, 2)``) except
+    by a 1 in 8 million chance. The same on every rank and Python version."""
+    if len(shape) == 1:
+        return 0
+    h = len(shape) + 0x9E3779B1
+    for d in shape:
+        h = ((h ^ d) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return ((h ^ (h >> 29)) & 0x7FFFFF) or 1
 
 
 class Backend(abc.ABC):
@@ -44,6 +57,13 @@ class Backend(abc.ABC):
     #: (built from send/recv, which an in-band check cannot tell apart), so a backend
     #: only vouches for the methods it overrides.
     checks_calls: bool = False
+
+    #: Set by the core before each collective on a backend that ``checks_calls``: a number
+    #: that tells apart two shapes of the same element count (0 for 1-D arrays, else
+    #: :func:`shape_key` of the caller's shape, below 2**23). The backend sees flat buffers
+    #: only, so without it a (2, 3) and a (3, 2) array would meet as 6 elements and each rank
+    #: reinterpret the other's data; an in-band check must compare it with op, dtype and length.
+    shape_key: int = 0
 
     #: True when receive buffers may be the caller's own ``out=`` array instead of a fresh
     #: one: written in place, possibly the *same memory* as the send buffer (``all_reduce``

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import debug as _debug
 from . import exits
-from .backend import Backend
+from .backend import Backend, shape_key
 from .dtypes import BASE_SUPPORTED, check_dtype
 from .errors import DistributedError
 from .guard import Ticket, WorldGuard
@@ -111,6 +111,8 @@ class Group:
         self._native: dict[str, bool] = {}
         #: the blocking all-reduce needs no core check (see :meth:`_reduce`)
         self._plain_reduce = not debug and (not check_calls or self._natively_checked("all_reduce"))
+        #: the backend compares calls in-band: it is told each collective's shape key
+        self._keyed = bool(backend.checks_calls)
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -253,6 +255,8 @@ class Group:
         send = _flat(a)
 
         def run() -> np.ndarray:
+            if self._keyed:
+                backend.shape_key = 0 if a.ndim == 1 else shape_key(a.shape)
             if o is not None:
                 res = o
             elif a.nbytes < backend.EMPTY_MIN_BYTES:
@@ -644,7 +648,10 @@ class Group:
     def _check(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
                method: str | None, *, reduction: str | None = None) -> bool:
         """The cross-rank call check of ``op`` (full under MLX_DEBUG, else the quick one unless
-        the backend checks ``method`` in-band); True if a check ran (a check is a barrier)."""
+        the backend checks ``method`` in-band); True if a check ran (a check is a barrier).
+        A backend that checks calls in-band is given the shape's key first (Backend.shape_key)."""
+        if self._keyed:
+            self._b.shape_key = 0 if len(shape) == 1 else shape_key(shape)
         if self._debug:
             _debug.check_collective(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
             return True

@@ -120,7 +120,16 @@ def _describe(op: int, seq: int, dtype: int, total: int, arg: int = 0) -> str:
     name = wire.OPS[op] if 0 <= op < len(wire.OPS) else f"op#{op}"
     dt = dtype_from_code(dtype)
     root = f", root {arg}" if op in _ROOTED or arg else ""
-    return f"{name} #{seq} ({total} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype}{root})"
+    count = total & wire.COUNT_MASK
+    return f"{name} #{seq} ({count} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype}{root})"
+
+
+def shape_differs(mine: int, theirs: int) -> str:
+    """What to add to a mismatch message when two totals differ only in the shape key."""
+    if mine != theirs and (mine ^ theirs) & wire.COUNT_MASK == 0:
+        return (" with the same number of elements in another shape (arrays are never reinterpreted: "
+                "reshape them alike on every rank)")
+    return ""
 
 
 class _Expect:
@@ -656,7 +665,7 @@ class Fabric:
         if group != call.group:
             theirs = f"a message of another group (id {group:#x}): {_describe(op, seq, dtype, total, arg)}"
         else:
-            theirs = _describe(op, seq, dtype, total, arg)
+            theirs = _describe(op, seq, dtype, total, arg) + shape_differs(call.total, total)
             if (op, seq, dtype, arg, total) == (call.op, call.seq, call.dtype, call.arg, call.total):
                 theirs += f" in pieces of {nbytes} bytes where {len(exp.target)} were expected"
         raise CollectiveMismatchError(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from meshcomm.plugin import algorithms, reducer
 
+from . import wire
 from .engine import Call, as_bytes
 
 if TYPE_CHECKING:
@@ -34,8 +35,8 @@ __all__ = ["Path", "TcpPath", "LocalPath", "HostsPath", "RING_MIN_BYTES", "FRAME
 RING_MIN_BYTES = 256 * 1024
 #: largest frame of a plain transfer (the header's size field is 32 bits)
 FRAME_BYTES = 1 << 26
-#: ``ShmGroup.quick_sum``: (sendbuf, recvbuf, group id, call number, label) -> done
-QuickSum = Callable[[np.ndarray, np.ndarray, int, int, str], bool]
+#: ``ShmGroup.quick_sum``: (sendbuf, recvbuf, group id, call number, label, shape key) -> done
+QuickSum = Callable[[np.ndarray, np.ndarray, int, int, str, int], bool]
 
 
 class Path(Protocol):
@@ -253,6 +254,7 @@ class HostsPath(TcpPath):
         else:
             recvbuf[...] = sendbuf
         if self.leaders is not None:
+            self.leaders.shape_key = call.total >> wire.SHAPE_SHIFT  # the leaders' call has the same shape
             self.leaders.all_reduce(recvbuf.copy(), recvbuf, op)
         if self.shm is not None:
             self.shm.broadcast(call, recvbuf, 0)

@@ -69,7 +69,7 @@ from meshcomm.plugin import (
 )
 
 from . import cma, wire
-from .engine import Call, Fabric, _describe
+from .engine import Call, Fabric, _describe, shape_differs
 from .results import OwnResults, PeerResults
 
 __all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "ShmSetupError", "SEQ_WRAP", "next_piece",
@@ -587,7 +587,8 @@ class ShmGroup:
                 raise CollectiveMismatchError(
                     f"rank {self.fabric.rank} called {call.describe()} in group {call.label}, but local "
                     f"rank {self.local[i]} is in "
-                    f"{_describe(theirs[0], theirs[3], theirs[1], theirs[2], theirs[4])} (shared memory). "
+                    f"{_describe(theirs[0], theirs[3], theirs[1], theirs[2], theirs[4])}"
+                    f"{shape_differs(total, theirs[2])} (shared memory). "
                     "Every rank must make the same calls in the same order with the same shapes, "
                     "dtypes and roots."
                 )
@@ -653,7 +654,7 @@ class ShmGroup:
                 self._split_all_reduce(call, sendbuf, recvbuf, f)
                 return
             # the latency path: one wait, every rank combines every slot
-            if op == "sum" and self.quick_sum(sendbuf, recvbuf, call.group, call.seq, call.label, call):
+            if op == "sum" and self.quick_sum(sendbuf, recvbuf, call.group, call.seq, call.label, 0, call):
                 return
             self._slots_reduce(call, sendbuf, recvbuf, f, self.seq & 1, publish=True)
             return
@@ -683,8 +684,9 @@ class ShmGroup:
             f(recvbuf, v, out=recvbuf)
 
     def quick_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, group_id: int, cseq: int, label: str,
-                  call: Call | None = None) -> bool:
-        """The all_sum numbered ``cseq`` in group ``group_id`` (``label``) when it is one piece
+                  key: int = 0, call: Call | None = None) -> bool:
+        """The all_sum numbered ``cseq`` in group ``group_id`` (``label``, the core's shape
+        ``key``; ``call``'s own total when it is given) when it is one piece
         of a dtype the compiled channel sums (:attr:`native_sums`): publish, spin, compare
         and sum in one C call. The latency path of a small call: ``call`` (its
         :class:`Call`) is made only if the C call leaves work to Python (peers to wake, a
@@ -697,7 +699,8 @@ class ShmGroup:
             return False
         fab = self.fabric
         fab.check()
-        dcode, total = dtype_code(sendbuf.dtype), sendbuf.size
+        dcode = dtype_code(sendbuf.dtype)
+        total = call.total if call is not None else wire.call_total(sendbuf.size, key) if key else sendbuf.size
         prev = self.seq
         seq = prev % SEQ_WRAP + 1
         status = nat.all_sum(sendbuf, recvbuf, kind, _DESC_AT[prev & 1], _ALL_SUM, dcode, total, cseq, 0,

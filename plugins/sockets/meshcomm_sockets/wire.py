@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from meshcomm.plugin import wire_names
 
 __all__ = [
-    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ENDED",
+    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ENDED", "SHAPE_SHIFT", "COUNT_MASK", "call_total",
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
     "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
     "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
@@ -73,6 +73,18 @@ def next_seq(seq: int) -> int:
 #: opcodes are the core's operation codes (meshcomm.operations), which are never reused
 OPS = wire_names()
 OP_CODES = {name: i for i, name in enumerate(OPS) if name != "?"}
+#: a call's ``total`` (frame header, shared-memory descriptor): the element count in the low
+#: SHAPE_SHIFT bits, the core's shape key (Backend.shape_key, < 2**23) above them, so that
+#: two shapes of one element count are different calls (counts of 2**40 or more carry no key)
+SHAPE_SHIFT = 40
+COUNT_MASK = (1 << SHAPE_SHIFT) - 1
+
+
+def call_total(count: int, key: int) -> int:
+    """The ``total`` of a call on ``count`` elements whose shape has ``key``."""
+    return count | (key << SHAPE_SHIFT) if key and count <= COUNT_MASK else count
+
+
 #: the opcode of an ABORT frame, which carries the kind of failure in the dtype field
 #: (1 peer lost, 2 timeout, 3 mismatch, 4 other: engine._KIND_OF; :data:`ENDED`)
 ABORT = 0xFFFF
