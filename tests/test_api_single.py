@@ -132,3 +132,22 @@ def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
            "assert dtypes.bfloat16 == x.dtype and x.dtype in dtypes.SUPPORTED\n"
            "from meshcomm import plugin\n"
            "assert plugin.bfloat16 == x.dtype and plugin.SUPPORTED == dtypes.SUPPORTED")
+
+
+def test_shape_keys_tell_shapes_of_one_count_apart() -> None:
+    """Backend.shape_key: 0 for 1-D, never 0 otherwise, different for the reshapes of one
+    count, fixed numbers (every rank and Python version must compute the same key)."""
+    from meshcomm.backend import SHAPE_KEYS, shape_key
+
+    assert shape_key((6,)) == 0 and shape_key((0,)) == 0
+    assert shape_key((2, 3)) == 2504155 and shape_key((3, 2)) == 4638221 and shape_key(()) == 3635637
+    reshapes = [(24,), (2, 12), (12, 2), (3, 8), (8, 3), (4, 6), (6, 4), (2, 3, 4), (4, 3, 2), (1, 24), (24, 1),
+                (2, 2, 6), (1, 1, 24), (24, 1, 1)]
+    keys = [shape_key(s) for s in reshapes]
+    assert len(set(keys)) == len(keys) and all(0 <= k < 2**23 for k in keys), keys
+    assert shape_key(()) != shape_key((1, 1)) != 0
+    for s in reshapes:
+        assert SHAPE_KEYS[s] == shape_key(s)
+    for i in range(5000):  # the cache never grows past its bound
+        SHAPE_KEYS[(i, 2)]
+    assert len(SHAPE_KEYS) <= 4096

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import debug as _debug
 from . import exits
-from .backend import Backend, shape_key
+from .backend import SHAPE_KEYS, Backend
 from .dtypes import BASE_SUPPORTED, check_dtype
 from .errors import DistributedError
 from .guard import Ticket, WorldGuard
@@ -256,7 +256,7 @@ class Group:
 
         def run() -> np.ndarray:
             if self._keyed:
-                backend.shape_key = 0 if a.ndim == 1 else shape_key(a.shape)
+                backend.shape_key = 0 if a.ndim == 1 else SHAPE_KEYS[a.shape]
             if o is not None:
                 res = o
             elif a.nbytes < backend.EMPTY_MIN_BYTES:
@@ -651,7 +651,7 @@ class Group:
         the backend checks ``method`` in-band); True if a check ran (a check is a barrier).
         A backend that checks calls in-band is given the shape's key first (Backend.shape_key)."""
         if self._keyed:
-            self._b.shape_key = 0 if len(shape) == 1 else shape_key(shape)
+            self._b.shape_key = SHAPE_KEYS[shape]
         if self._debug:
             _debug.check_collective(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
             return True
