@@ -269,6 +269,84 @@ def test_remote_job_dir_is_private_and_removed(sshd: LoopbackSshd, tmp_path: Pat
     assert not os.path.exists(path), "the job's directory was not removed"
 
 
+# -- issue 33 item 3: --log-dir and --trace in another user's directory ----------------------------
+
+#: what the other user (uid 65534) prepared: a directory of theirs, writable by all, with the
+#: names the job writes planted as links to a file of root's; or our own directory left
+#: writable by others; or a link to a directory
+PLANTED = ("rank-0.log", "rank-1.log", "rank-0.json", "rank-1.json", "trace.json")
+
+
+def _plant(folder: Path, kind: str, victim: Path) -> Path:
+    if kind == "link-to-dir":
+        real = folder.with_name(folder.name + ".real")
+        real.mkdir(mode=0o700)
+        folder.symlink_to(real)
+        return folder
+    folder.mkdir()
+    folder.chmod(0o777)
+    if kind == "theirs":
+        os.chown(folder, STRANGER, STRANGER)
+    for name in PLANTED:
+        (folder / name).symlink_to(victim)
+        os.lchown(folder / name, STRANGER, STRANGER)
+    return folder
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root (chown)")
+@pytest.mark.parametrize("kind,words", [("theirs", f"belongs to uid {STRANGER}"),
+                                        ("mine-world-writable", "writable by other users"),
+                                        ("link-to-dir", "is a symbolic link")])
+@pytest.mark.parametrize("option", ["--log-dir", "--trace"])
+def test_log_and_trace_dirs_another_user_can_change_are_refused(option: str, kind: str, words: str,
+                                                                 tmp_path: Path) -> None:
+    """A root job pointed at such a directory refuses it before any rank starts, in one line
+    naming the reason; root's mode-600 file behind the planted links is untouched."""
+    victim = tmp_path / "victim"
+    victim.write_text("root's own")
+    victim.chmod(0o600)
+    folder = _plant(tmp_path / "out", kind, victim)
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    p = launch("-n", "2", option, str(folder), "--env", f"MC_TEST_PIDDIR={piddir}", rank_prog(tmp_path), "wait",
+               "init")
+    line = error_line(p)
+    assert option in line and words in line, line
+    assert p.returncode == 2 and not recorded_pids(piddir), show(p)
+    assert victim.read_text() == "root's own" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+
+
+def test_log_and_trace_files_are_the_users_only(tmp_path: Path) -> None:
+    """New directories are made 0700, log and trace files 0600; the temporary names of the
+    trace files are not the predictable .rank-R.json.<pid>.tmp."""
+    logs, trace = tmp_path / "a" / "logs", tmp_path / "b" / "trace"
+    p = launch("-n", "2", "--log-dir", str(logs), "--trace", str(trace), "--", "-c",
+               "import meshcomm as mc; mc.all_sum(1.0); print('done')")
+    assert p.returncode == 0, show(p)
+    for d in (logs, trace):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    files = [*logs.iterdir(), *trace.iterdir()]
+    assert {f.name for f in files} >= {"rank-0.log", "rank-1.log", "trace.json"}, files
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    from meshcomm import private_files
+
+    made = []
+    real = private_files.os.open
+
+    def spy(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(str(path))
+        return real(path, flags, *args, **kwargs)
+
+    private_files.os.open = spy
+    try:
+        private_files.write_atomic(trace, "x.json", b"{}")
+    finally:
+        private_files.os.open = real
+    tmp = [m for m in made if m.endswith(".tmp")]
+    assert tmp and all(str(os.getpid()) not in m and len(m) > len(".x.json..tmp") + 8 for m in tmp), made
+
+
 # -- item 7: no secret on any command line, none in --verbose -----------------------------------
 
 def _mpi_reason(name: str) -> str | None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ..errors import ConfigError
+from ..private_files import create_file, open_dir, private_dir
 
 __all__ = ["RankOutput", "FifoOutput", "die_with_parent", "private_dir_script", "DIR_REFUSED", "pump_lines",
            "say"]
@@ -73,13 +74,16 @@ class RankOutput:
         #: our streams ("out", "err") that failed: their lines are dropped from then on
         self.lost: set[str] = set()
         if log_dir:
+            folder = private_dir(log_dir, "--log-dir")  # not another user's: no links planted in it
+            dfd = open_dir(folder)
             try:
-                os.makedirs(log_dir, exist_ok=True)
                 for rank in range(nranks):
-                    self.logs[rank] = open(os.path.join(log_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
+                    self.logs[rank] = os.fdopen(create_file(dfd, f"rank-{rank}.log"), "wb")
             except OSError as exc:
                 self.close()
                 raise ConfigError(f"--log-dir {log_dir!r}: cannot write the rank logs there: {exc.strerror}") from None
+            finally:
+                os.close(dfd)
 
     def rank_line(self, rank: int, stream: str, line: bytes) -> None:
         with self.lock:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
 from ..exits import JOB_DIR_ENV, STACKS_FILE, read_records
+from ..private_files import private_dir
 from ..registry import BackendSpec, get_registry
 from .blame import Failure, blame, describe_status, exit_code
 from .hosts import Host, job_size, place_ranks
@@ -202,8 +203,8 @@ def launch(options: LaunchOptions) -> int:
     finally:
         output.close()
         job.cleanup()
-        if options.trace is not None:
-            _merge_trace(options.trace)
+        if "MESHCOMM_TRACE" in base:  # only a directory that was checked and prepared
+            _merge_trace(base["MESHCOMM_TRACE"])
 
 
 def _check_before_start(options: LaunchOptions, spec: BackendSpec, places: list, n: int) -> None:
@@ -220,9 +221,8 @@ def _check_before_start(options: LaunchOptions, spec: BackendSpec, places: list,
 
 def _fresh_trace_dir(folder: str) -> str:
     """``folder`` made absolute and created, without the rank files of an earlier job."""
-    path = Path(folder).resolve()
+    path = private_dir(Path(folder).absolute(), "--trace")  # not another user's: no links planted in it
     try:
-        path.mkdir(parents=True, exist_ok=True)
         for old in path.glob("rank-*.json"):
             old.unlink()
     except OSError as exc:

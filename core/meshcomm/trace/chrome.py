@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..private_files import write_atomic
 from .recorder import RANK_FILE_FORMAT
 
 __all__ = ["Op", "load_rank_files", "operations", "chrome_trace", "merge_dir", "MERGED_NAME", "load_trace"]
@@ -150,10 +151,7 @@ def merge_dir(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None
     size = max(int(d.get("size", 0)) for d in ranks)
     missing = sorted(set(range(size)) - {int(d["rank"]) for d in ranks})
     path = Path(out) if out is not None else Path(folder) / MERGED_NAME
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(chrome_trace(ranks), separators=(",", ":")))
-    os.replace(tmp, path)
+    write_atomic(path.parent, path.name, json.dumps(chrome_trace(ranks), separators=(",", ":")).encode())
     return path, missing
 
 

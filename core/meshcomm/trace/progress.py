@@ -71,7 +71,7 @@ class ProgressWriter:
     def __init__(self, folder: Path, rank: int) -> None:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path = folder / f"rank-{rank}.bin"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, SIZE)
             self._mm = mmap.mmap(fd, SIZE)

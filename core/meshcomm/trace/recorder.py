@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from ..private_files import private_dir, write_atomic
 from .progress import ProgressWriter, job_progress_dir
 from .stall import Current, StallInspector
 
@@ -194,13 +195,10 @@ class Recorder:
         if self.reason == "failure":  # the exit that follows a failure is still a failure
             reason = "failure"
         self.reason = reason
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = rank_file(self.folder, self.world_rank)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(self.snapshot(reason), separators=(",", ":")))  # json.dumps: the C encoder (json.dump encodes in Python)
-        os.replace(tmp, path)
-        return path
+        folder = private_dir(self.folder, "MESHCOMM_TRACE")
+        # json.dumps: the C encoder (json.dump encodes in Python)
+        data = json.dumps(self.snapshot(reason), separators=(",", ":")).encode()
+        return write_atomic(folder, rank_file(folder, self.world_rank).name, data)
 
 
 def start(config: Config, world: Group) -> Recorder | None:
@@ -223,7 +221,9 @@ def start(config: Config, world: Group) -> Recorder | None:
                 sys.stderr.write(f"meshcomm: rank {world.rank()}: no progress record for the stall inspector "
                                  f"in {folder}: {exc}\n")
                 folder = None
-        rec = Recorder(world, folder=config.trace, capacity=config.trace_events, progress=writer)
+        # refused at start, not at exit: a directory another user made or can write into
+        trace = private_dir(config.trace, "MESHCOMM_TRACE") if config.trace is not None else None
+        rec = Recorder(world, folder=trace, capacity=config.trace_events, progress=writer)
         if stall > 0:
             # before MLX_TIMEOUT fires, whatever the setting says
             after = min(stall, float(config.timeout) / 2)
@@ -242,7 +242,7 @@ def dump(reason: str = "exit") -> Path | None:
         return None
     try:
         return rec.dump(reason)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: ConfigError, the directory changed hands
         import sys
 
         sys.stderr.write(f"meshcomm: rank {rec.world_rank}: could not write the trace to {rec.folder}: {exc}\n")
