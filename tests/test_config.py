@@ -34,9 +34,16 @@ def test_empty_variables_count_as_unset():
     [
         ("MLX_TIMEOUT", "soon", "a number of seconds > 0"),
         ("MLX_TIMEOUT", "-1", "a number of seconds > 0"),
-        ("MLX_RANK", "-2", "an integer >= 0"),
-        ("MLX_RANK", "one", "an integer >= 0"),
+        ("MLX_RANK", "-2", "an integer from 0 to"),
+        ("MLX_RANK", "one", "an integer from 0 to"),
         ("MLX_DEBUG", "maybe", "1/0, true/false"),
+        # numbers that would overflow later (mid-call, in a 64-bit field or a C int) are refused now
+        ("MESHCOMM_MAX_OBJECT_BYTES", str(2**63), "from 1 to 2**63 - 1"),
+        ("MLX_WORLD_SIZE", str(2**31), "an integer from 1 to 2147483647"),
+        ("MLX_RANK", str(2**31), "an integer from 0 to 2147483646"),
+        ("MESHCOMM_TRACE_EVENTS", str(2**40), "from 1 to 2**31 - 1"),
+        ("MESHCOMM_STALL_AFTER", "1e12", "from 0 to 2147483"),
+        ("MESHCOMM_STALL_AFTER", "inf", "from 0 to 2147483"),
     ],
 )
 def test_invalid_values_name_the_variable_and_the_accepted_values(var, value, accepted):
@@ -91,3 +98,22 @@ def test_unknown_backend_is_a_config_error(monkeypatch):
     monkeypatch.setenv("MLX_BACKEND", "sockts")
     with pytest.raises(mc.ConfigError, match=r"unknown backend 'sockts'.*MLX_BACKEND.*installed backends"):
         mc.init()
+
+
+@pytest.mark.parametrize("var,value", [("MESHCOMM_SOCKETS_LISTEN_FD", str(2**31)), ("MESHCOMM_MPI_SPIN_US", "inf"),
+                                       ("MESHCOMM_MPI_SPIN_US", "1e300"), ("MESHCOMM_GLOO_PORT", "65536"),
+                                       ("MESHCOMM_SOCKETS_CHUNK_KIB", str(2**40))])
+def test_backend_settings_out_of_range_are_refused_at_start_up(var, value):
+    """Every backend's numeric settings have both ends checked, so a value is refused at
+    start-up (and by meshcomm launch before any rank starts), never overflows mid-call."""
+    from meshcomm.registry import get_registry
+
+    specs = [s for s in get_registry().specs.values() if s.settings is not None
+             and any(f.json_schema_extra and f.json_schema_extra.get("env") == var  # type: ignore[union-attr]
+                     for f in s.settings.model_fields.values())]
+    if not specs:
+        pytest.skip(f"no installed backend reads {var}")
+    with pytest.raises(ConfigError, match=var):
+        from meshcomm.config import load_settings
+
+        load_settings(specs[0].settings, None, {var: value})

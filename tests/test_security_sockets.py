@@ -139,6 +139,20 @@ def test_a_stranger_connecting_first_is_rejected_learns_nothing_and_the_real_ran
     assert "rejected" in results[0][2], results[0][2][-2000:]
 
 
+def test_a_rank_with_another_secret_is_told_its_secret_was_refused(tmp_path):
+    """Rank 1 was given a different MESHCOMM_JOB_SECRET: it does not report 'connection
+    refused' or a timeout of an unreachable rank, but that rank 0 refused its secret."""
+    ports = free_ports(2)
+    hf = write_hostfile(tmp_path / "h.json", ports)
+    procs = start_ranks(2, [_prog(tmp_path)], hf, env={"MLX_TIMEOUT": "3", "SIZE": "8"},
+                        rank_env={0: {"MESHCOMM_JOB_SECRET": "one"}, 1: {"MESHCOMM_JOB_SECRET": "another"}})
+    results = finish(procs, timeout=60)
+    rc, out, err = results[1]
+    assert _last(results, 1)["error"] == "DistributedError", (rc, out[-2000:], err[-3000:])
+    assert "refused this rank's MESHCOMM_JOB_SECRET" in _last(results, 1)["message"], out[-2000:]
+    assert "Connection refused" not in out + err, err[-3000:]
+
+
 # -- 2. an on-path relay without the secret ------------------------------------------------------
 
 RELAY = """

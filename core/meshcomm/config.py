@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError
 from .placement import Coordinator, coordinator, parse_coordinator, placement
 
-__all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_TIMEOUT"]
+__all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_TIMEOUT", "MAX_RANKS"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,6 +40,8 @@ def env_names(model: type[BaseModel]) -> dict[str, str]:
 
 #: the longest MLX_TIMEOUT every wait can honour: poll(2) takes an int of milliseconds
 MAX_TIMEOUT = (2**31 - 1) // 1000
+#: the most ranks a job can have (MPI, gloo and the sockets frames count ranks in 32-bit ints)
+MAX_RANKS = 2**31 - 1
 
 
 def _gather(
@@ -158,12 +160,13 @@ class Config(Settings):
         description="which backend init() starts",
     )
     rank: int | None = setting(
-        None, env="MLX_RANK", accepts="an integer >= 0", description="this process's rank", ge=0
+        None, env="MLX_RANK", accepts=f"an integer from 0 to {MAX_RANKS - 1}", description="this process's rank",
+        ge=0, lt=MAX_RANKS,
     )
     world_size: int | None = setting(
-        None, env="MLX_WORLD_SIZE", accepts="an integer >= 1, the same on every rank",
+        None, env="MLX_WORLD_SIZE", accepts=f"an integer from 1 to {MAX_RANKS}, the same on every rank",
         description="number of ranks (when unset: from Slurm's, Open MPI's, MPICH's or torchrun's variables)",
-        ge=1,
+        ge=1, le=MAX_RANKS,
     )
     coordinator: str | None = setting(
         None, env="MLX_COORDINATOR", accepts="host:port, e.g. node1:29500 or [fe80::1]:29500",
@@ -220,17 +223,17 @@ class Config(Settings):
     trace_events: int = setting(
         100_000,
         env="MESHCOMM_TRACE_EVENTS",
-        accepts="a number of events >= 1",
+        accepts="a number of events from 1 to 2**31 - 1",
         description="operations each rank keeps while tracing (the oldest are dropped beyond it)",
-        ge=1,
+        ge=1, le=2**31 - 1,
     )
     stall_after: float = setting(
         60.0,
         env="MESHCOMM_STALL_AFTER",
-        accepts="a number of seconds >= 0 (0 turns the stall inspector off)",
+        accepts=f"a number of seconds from 0 to {MAX_TIMEOUT} (0 turns the stall inspector off)",
         description="after this long in one operation (at most half of MLX_TIMEOUT), a rank logs which "
         "ranks have not joined it",
-        ge=0,
+        ge=0, le=MAX_TIMEOUT,
         allow_inf_nan=False,
     )
 
@@ -260,10 +263,10 @@ class Config(Settings):
     max_object_bytes: int = setting(
         1 << 30,
         env="MESHCOMM_MAX_OBJECT_BYTES",
-        accepts="a number of bytes >= 1",
+        accepts="a number of bytes from 1 to 2**63 - 1 (the ranks agree on it as a 64-bit integer)",
         description="largest pickled object all_gather_object/broadcast_object move (the smallest "
         "setting of any rank applies); larger ones raise ValueError on every rank",
-        ge=1,
+        ge=1, le=2**63 - 1,
     )
 
     @field_validator("backend")

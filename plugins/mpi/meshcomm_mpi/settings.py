@@ -48,11 +48,12 @@ class MPISettings(BaseModel):
     spin_us: float = setting(
         200.0,
         env="MESHCOMM_MPI_SPIN_US",
-        accepts="a number of microseconds >= 0",
+        accepts="a number of microseconds from 0 to 10000000",
         description=(
             "how long a waiting operation polls MPI without sleeping before it starts to "
             "sleep between polls (longer: lower latency, more CPU burnt by waiting ranks)"
         ),
         ge=0,
         le=10_000_000,
+        allow_inf_nan=False,
     )

@@ -117,7 +117,7 @@ def _connect_once(peer: Peer, deadline: float) -> socket.socket:
 
 def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str,
              deadline: float, timeout: float) -> Connection:
-    delay, last = 0.02, "no attempt"
+    delay, last, refused = 0.02, "no attempt", 0
     while True:
         try:
             sock = _connect_once(peer, deadline)
@@ -126,10 +126,12 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                 raise _exhausted(rank, f"opening a connection to rank {q} at {peer}", exc) from None
             last = exc.strerror or str(exc)
         else:
+            said_hello = False
             try:
                 nonce_a = wire.parse_challenge(recv_exact(sock, wire.CHALLENGE_SIZE, deadline, during=_HANDSHAKE))
                 nonce_c = os.urandom(16)
                 sock.sendall(wire.hello(secret, nonce_a, wire.Hello(world, rank, q, nonce_c, version)))
+                said_hello = True
                 head = recv_exact(sock, wire.WELCOME_FIXED, deadline, during=_HANDSHAKE)
                 rest = recv_exact(sock, wire.welcome_size(head) - len(head), deadline, during=_HANDSHAKE)
                 w = wire.parse_welcome(secret, nonce_c, head + rest)
@@ -141,6 +143,11 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                         f"handshake: {exc}"
                     ) from None
                 last = str(exc)
+                if said_hello and isinstance(exc, ConnectionError):
+                    # a listener closes only a HELLO whose proof of the secret fails
+                    refused += 1
+                    last = (f"rank {q} closed the connection right after this rank's HELLO, {refused} time(s): it "
+                            "did not accept this rank's proof of MESHCOMM_JOB_SECRET")
             else:
                 if w.status != wire.STATUS_OK:
                     sock.close()
@@ -161,6 +168,12 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                 c2a, a2c = wire.derive_keys(secret, nonce_a, nonce_c)
                 return Connection(sock, c2a, a2c)
         if time.monotonic() + delay > deadline:
+            if refused:
+                raise DistributedError(
+                    f"rank {rank}: rank {q} at {peer} refused this rank's MESHCOMM_JOB_SECRET ({last}): the "
+                    "two ranks were given different secrets, or this process is not part of that job. Give "
+                    "every rank of a job the same MESHCOMM_JOB_SECRET (meshcomm launch does it for you)."
+                )
             raise CommTimeoutError(
                 f"rank {rank}: could not connect to rank {q} at {peer} within {timeout:g} s "
                 f"(last error: {last}). Is rank {q} running, and does it listen on {peer}?",

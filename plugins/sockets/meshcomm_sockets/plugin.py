@@ -90,7 +90,7 @@ class SocketsSettings(JobSecretSettings):
     listen_fd: int | None = setting(
         None, env="MESHCOMM_SOCKETS_LISTEN_FD", accepts="an inherited listening socket's file descriptor",
         description="set by meshcomm launch: a listening socket it opened for this rank (no port race)",
-        ge=0,
+        ge=0, le=2**31 - 1,
     )
 
 
