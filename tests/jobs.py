@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "programs"
 #: Open MPI's own start-up failing before any rank ran (seen in CI: mpiexec exit 213);
 #: nothing of meshcomm ran, so a test starts such a job once more
+#: the secret of the jobs these helpers start by hand (meshcomm launch makes a fresh one)
+JOB_SECRET = "meshcomm-tests-job-secret"
 MPI_RUNTIME_NOT_STARTED = "The PMIx server's listener thread failed to start"
 
 
@@ -92,8 +94,10 @@ def start_ranks(n: int, args: list[str], hostfile: Path, *, ranks: list[int] | N
     """Start ranks of a sockets job directly (no launcher, so a dying rank does not stop the others)."""
     procs = {}
     for r in (range(n) if ranks is None else ranks):
+        # a job's secret, as meshcomm launch would give (tests of jobs without one pass "")
         e = {**os.environ, "MLX_BACKEND": "sockets", "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
-             "PYTHONUNBUFFERED": "1", **(env or {}), **((rank_env or {}).get(r, {}))}
+             "PYTHONUNBUFFERED": "1", "MESHCOMM_JOB_SECRET": JOB_SECRET, **(env or {}),
+             **((rank_env or {}).get(r, {}))}
         procs[r] = subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
     return procs

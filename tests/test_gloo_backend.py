@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jobs import JOB_SECRET
 
 pytest.importorskip("torch")
 
@@ -35,7 +36,8 @@ def _free_port() -> int:
 def _env(rank: int, n: int, extra: dict[str, str] | None = None, *, port: int | None = None,
          file: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(OURS)}
-    env.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), MLX_TIMEOUT="60", PYTHONUNBUFFERED="1")
+    env.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), MLX_TIMEOUT="60", PYTHONUNBUFFERED="1",
+               MESHCOMM_JOB_SECRET=JOB_SECRET)
     if file is not None:
         env["MESHCOMM_GLOO_FILE"] = str(file)
     else:

@@ -304,6 +304,7 @@ if __name__ == "__main__":
 
 # -- pytest side ------------------------------------------------------------------------------
 import pytest  # noqa: E402
+from jobs import JOB_SECRET  # noqa: E402
 
 pytest.importorskip("mpi4py")
 from meshcomm_mpi.environment import launch_reason, unavailable_reason  # noqa: E402
@@ -320,6 +321,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without MPI launcher or meshcomm variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
     env["PYTHONUNBUFFERED"] = "1"
+    env["MESHCOMM_JOB_SECRET"] = JOB_SECRET  # as meshcomm launch gives every job (object payloads need it)
     env.update(extra)
     return env
 
@@ -501,3 +503,23 @@ def test_job_command_places_ranks_on_hosts(monkeypatch: pytest.MonkeyPatch) -> N
     assert cmd[-1] == "prog" and "MLX_BACKEND=mpi" in cmd
     local = SimpleNamespace(nranks=2, places=[RankPlace(i, None, "127.0.0.1", i) for i in range(2)])
     assert "--host" not in job_command(local, ["prog"], {})
+
+
+def test_control_notices_carry_plain_data_only(tmp_path: Path) -> None:
+    """The control channel's notices load as plain data; a pickle that would call code (what
+    someone writing into MPI's unauthenticated TCP traffic could send) is refused, not run."""
+    import pickle
+
+    from meshcomm_mpi.notices import NoticeError, decode, encode
+
+    plain = {"qid": 3, "state": {"world": (4, {1: 2}, {}, "all_sum #4")}, "counts": (1, 2, 3), "x": [1.5, None, b"b"]}
+    assert decode(encode(plain)) == plain
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(NoticeError, match="plain data only"):
+        decode(pickle.dumps({"qid": 1, "state": Evil()}))
+    assert not marker.exists()

@@ -33,10 +33,14 @@ from jobs import ROOT, connect_when_listening, finish, free_ports, start_ranks, 
 wire = pytest.importorskip("meshcomm_sockets.wire")
 SHM = Path("/dev/shm")
 
+#: rank 1's object in the object jobs (the relay knows its pickle and swaps it)
+OBJECT = ("HARMLESS-OBJECT-OF-RANK-1", "x" * 200)
+
 PROG = """
 import json, os, sys, time
 import numpy as np
 import meshcomm as mc
+OBJECT = OBJECT_REPR
 
 def say(**kw):
     print(json.dumps(kw), flush=True)
@@ -45,14 +49,19 @@ try:
     g = mc.init(strict=True)
     t = g.transport
     say(rank=g.rank(), path=getattr(getattr(t, "path", None), "name", "?"))
-    n = int(os.environ.get("SIZE", str(1 << 18)))
-    got = mc.all_sum(np.full(n, g.rank() + 1.0, np.float32))
-    bad = np.flatnonzero(got != 3.0)
-    say(error=None, ok=bool(bad.size == 0), bad=bad[:5].tolist(), values=got[bad[:5]].tolist())
+    if os.environ.get("OBJECTS"):  # rank 1's object is what the pickle relay swaps
+        got = mc.all_gather_object(OBJECT if g.rank() == 1 else g.rank())
+        say(error=None, ok=got == [0, OBJECT], objects=repr(got)[:200])
+    else:
+        n = int(os.environ.get("SIZE", str(1 << 18)))
+        got = mc.all_sum(np.full(n, g.rank() + 1.0, np.float32))
+        bad = np.flatnonzero(got != 3.0)
+        say(error=None, ok=bool(bad.size == 0), bad=bad[:5].tolist(), values=got[bad[:5]].tolist())
 except mc.DistributedError as exc:
     say(error=type(exc).__name__, message=str(exc))
 """
 
+PROG = PROG.replace("OBJECT_REPR", repr(OBJECT))
 
 def _reports(out: str) -> list[dict]:
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
@@ -156,8 +165,9 @@ def test_a_rank_with_another_secret_is_told_its_secret_was_refused(tmp_path):
 # -- 2. an on-path relay without the secret ------------------------------------------------------
 
 RELAY = """
-import os, select, socket, sys, time
+import os, pickle, select, socket, sys, time
 from meshcomm_sockets import wire
+OBJECT = OBJECT_REPR
 
 listen_port, target_port, mode, decoy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 srv = socket.create_server(("127.0.0.1", listen_port))
@@ -170,6 +180,16 @@ for _ in range(600):                                  # rank 0 (acceptor), once 
     except OSError:
         time.sleep(0.05)
 tag = getattr(wire, "TAG", 0)
+
+
+class Evil:  # unpickling it runs a command: what a relay would put in place of an object
+    def __reduce__(self):
+        return (os.system, ("touch " + decoy,))
+
+
+ORIGINAL = pickle.dumps(OBJECT, protocol=pickle.HIGHEST_PROTOCOL)
+EVIL = pickle.dumps(Evil(), protocol=pickle.HIGHEST_PROTOCOL)
+EVIL += b"\\0" * (len(ORIGINAL) - len(EVIL))  # pickle.loads stops at STOP: the rest is ignored
 
 
 def recv_exact(s, n):
@@ -218,6 +238,12 @@ while open_:  # half-close like TCP: an end's EOF is passed on, the other direct
             data = data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:]
             flipped = True
             print("flipped", flush=True)
+        if mode == "pickle" and s is c and not flipped:  # rank 1's pickled object, as it crosses
+            k = data.find(ORIGINAL)  # one small frame: it arrives in one piece on loopback
+            if k >= 0:
+                data = data[:k] + EVIL + data[k + len(ORIGINAL):]
+                flipped = True
+                print("swapped", flush=True)
         if mode == "rename" and s is a and not flipped:  # the name is the start of a 64-byte payload
             buf[a] += data
             data = b""
@@ -239,9 +265,10 @@ while open_:  # half-close like TCP: an end's EOF is passed on, the other direct
                 pass         # the other way (crashing here would reset the survivor's link)
 """
 
+RELAY = RELAY.replace("OBJECT_REPR", repr(OBJECT))
 
 def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "-", size: int = 1 << 18,
-                 secret: str = "relay-test-secret", integrity: str = "auto"):
+                 secret: str = "relay-test-secret", integrity: str = "auto", objects: bool = False):
     """Ranks 0 and 1, rank 1 reaching rank 0 only through the relay (its hostfile names the
     relay's port); returns (results, relay output)."""
     prog = _prog(tmp_path)
@@ -254,7 +281,8 @@ def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "
                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert rp.stdout is not None and rp.stdout.readline().strip() == "ready"
     env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": secret, "MESHCOMM_SOCKETS_SHM": "1" if shm else "0",
-           "SIZE": str(size), "MESHCOMM_JOB_ID": "relaytest", "MESHCOMM_SOCKETS_INTEGRITY": integrity}
+           "SIZE": str(size), "MESHCOMM_JOB_ID": "relaytest", "MESHCOMM_SOCKETS_INTEGRITY": integrity,
+           **({"OBJECTS": "1"} if objects else {})}
     procs = start_ranks(2, [prog], h0, env=env, rank_env={1: {"MLX_HOSTFILE": str(h1)}})
     try:
         results = finish(procs, timeout=120)
@@ -277,6 +305,35 @@ def test_relay_flipping_a_payload_byte_ends_in_a_clear_error_never_wrong_data(tm
         assert "failed authentication" in rep["message"], (r, rep)
     assert _last(results, 0)["error"] == "FrameAuthError"
     assert "rank 0 stopped the job" in _last(results, 1)["message"]
+
+
+def test_relay_swapping_a_pickled_object_runs_no_code(tmp_path):
+    """With a secret and header-only link integrity, a relay replaces rank 1's pickled object
+    with one that runs a command when unpickled: rank 0 unpickles nothing (the core's seal
+    over the object fails) and the command never runs."""
+    marker = tmp_path / "code-ran"
+    results, relay = _relayed_job(tmp_path, "pickle", integrity="header", objects=True, decoy=str(marker))
+    assert "swapped" in relay, relay
+    rep0 = _last(results, 0)
+    assert rep0["error"] == "ObjectAuthError" and "failed authentication" in rep0["message"], rep0
+    assert not marker.exists(), "the swapped pickle ran its command on rank 0"
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_objects_without_a_secret_are_refused_unless_the_user_opts_in(tmp_path, unsafe):
+    """No MESHCOMM_JOB_SECRET: nothing can authenticate another rank's pickle, so both ranks
+    refuse all_gather_object before sending anything; MESHCOMM_UNSAFE_OBJECTS=1 allows it."""
+    hf = write_hostfile(tmp_path / "h.json", free_ports(2))
+    env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": "", "OBJECTS": "1",
+           **({"MESHCOMM_UNSAFE_OBJECTS": "1"} if unsafe else {})}
+    results = finish(start_ranks(2, [_prog(tmp_path)], hf, env=env), timeout=120)
+    for r in range(2):
+        rc, out, err = results[r]
+        if unsafe:
+            assert _last(results, r)["ok"] is True, (r, out[-2000:], err[-2000:])
+        else:
+            assert rc != 0 and "ConfigError" in err and "MESHCOMM_UNSAFE_OBJECTS=1" in err, (r, err[-2000:])
+            assert "arbitrary code execution" in err, err[-2000:]
 
 
 def test_relay_forging_an_abort_is_rejected_not_shown_as_a_ranks_error(tmp_path):

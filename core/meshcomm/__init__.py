@@ -16,6 +16,7 @@ from .errors import (
     CommTimeoutError,
     ConfigError,
     DistributedError,
+    ObjectAuthError,
     PeerLostError,
 )
 from .group import Group
@@ -61,5 +62,5 @@ __all__ = [
     "all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send", "recv",
     "recv_like", "all_to_all", "gather", "scatter", "reduce", "all_gather_object", "broadcast_object",
     "barrier", "Work", "DistributedError", "PeerLostError", "CommTimeoutError",
-    "CollectiveMismatchError", "BackendUnavailableError", "ConfigError",
+    "CollectiveMismatchError", "BackendUnavailableError", "ConfigError", "ObjectAuthError",
 ]

@@ -80,6 +80,10 @@ class Backend(abc.ABC):
     #: reinterpret the other's data; an in-band check must compare it with op, dtype and length.
     shape_key: int = 0
 
+    #: True only when every rank is a thread of this one process (a test transport): no
+    #: other process can be on its links, so object payloads need no job secret.
+    in_process: bool = False
+
     #: True when receive buffers may be the caller's own ``out=`` array instead of a fresh
     #: one: written in place, possibly the *same memory* as the send buffer (``all_reduce``
     #: and ``broadcast`` with ``out=x``), and left undefined if the call fails. When False

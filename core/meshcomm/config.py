@@ -268,6 +268,13 @@ class Config(Settings):
         "setting of any rank applies); larger ones raise ValueError on every rank",
         ge=1, le=2**63 - 1,
     )
+    unsafe_objects: bool = setting(
+        False,
+        env="MESHCOMM_UNSAFE_OBJECTS",
+        accepts="1/0, true/false, yes/no, on/off",
+        description="unpickle all_gather_object/broadcast_object payloads without MESHCOMM_JOB_SECRET to "
+        "authenticate them: anyone who can reach the job's connections can then run code as the job's user",
+    )
 
     @field_validator("backend")
     @classmethod

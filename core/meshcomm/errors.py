@@ -9,6 +9,7 @@ __all__ = [
     "CollectiveMismatchError",
     "BackendUnavailableError",
     "ConfigError",
+    "ObjectAuthError",
 ]
 
 
@@ -34,6 +35,11 @@ class CommTimeoutError(DistributedError, TimeoutError):
 
 class CollectiveMismatchError(DistributedError):
     """Ranks called different operations, or the same one with different shapes or dtypes."""
+
+
+class ObjectAuthError(DistributedError):
+    """An object collective's payload failed its seal (its tag under the job secret): it was
+    changed on the way, or not sent by that rank of this job. Nothing was unpickled."""
 
 
 class BackendUnavailableError(DistributedError):

@@ -14,7 +14,6 @@ Running it means the cross-rank call check (:meth:`Group._check`) and then the b
 from __future__ import annotations
 
 import operator
-import pickle
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, overload
@@ -22,11 +21,12 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from . import debug as _debug
-from . import exits
+from . import exits, objects
 from .backend import SHAPE_KEYS, Backend
 from .dtypes import BASE_SUPPORTED, check_dtype
 from .errors import DistributedError
 from .guard import Ticket, WorldGuard
+from .objects import ObjectSeal
 from .operations import REDUCTIONS
 from .trace import recorder as _trace
 from .work import Work, WorldWorker
@@ -92,7 +92,7 @@ class Group:
 
     def __init__(self, backend: Backend, name: str, *, debug: bool = False, label: str = "world",
                  check_calls: bool = True, guard: WorldGuard | None = None,
-                 max_object_bytes: int | None = None, _world: _World | None = None) -> None:
+                 max_object_bytes: int | None = None, _world: _World | None = None, _ident: str = "world") -> None:
         self._b = backend
         self._name = name
         self._debug = debug
@@ -113,6 +113,12 @@ class Group:
         self._plain_reduce = not debug and (not check_calls or self._natively_checked("all_reduce"))
         #: the backend compares calls in-band: it is told each collective's shape key
         self._keyed = bool(backend.checks_calls)
+        #: names this group the same on every member, distinct from its parent's other splits
+        #: (object payloads are sealed over it); splits made so far; object calls made so far
+        self._ident = _ident
+        self._splits = 0
+        self._object_calls = 0
+        self._seal: ObjectSeal | None = None
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -192,9 +198,10 @@ class Group:
         def run() -> Group:
             self._check("split", (), None, 0, "split")
             sub = self._b.split(color, key)
+            self._splits += 1
             return Group(sub, self._name, debug=self._debug, label=f"split of {self._label} (color={color})",
                          check_calls=self._check_calls, max_object_bytes=self._max_object_bytes,
-                         _world=self._world)
+                         _world=self._world, _ident=f"{self._ident}/{self._splits}:{color}")
 
         return self._submit("split", run, async_op, None, color)
 
@@ -478,25 +485,31 @@ class Group:
         Uses pickle, which runs code when loading: only for ranks of one job that trust
         each other, over authenticated transports.
         """
-        data, failure = _pickle(obj)
+        op = "all_gather_object"
+        data, failure = objects.dumps(obj)
         limit = self._object_limit()
+        seal = self._object_seal(op)
 
         def run() -> list[Any]:
             if self._size == 1:
-                self._object_sizes("all_gather_object", np.array([[_code(data, failure), limit]]), failure, None)
-                return [_unpickle(data, 0, "all_gather_object", self._who)]
-            self._check("all_gather_object", (), None, 0, None)
-            mine = np.array([_code(data, failure), limit], np.int64)
+                self._object_sizes(op, np.array([[objects.size_code(data, failure), limit]]), failure, None)
+                return [objects.loads(data, 0, op, self._who)]
+            self._check(op, (), None, 0, None)
+            self._object_calls += 1
+            mine = np.array([objects.size_code(data, failure), limit], np.int64)
             table = np.empty(2 * self._size, np.int64)
             self._b.all_gather(mine, table)
-            sizes = self._object_sizes("all_gather_object", table.reshape(self._size, 2), failure, None)
-            width = max(sizes)
+            sizes = self._object_sizes(op, table.reshape(self._size, 2), failure, None)
+            sealed = seal.seal(self._ident, self._object_calls, self._rank, data)
+            width = max(sizes) + seal.tag_bytes
             pad = np.zeros(width, np.uint8)
-            pad[: len(data)] = np.frombuffer(data, np.uint8)
+            pad[: len(sealed)] = np.frombuffer(sealed, np.uint8)
             every = np.empty(width * self._size, np.uint8)
             self._b.all_gather(pad, every)
-            return [_unpickle(every[q * width : q * width + sizes[q]].tobytes(), q, "all_gather_object", self._who)
-                    for q in range(self._size)]
+            got = [seal.open(self._ident, self._object_calls, q,
+                             every[q * width : q * width + sizes[q] + seal.tag_bytes].tobytes(), self._who, op)
+                   for q in range(self._size)]  # every payload checked before any is unpickled
+            return [objects.loads(d, q, op, self._who) for q, d in enumerate(got)]
 
         return self._submit("all_gather_object", run, async_op, data)
 
@@ -506,25 +519,43 @@ class Group:
         The root gets its own object back; the others an unpickled copy. Uses pickle,
         which runs code when loading: only for ranks of one job that trust each other.
         """
+        op = "broadcast_object"
         root = self._peer(root, "root", allow_self=True)
         me = self._rank == root
-        data, failure = _pickle(obj) if me else (b"", None)
+        data, failure = objects.dumps(obj) if me else (b"", None)
         limit = self._object_limit()
+        seal = self._object_seal(op)
 
         def run() -> Any:
             if self._size == 1:
-                self._object_sizes("broadcast_object", np.array([[_code(data, failure), limit]]), failure, root)
+                self._object_sizes(op, np.array([[objects.size_code(data, failure), limit]]), failure, root)
                 return obj
-            self._check("broadcast_object", (), None, root, None)
-            mine = np.array([_code(data, failure) if me else 0, limit], np.int64)
+            self._check(op, (), None, root, None)
+            self._object_calls += 1
+            mine = np.array([objects.size_code(data, failure) if me else 0, limit], np.int64)
             table = np.empty(2 * self._size, np.int64)
             self._b.all_gather(mine, table)
-            size = self._object_sizes("broadcast_object", table.reshape(self._size, 2), failure, root)[root]
-            buf = np.frombuffer(data, np.uint8).copy() if me else np.empty(size, np.uint8)
+            size = self._object_sizes(op, table.reshape(self._size, 2), failure, root)[root] + seal.tag_bytes
+            if me:
+                buf = np.frombuffer(seal.seal(self._ident, self._object_calls, root, data), np.uint8).copy()
+            else:
+                buf = np.empty(size, np.uint8)
             self._b.broadcast(buf, root)
-            return obj if me else _unpickle(buf.tobytes(), root, "broadcast_object", self._who)
+            if me:
+                return obj
+            got = seal.open(self._ident, self._object_calls, root, buf.tobytes(), self._who, op)
+            return objects.loads(got, root, op, self._who)
 
         return self._submit("broadcast_object", run, async_op, data)
+
+    def _object_seal(self, op: str) -> ObjectSeal:
+        """This process's object seal (from the job secret); refuses, before any
+        communication, when nothing would authenticate other ranks' objects."""
+        if self._seal is None:
+            self._seal = ObjectSeal.for_job(in_process=bool(getattr(self._b, "in_process", False)))
+        if self._size > 1:
+            self._seal.require(self._who, op)
+        return self._seal
 
     def _object_limit(self) -> int:
         if self._max_object_bytes is None:
@@ -541,7 +572,7 @@ class Group:
         ranks = range(len(table)) if root is None else [root]
         for q in ranks:
             size = int(table[q, 0])
-            if size == _UNPICKLABLE:
+            if size == objects.UNPICKLABLE:
                 if q == self._rank and failure is not None:
                     raise ValueError(f"{self._who}: {op}: the object cannot be pickled: "
                                      f"{type(failure).__name__}: {failure}") from failure
@@ -700,28 +731,6 @@ class Group:
             raise DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._guard.leave(ticket, op, self._who, ok)
-
-
-_UNPICKLABLE = -1
-
-
-def _pickle(obj: Any) -> tuple[bytes, BaseException | None]:
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
-    except Exception as exc:  # reported on every rank after the size exchange
-        return b"", exc
-
-
-def _code(data: bytes, failure: BaseException | None) -> int:
-    return _UNPICKLABLE if failure is not None else len(data)
-
-
-def _unpickle(data: bytes, rank: int, op: str, who: str) -> Any:
-    try:
-        return pickle.loads(data)  # noqa: S301 - documented: ranks of one trusted job only
-    except Exception as exc:
-        raise DistributedError(f"{who}: {op}: rank {rank}'s object cannot be unpickled here: "
-                               f"{type(exc).__name__}: {exc} (is its class importable on this rank?)") from exc
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

@@ -40,6 +40,8 @@ class ThreadedBackend(Backend):
 
     #: the generic algorithms accept the caller's out= buffers (see Backend.direct_out)
     direct_out = True
+    #: every rank is a thread of this process (object payloads need no job secret)
+    in_process = True
 
     def __init__(self, fabric: _Fabric, rank: int, timeout: float = 30.0) -> None:
         self._fabric = fabric

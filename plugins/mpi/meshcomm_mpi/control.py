@@ -19,7 +19,8 @@ world, shared by the world and all its splits):
 * a rank that gives up because of such an error sends DOWN to its peers before ending the
   job, so that peers still waiting raise the same error instead of being killed silently.
 
-Notices carry the sender's counts on every communicator, pickled (small, rare messages).
+Notices carry the sender's counts on every communicator as plain data (small, rare messages;
+:mod:`.notices`: bytes that cannot carry code).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from meshcomm.plugin import (
 )
 from mpi4py import MPI
 
+from .notices import NoticeError, decode, encode
 from .ops import Counts, Desc
 from .peers import PeerTable
 
@@ -117,16 +119,17 @@ class Control:
 
     def _post(self, dest: int, tag: int, obj: Any) -> None:
         try:
-            self._sends.append(self.ctl.isend(obj, dest=dest, tag=tag))
+            data = encode(obj)
+            self._sends.append((self.ctl.Isend([data, MPI.BYTE], dest=dest, tag=tag), data))
         except MPI.Exception:
             return
         if len(self._sends) > 64:
-            self._sends = [r for r in self._sends if not _done(r)]
+            self._sends = [s for s in self._sends if not _done(s[0])]
 
     def _flush_sends(self, limit: float) -> None:
         end = time.monotonic() + limit
         while self._sends and time.monotonic() < end:
-            self._sends = [r for r in self._sends if not _done(r)]
+            self._sends = [s for s in self._sends if not _done(s[0])]
             if self._sends:
                 time.sleep(1e-3)
 
@@ -246,11 +249,20 @@ class Control:
         st = self._status
         while self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
             src, tag = st.Get_source(), st.Get_tag()
-            msg = self.ctl.recv(source=src, tag=tag)
+            buf = bytearray(st.Get_count(MPI.BYTE))
+            self.ctl.Recv([buf, MPI.BYTE], source=src, tag=tag)
+            try:
+                msg = decode(buf)
+            except NoticeError as exc:  # only someone writing into MPI's traffic sends that
+                raise DistributedError(
+                    f"[mpi] rank {self.ctl.Get_rank()}: a control message from rank {src} is not plain data "
+                    f"({exc}); it was not sent by meshcomm: MPI's traffic was changed on the way. The job stops."
+                ) from None
             if tag == QUERY:
                 b = self.comms.get(msg["cid"])
                 counts = b.counts_for(src) if b is not None else None
-                self._post(src, ANSWER, {"qid": msg["qid"], "state": self._state(), "counts": counts})
+                self._post(src, ANSWER, {"qid": msg["qid"], "state": self._state(),
+                                         "counts": None if counts is None else tuple(counts)})
             elif tag == ANSWER:
                 if msg["qid"] == self._qid:
                     self._answers[src] = msg
