@@ -25,6 +25,7 @@ from . import exits, objects
 from .backend import SHAPE_KEYS, Backend
 from .dtypes import BASE_SUPPORTED, check_dtype
 from .errors import DistributedError
+from .frameworks import MappedWork, result_type, to_numpy
 from .guard import Ticket, WorldGuard
 from .objects import ObjectSeal
 from .operations import REDUCTIONS
@@ -230,18 +231,24 @@ class Group:
     # -- reductions ---------------------------------------------------------------------
     def all_sum(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.all_sum, x, out=out, async_op=async_op)
         if not async_op:
             return self._reduce("sum", x, out)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise maximum over ranks."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.all_max, x, out=out, async_op=async_op)
         if not async_op:
             return self._reduce("max", x, out)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise minimum over ranks."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.all_min, x, out=out, async_op=async_op)
         if not async_op:
             return self._reduce("min", x, out)
         return self._all_reduce("min", x, out, async_op)
@@ -297,6 +304,8 @@ class Group:
         Bit-identical to ``all_sum`` & co. on the same inputs (it is the backend's
         all-reduce unless the backend implements ``reduce`` itself with that guarantee).
         """
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.reduce, x, root, op=op, out=out, async_op=async_op)
         a = as_array(x)
         root = self._peer(root, "root", allow_self=True)
         if op not in REDUCTIONS:
@@ -320,6 +329,8 @@ class Group:
 
     def sum_scatter(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """The sum over ranks split along axis 0; rank r returns block r."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.sum_scatter, x, out=out, async_op=async_op)
         a = as_array(x)
         self._divisible("sum_scatter", a)
         shape = (a.shape[0] // self._size, *a.shape[1:])
@@ -338,6 +349,8 @@ class Group:
     # -- data movement ------------------------------------------------------------------
     def all_gather(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Every rank's ``x`` concatenated along axis 0 in rank order (0-d gives shape ``(size,)``)."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.all_gather, x, out=out, async_op=async_op)
         a = as_array(x)
         shape = self._gathered_shape(a)
         o = self._out("all_gather", out, shape, a.dtype, x)
@@ -353,6 +366,8 @@ class Group:
 
     def gather(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """On ``root``: every rank's ``x`` concatenated along axis 0 in rank order; elsewhere None."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.gather, x, root, out=out, async_op=async_op)
         a = as_array(x)
         root = self._peer(root, "root", allow_self=True)
         shape = self._gathered_shape(a)
@@ -378,6 +393,8 @@ class Group:
 
         Every rank passes an array of the same shape and dtype; only root's contents matter.
         """
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.scatter, x, root, out=out, async_op=async_op)
         a = as_array(x)
         root = self._peer(root, "root", allow_self=True)
         self._divisible("scatter", a)
@@ -397,6 +414,8 @@ class Group:
     def all_to_all(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Block j of this rank's ``x`` (axis 0 in ``size`` blocks) goes to rank j; block i of
         the result comes from rank i. Same shape and dtype as ``x``."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.all_to_all, x, out=out, async_op=async_op)
         a = as_array(x)
         self._divisible("all_to_all", a)
         o = self._out("all_to_all", out, a.shape, a.dtype, x)
@@ -412,6 +431,8 @@ class Group:
 
     def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Root's ``x`` on every rank; other ranks pass an array of the same shape and dtype."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.broadcast, x, root, out=out, async_op=async_op)
         a = as_array(x)
         root = self._peer(root, "root", allow_self=True)
         o = self._out("broadcast", out, a.shape, a.dtype, x, in_place=True)
@@ -442,7 +463,7 @@ class Group:
         Returns ``x`` itself once it is sent (as MLX's ``send`` returns its array, so code that
         orders work by the returned value ports unchanged); ``Work`` whose ``wait()`` returns
         ``x`` when ``async_op``."""
-        a = as_array(x)
+        a = as_array(x) if type(x) is np.ndarray or result_type(x) is None else as_array(to_numpy(x))
         dst = self._peer(dst, "dst")
         flat = _flat(a)
 
@@ -475,6 +496,8 @@ class Group:
 
     def recv_like(self, x: Any, src: int, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Receive an array shaped and typed like ``x`` from rank ``src``."""
+        if type(x) is not np.ndarray and (back := result_type(x)) is not None:
+            return self._foreign(back, self.recv_like, x, src, out=out, async_op=async_op)
         a = np.asarray(x)
         return self.recv(a.shape, a.dtype, src, out=out, async_op=async_op)
 
@@ -586,6 +609,25 @@ class Group:
         return [int(s) for s in table[:, 0]]
 
     # -- helpers ------------------------------------------------------------------------
+    def _foreign(self, back: Callable[[np.ndarray], Any], method: Callable[..., Any], x: Any, *args: Any,
+                 out: Any = None, async_op: bool = False, **kw: Any) -> Any:
+        """``method`` on a torch/MLX/JAX array ``x`` (read as NumPy, without a copy where its
+        framework allows), its result given back in ``x``'s framework (an ``out=`` of that
+        framework is written in place and returned as given)."""
+        a = to_numpy(x)
+        given = out
+        if out is not None and type(out) is not np.ndarray:
+            out = to_numpy(out, "out")
+            if not out.flags.writeable:
+                raise ValueError(f"{self._who}: out= is a {type(given).__name__}, whose memory cannot be written "
+                                 "in place (MLX and JAX arrays are immutable): leave out= out and use the result")
+        res = method(a, *args, out=out, async_op=async_op, **kw)
+        if async_op:
+            return MappedWork(res, (lambda r: given) if given is not None else back)
+        if res is None:
+            return None
+        return given if given is not None else back(res)
+
     def _where(self) -> str:
         return f"the {self._label} group on {self._name!r}"
 
