@@ -20,9 +20,18 @@ def fresh_registry():
 @pytest.fixture(scope="session", autouse=True)
 def _no_mpi_shared_memory_left():
     """Jobs this suite ends by MPI_Abort or a kill leave the MPI library's files in /dev/shm:
-    remove the ones created during the session (tests/shm_leftovers.py)."""
+    remove the ones created during the session (tests/shm_leftovers.py). The session
+    directories of the mpiexec the tests start themselves (meshcomm launch puts its own in
+    the job's directory) go to one directory of the session, removed at its end."""
+    import os
+    import shutil
+    import tempfile
+
     from shm_leftovers import remove_new, snapshot
 
     before = snapshot()
+    sessions = tempfile.mkdtemp(prefix="meshcomm-tests-mpi-")
+    os.environ.setdefault("PRTE_MCA_prte_tmpdir_base", sessions)
     yield
     remove_new(before)
+    shutil.rmtree(sessions, ignore_errors=True)

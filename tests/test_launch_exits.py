@@ -196,13 +196,15 @@ def test_killed_launcher_leaves_no_rank(backend: str, victim: str, tmp_path: Pat
     """SIGKILL the launcher (nothing of it runs any more: no clean-up code) -> every rank is
     gone within a few seconds (parent-death signal). For MPI, killing mpiexec itself checks
     the ranks' own parent-death signal (set by the rank runner)."""
+    shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir(tempfile.gettempdir()))
     job = Launcher("-n", "3", "--backend", backend, "--timeout", "120", str(PROG), "wait",
                    piddir=tmp_path, nready=3)
     try:
         job.wait_ready(60)
         assert len(recorded_pids(tmp_path)) == 3
         helpers = _children(job.proc.pid)
-        target = job.proc.pid if victim == "launcher" else helpers[0]
+        mpiexec = [c for c in helpers if b"reaper.py" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+        target = job.proc.pid if victim == "launcher" else mpiexec[0]
         os.kill(target, signal.SIGKILL)
         t0 = time.monotonic()
         assert_no_leftovers(tmp_path, 3, grace=5)
@@ -215,13 +217,17 @@ def test_killed_launcher_leaves_no_rank(backend: str, victim: str, tmp_path: Pat
         print(f"{backend}: ranks gone {took:.2f}s after SIGKILL of the {victim}")
     finally:
         job.kill()
-    # the killed launcher could not remove its job directory: the next launch sweeps it
-    from meshcomm.launch.job import _sweep_stale
-
-    mine = [d for d in Path(tempfile.gettempdir()).glob("meshcomm-*")
-            if (d / ".launcher-pid").exists() and (d / ".launcher-pid").read_text() == str(job.proc.pid)]
-    _sweep_stale(Path(tempfile.gettempdir()))
-    assert not [d for d in mine if d.exists()], f"stale job directories were not removed: {mine}"
+    # nothing is left in the temporary directory or /dev/shm: the killed launcher's reaper
+    # removes the job's directories, where Open MPI keeps its segments and session directory
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        new_shm = set(os.listdir("/dev/shm")) - shm_before
+        new_tmp = {d for d in set(os.listdir(tempfile.gettempdir())) - tmp_before
+                   if d.startswith(("meshcomm-", "ompi.", "prte.", "pmix"))}
+        if not new_shm and not new_tmp:
+            break
+        time.sleep(0.2)
+    assert not new_shm and not new_tmp, f"left behind: /dev/shm {sorted(new_shm)}, temporary directory {sorted(new_tmp)}"
 
 
 def test_rank_runner_dies_with_its_parent(tmp_path: Path) -> None:

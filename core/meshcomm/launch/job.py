@@ -8,6 +8,8 @@ import secrets
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -31,6 +33,17 @@ class Job:
         _sweep_stale(self.dir.parent)
         self._dir_stat = _make_private_dir(self.dir)
         (self.dir / _OWNER).write_text(str(os.getpid()))
+        #: a private directory in shared memory for the transport's own files (MPI's
+        #: segments), when this machine has one; removed with the job directory
+        self.shm_dir: Path | None = None
+        self._shm_stat: tuple[int, int, int] | None = None
+        if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+            _sweep_stale(Path(SHM))
+            shm = Path(SHM) / f"meshcomm-{self.job_id}"
+            self._shm_stat = _make_private_dir(shm)
+            (shm / _OWNER).write_text(str(os.getpid()))
+            self.shm_dir = shm
+        self._reaper = _start_reaper(self.job_id, [self.dir, *([self.shm_dir] if self.shm_dir else [])])
         self.files: dict[str, str] = {}
         self._fds: dict[int, list[int]] = {}
         self._keep: list[socket.socket] = []
@@ -93,12 +106,23 @@ class Job:
         """Close inherited sockets and remove the job's directory, if it is still the one
         this job made (same inode, ours, not a symlink: never one someone put in its place)."""
         self.release_fds()
-        try:
-            st = os.lstat(self.dir)
-        except OSError:
-            return
-        if (st.st_dev, st.st_ino, st.st_uid) == self._dir_stat and stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(self.dir, ignore_errors=True)
+        for path, made in ((self.dir, self._dir_stat), (self.shm_dir, self._shm_stat)):
+            if path is None:
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_uid) == made and stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+        if self._reaper is not None:  # nothing left for it: it ends at once
+            try:
+                if self._reaper.stdin is not None:
+                    self._reaper.stdin.close()
+                self._reaper.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._reaper = None
 
 
 def _make_private_dir(path: Path) -> tuple[int, int, int]:
@@ -123,8 +147,20 @@ def _make_private_dir(path: Path) -> tuple[int, int, int]:
 
 
 #: the launcher's pid, in its job directory: a directory whose launcher is gone (it was
-#: SIGKILLed and could not clean up) is removed by the next launch
+#: SIGKILLed and its reaper could not clean up either) is removed by the next launch
 _OWNER = ".launcher-pid"
+#: where shared memory lives on Linux
+SHM = "/dev/shm"
+
+
+def _start_reaper(job_id: str, paths: list[Path]) -> subprocess.Popen[bytes] | None:
+    """The process that removes ``paths`` if this launcher is killed (:mod:`.reaper`)."""
+    try:
+        return subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), job_id,
+                                 *map(str, paths)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        return None  # the next launch sweeps what a killed one leaves
 
 
 def _sweep_stale(tmp: Path) -> None:

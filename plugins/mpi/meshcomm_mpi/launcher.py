@@ -161,13 +161,20 @@ def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> li
     if counts and set(counts) != {"localhost"}:
         local = sum(1 for p in job.places if p.host is None)
         hosts = ([("localhost", local)] if local else []) + list(counts.items())
-    tag: list[str] = []
+    flavor = resolve_mpiexec()[1]
+    extra: list[str] = []
     if "MESHCOMM_OUTPUT_DIR" not in env:
-        flavor = resolve_mpiexec()[1]
-        tag = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
+        extra = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
+    shm_dir = getattr(job, "shm_dir", None)
+    if flavor == "openmpi" and hosts is None and shm_dir is not None:
+        # Open MPI's shared-memory segments and session directory inside the job's own
+        # shared-memory directory, which the launcher removes even when it is killed
+        # (otherwise a killed job leaves /dev/shm/sm_segment.* and /tmp/ompi.* behind)
+        extra += ["--mca", "btl_sm_backing_directory", str(shm_dir),
+                  "--prtemca", "prte_tmpdir_base", str(shm_dir)]
     shown = {k: v for k, v in env.items() if k in _SHOWN}
     forward = [k for k in env if k not in shown]
-    return mpiexec_command(int(job.nranks), argv, shown, hosts=hosts, extra=tag, forward=forward)
+    return mpiexec_command(int(job.nranks), argv, shown, hosts=hosts, extra=extra, forward=forward)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
