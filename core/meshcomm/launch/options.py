@@ -63,7 +63,7 @@ class LaunchOptions:
         if self.backend and self.backend.strip():
             name = self.backend.strip().lower()
             given = self.env.get("MLX_BACKEND", "").strip().lower()
-            if given and given != name:
+            if given and given not in (name, "any"):  # "any": the ranks choose by their environment
                 raise ConfigError(f"--backend {self.backend} and --env MLX_BACKEND={self.env['MLX_BACKEND']} "
                                   "disagree: give the backend once, with --backend")
             return name, f"--backend {self.backend}"
