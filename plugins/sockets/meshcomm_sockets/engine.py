@@ -826,9 +826,9 @@ class Fabric:
                 continue  # a frame still unsent: the peer reads a closed connection, as before
             ctr = link.send_ctr
             link.send_ctr = ctr + 1
-            try:
-                link.sock.settimeout(0.5)
-                link.sock.sendall(link.send_mac.seal(ctr, header) + link.send_mac.tag(b"P", ctr, b""))
+            try:  # never waits: a peer that does not read (stuck, gone) must not delay this exit
+                link.sock.setblocking(False)
+                link.sock.send(link.send_mac.seal(ctr, header) + link.send_mac.tag(b"P", ctr, b""))
             except OSError:
                 pass
 
