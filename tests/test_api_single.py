@@ -131,7 +131,12 @@ def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
            "assert code == dtypes.BFLOAT16_CODE and dtypes.dtype_from_code(code) == x.dtype\n"
            "assert dtypes.bfloat16 == x.dtype and x.dtype in dtypes.SUPPORTED\n"
            "from meshcomm import plugin\n"
-           "assert plugin.bfloat16 == x.dtype and plugin.SUPPORTED == dtypes.SUPPORTED")
+           "assert plugin.bfloat16 == x.dtype and plugin.SUPPORTED == dtypes.SUPPORTED\n"
+           "try:\n"
+           "    dtypes.check_dtype(x.dtype.newbyteorder('>'))\n"
+           "    raise SystemExit('a byte-swapped bfloat16 was admitted')\n"
+           "except ValueError as exc:\n"
+           "    assert 'byte-swapped' in str(exc), exc")
 
 
 def test_shape_keys_tell_shapes_of_one_count_apart() -> None:

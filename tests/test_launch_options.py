@@ -293,3 +293,24 @@ def test_launch_takes_one_options_object(capfdbinary: pytest.CaptureFixture[byte
     assert sorted(rest for _, rest in prefixed_lines(out)) == sorted(
         [b"SHELL_RANK rank=0 size=2 bash=yes nargs=1", b"SHELL_RANK rank=1 size=2 bash=yes nargs=1",
          b"ARG <x>", b"ARG <x>"])
+
+
+def test_only_this_very_interpreter_is_run_through_the_rank_runner(tmp_path: Path) -> None:
+    """'-- python prog.py' runs in-process through the rank runner only when 'python' is the
+    launcher's own interpreter: another version beside it, or the base interpreter a venv
+    links to, is run as the command it is."""
+    import os
+    import sys
+
+    from meshcomm.launch.run import own_python_program
+
+    here = Path(sys.executable)
+    assert own_python_program([str(here), "x.py", "a"], str(here)) == ["x.py", "a"]
+    assert own_python_program([str(here), "-m", "pkg"], str(here)) == ["-m", "pkg"]
+    other = tmp_path / "python3.9"
+    other.symlink_to("/bin/true")
+    mine = tmp_path / "python3.11"
+    mine.symlink_to(os.path.realpath(sys.executable))
+    assert own_python_program([str(other), "x.py"], str(mine)) == [str(other), "x.py"]  # another version
+    assert own_python_program([str(mine), "x.py"], str(here)) == [str(mine), "x.py"]  # same binary elsewhere
+    assert own_python_program(["bash", "x.py"], str(here)) == ["bash", "x.py"]

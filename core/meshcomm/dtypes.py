@@ -73,7 +73,7 @@ def check_dtype(dtype: np.dtype, *, what: str = "array") -> np.dtype:
     dt = np.dtype(dtype)
     if dt in _CODES:  # the common case first: one dict lookup
         return dt
-    if _is_bfloat16(dt):
+    if _is_bfloat16(dt) and dt.isnative:
         _CODES[dt] = BFLOAT16_CODE
         return dt
     if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):

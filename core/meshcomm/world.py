@@ -21,6 +21,8 @@ __all__ = ["init", "is_available", "backends", "default_group", "started_backend
 _lock = threading.RLock()
 _worlds: dict[str, Group] = {}
 _default: Group | None = None
+#: worlds started by this process so far (names each world apart, for sealed object payloads)
+_started = 0
 
 
 def init(strict: bool = False, backend: str | None = None, *, config: Config | None = None,
@@ -59,8 +61,10 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             exits.install_stack_dump(transport.rank())
             if config.keep_memory:
                 keep_freed_memory()
+        global _started
+        _started += 1  # the ranks of a job start their worlds in the same order
         group = Group(transport, started, debug=config.debug, check_calls=config.check_calls,
-                      max_object_bytes=config.max_object_bytes)
+                      max_object_bytes=config.max_object_bytes, _ident=f"{started}/world{_started}")
         if started != "single":
             recorder.start(config, group)  # tracing, stall inspector: nothing when both are off
         _worlds[name] = group

@@ -40,9 +40,12 @@ class Job:
         if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
             _sweep_stale(Path(SHM))
             shm = Path(SHM) / f"meshcomm-{self.job_id}"
-            self._shm_stat = _make_private_dir(shm)
-            (shm / _OWNER).write_text(str(os.getpid()))
-            self.shm_dir = shm
+            try:  # optional: without it the MPI library keeps its files where it always does
+                self._shm_stat = _make_private_dir(shm)
+                (shm / _OWNER).write_text(str(os.getpid()))
+                self.shm_dir = shm
+            except (ConfigError, OSError):
+                self.shm_dir = None
         self._reaper = _start_reaper(self.job_id, [self.dir, *([self.shm_dir] if self.shm_dir else [])])
         self.files: dict[str, str] = {}
         self._fds: dict[int, list[int]] = {}

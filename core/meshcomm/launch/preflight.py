@@ -49,11 +49,12 @@ def check_program(argv: Sequence[str], workdir: str) -> None:
                           "(relative paths are taken from the ranks' working directory, --cwd)")
 
 
-def check_settings(spec: BackendSpec, rank_env: Mapping[str, str], world_size: int) -> None:
-    """Validate the core's and the backend's settings as a rank will read them: this
-    environment overlaid with what the launcher gives every rank. Raises ConfigError naming
-    the variable, its value and what it accepts."""
-    environ = {**os.environ, **rank_env, "MLX_BACKEND": spec.name, "MLX_RANK": "0",
+def check_settings(spec: BackendSpec, rank_env: Mapping[str, str], world_size: int, *, inherit: bool = True) -> None:
+    """Validate the core's and the backend's settings as a rank will read them: what the
+    launcher gives every rank, over this environment when the ranks inherit it (``inherit``:
+    every rank on this machine). Raises ConfigError naming the variable, its value and what
+    it accepts."""
+    environ = {**(os.environ if inherit else {}), **rank_env, "MLX_BACKEND": spec.name, "MLX_RANK": "0",
                "MLX_WORLD_SIZE": str(world_size)}
     try:
         Config.load(environ)

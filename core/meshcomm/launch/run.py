@@ -71,9 +71,13 @@ def own_python_program(argv: Sequence[str], interpreter: str) -> list[str]:
     if len(argv) < 2 or not is_python(argv[1:]) or not Path(argv[0]).name.startswith("python"):
         return list(argv)
     found = shutil.which(argv[0]) if os.sep not in argv[0] else argv[0]
-    if found is None or Path(os.path.abspath(found)).parent != Path(os.path.abspath(interpreter)).parent:
+    if found is None:
         return list(argv)
-    return list(argv[1:])
+    # the same file (not python3.9 beside python3.11) in the same directory (a venv's python
+    # is a link to the base interpreter, which lacks the venv's packages)
+    same = (Path(os.path.abspath(found)).parent == Path(os.path.abspath(interpreter)).parent
+            and os.path.realpath(found) == os.path.realpath(interpreter))
+    return list(argv[1:]) if same else list(argv)
 
 
 def _thread_limits(places: list) -> dict[str, str]:
@@ -148,6 +152,7 @@ def launch(options: LaunchOptions) -> int:
     except BaseException:
         output.close()
         raise
+    trace_dir: str | None = None
     try:
         base = {
             "MLX_BACKEND": spec.name,
@@ -159,7 +164,7 @@ def launch(options: LaunchOptions) -> int:
         if options.timeout is not None:
             base["MLX_TIMEOUT"] = f"{options.timeout:g}"
         if options.trace is not None:
-            base["MESHCOMM_TRACE"] = _fresh_trace_dir(options.trace)
+            base["MESHCOMM_TRACE"] = trace_dir = _fresh_trace_dir(options.trace)
         base.update(_thread_limits(places))
         base.update(options.hosts.env() if options.hosts else {})
         for k in options.env:
@@ -203,8 +208,8 @@ def launch(options: LaunchOptions) -> int:
     finally:
         output.close()
         job.cleanup()
-        if "MESHCOMM_TRACE" in base:  # only a directory that was checked and prepared
-            _merge_trace(base["MESHCOMM_TRACE"])
+        if trace_dir is not None:  # only the directory --trace named, checked and emptied
+            _merge_trace(trace_dir)
 
 
 def _check_before_start(options: LaunchOptions, spec: BackendSpec, places: list, n: int) -> None:
@@ -216,7 +221,8 @@ def _check_before_start(options: LaunchOptions, spec: BackendSpec, places: list,
     given.update(options.env)
     if options.timeout is not None:
         given["MLX_TIMEOUT"] = f"{options.timeout:g}"
-    check_settings(spec, given, n)
+    # ranks on other hosts get only what the launcher gives them, not this environment
+    check_settings(spec, given, n, inherit=all(p.host is None for p in places))
 
 
 def _fresh_trace_dir(folder: str) -> str:

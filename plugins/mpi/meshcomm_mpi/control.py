@@ -421,7 +421,7 @@ class Control:
         while time.monotonic() < end and not done():
             try:
                 self.poll(None)
-            except MPI.Exception:
+            except (MPI.Exception, DistributedError):  # DistributedError: a notice that is not plain data
                 return
             time.sleep(2e-3)
 
@@ -437,7 +437,7 @@ class Control:
 
         try:
             self.poll(None)
-        except MPI.Exception:
+        except (MPI.Exception, DistributedError):  # the job ends anyway: never skip the abort
             pass
         if not self.failed and self.last_error is not None:
             exc = self.last_error

@@ -161,7 +161,7 @@ def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> li
     if counts and set(counts) != {"localhost"}:
         local = sum(1 for p in job.places if p.host is None)
         hosts = ([("localhost", local)] if local else []) + list(counts.items())
-    flavor = resolve_mpiexec()[1]
+    exe, flavor = resolve_mpiexec()
     extra: list[str] = []
     if "MESHCOMM_OUTPUT_DIR" not in env:
         extra = ["--tag-output"] if flavor == "openmpi" else ["-prepend-rank"]
@@ -170,8 +170,10 @@ def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> li
         # Open MPI's shared-memory segments and session directory inside the job's own
         # shared-memory directory, which the launcher removes even when it is killed
         # (otherwise a killed job leaves /dev/shm/sm_segment.* and /tmp/ompi.* behind)
-        extra += ["--mca", "btl_sm_backing_directory", str(shm_dir),
-                  "--prtemca", "prte_tmpdir_base", str(shm_dir)]
+        if Path(exe).resolve().name.startswith("prte"):  # Open MPI 5: PRRTE's prterun
+            extra += ["--mca", "btl_sm_backing_directory", str(shm_dir), "--prtemca", "prte_tmpdir_base", str(shm_dir)]
+        else:  # Open MPI 4: ORTE's orterun, the vader BTL
+            extra += ["--mca", "btl_vader_backing_directory", str(shm_dir), "--mca", "orte_tmpdir_base", str(shm_dir)]
     shown = {k: v for k, v in env.items() if k in _SHOWN}
     forward = [k for k in env if k not in shown]
     return mpiexec_command(int(job.nranks), argv, shown, hosts=hosts, extra=extra, forward=forward)

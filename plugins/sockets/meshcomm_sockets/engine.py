@@ -745,6 +745,8 @@ class Fabric:
         if not head:
             raise self._lost(link, "connection closed", call)
         if len(head) < wire.FRAME_HEAD:
+            if _closed_after(link.sock):  # the rest will never come
+                raise self._lost(link, "connection closed in the middle of a frame", call)
             return False
         if not self._authentic(link, head):
             link.closed = True
@@ -807,8 +809,10 @@ class Fabric:
             pass
         finally:
             link.sock.setblocking(False)
-        if len(frame) < wire.FRAME_HEAD + wire.TAG or not hmac.compare_digest(
-                link.recv_mac.tag(b"P", link.recv_ctr, b""), frame[wire.FRAME_HEAD:]):
+        if len(frame) < wire.FRAME_HEAD + wire.TAG:  # cut short by the peer's close: it ended all the same
+            link.ended = True
+            return
+        if not hmac.compare_digest(link.recv_mac.tag(b"P", link.recv_ctr, b""), frame[wire.FRAME_HEAD:]):
             link.closed = True
             raise self._forged(link, "end notice", None)
         link.recv_ctr += 1
@@ -826,10 +830,12 @@ class Fabric:
                 continue  # a frame still unsent: the peer reads a closed connection, as before
             ctr = link.send_ctr
             link.send_ctr = ctr + 1
-            try:  # never waits: a peer that does not read (stuck, gone) must not delay this exit
-                link.sock.setblocking(False)
-                link.sock.send(link.send_mac.seal(ctr, header) + link.send_mac.tag(b"P", ctr, b""))
-            except OSError:
+            try:  # a peer that does not read (stuck, gone) delays this exit by 50 ms at most
+                link.sock.settimeout(0.05)
+                link.sock.sendall(link.send_mac.seal(ctr, header) + link.send_mac.tag(b"P", ctr, b""))
+                link.sock.shutdown(socket.SHUT_WR)
+                _discard_unread(link.sock)  # unread data would turn the close into a reset,
+            except OSError:                 # which can destroy the notice before it is read
                 pass
 
     def abort(self, code: int, reason: str) -> None:
@@ -880,6 +886,22 @@ class Fabric:
                     pass
                 poller.unregister(fd)
                 del open_links[fd]
+
+
+def _closed_after(sock: socket.socket) -> bool:
+    """The peer closed its end (the bytes already queued are all that will come)."""
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP) for _fd, ev in p.poll(0))
+
+
+def _discard_unread(sock: socket.socket) -> None:
+    """Read and drop what the peer sent that is already here (without waiting)."""
+    try:
+        while sock.recv(1 << 16, socket.MSG_DONTWAIT):
+            pass
+    except OSError:
+        pass
 
 
 def _again(first: DistributedError) -> DistributedError:
