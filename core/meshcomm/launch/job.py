@@ -23,7 +23,8 @@ __all__ = ["Job"]
 class Job:
     """Implements :class:`meshcomm.launch.spec.JobSpec` for one run of ``meshcomm launch``."""
 
-    def __init__(self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None) -> None:
+    def __init__(self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None,
+                 shm_dir: bool = False) -> None:
         self.nranks = len(places)
         self.places = places
         self.job_id = uuid.uuid4().hex[:12]
@@ -33,11 +34,11 @@ class Job:
         _sweep_stale(self.dir.parent)
         self._dir_stat = _make_private_dir(self.dir)
         (self.dir / _OWNER).write_text(str(os.getpid()))
-        #: a private directory in shared memory for the transport's own files (MPI's
-        #: segments), when this machine has one; removed with the job directory
+        #: with ``shm_dir``: a private directory in shared memory for the transport's own files
+        #: (MPI's segments), when this machine has one; removed with the job directory
         self.shm_dir: Path | None = None
         self._shm_stat: tuple[int, int, int] | None = None
-        if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+        if shm_dir and os.path.isdir(SHM) and os.access(SHM, os.W_OK):
             _sweep_stale(Path(SHM))
             shm = Path(SHM) / f"meshcomm-{self.job_id}"
             try:  # optional: without it the MPI library keeps its files where it always does

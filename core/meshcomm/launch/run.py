@@ -148,7 +148,8 @@ def launch(options: LaunchOptions) -> int:
         argv = own_python_program(argv, interpreter)
     output = RankOutput(options.prefix, n, options.log_dir)
     try:
-        job = Job(places, verbose=options.verbose, port_base=options.port_base)
+        # a shared-memory directory only for an MPI-style launcher, whose library keeps its files there
+        job = Job(places, verbose=options.verbose, port_base=options.port_base, shm_dir=external)
     except BaseException:
         output.close()
         raise

@@ -55,8 +55,8 @@ class JobSpec(Protocol):
     verbose: bool
     dir: Path  #: a fresh private directory of this job (same path on every host), removed at the end
     #: a fresh private directory in this machine's shared memory (``/dev/shm``) for the
-    #: transport's own files, removed at the end even when the launcher is killed; None
-    #: where there is none
+    #: transport's own files, removed at the end even when the launcher is killed; made for
+    #: backends started by an external launcher (mpiexec), else None (and where there is none)
     shm_dir: Path | None
 
     def free_port(self, place: RankPlace) -> int:
