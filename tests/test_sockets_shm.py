@@ -108,18 +108,20 @@ def test_nothing_left_after_the_launcher_is_interrupted():
     before = _segments()
     proc = subprocess.Popen([sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--", PROG, "loop"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready = 0
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while ready < 3 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        ready += line.strip().endswith("ready")
-    assert ready == 3, proc.stderr.read() if proc.stderr else ""
-    assert _segments() == before, "segment names must be gone once every rank mapped them"
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(60)
+    try:
+        ready = 0
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while ready < 3 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            ready += line.strip().endswith("ready")
+        assert ready == 3, proc.stderr.read() if proc.stderr else ""
+        assert _segments() == before, "segment names must be gone once every rank mapped them"
+    finally:  # the job stops also when an assertion failed (its ranks loop for minutes)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
     assert rc == 128 + signal.SIGINT
     assert _segments() == before
 
