@@ -30,7 +30,7 @@ def _outcomes(n, body, **kw):
     ("gather vs scatter", lambda g: (mc.sum_scatter if g.rank() == 1 else mc.all_gather)(np.ones(g.size() * 2), group=g),
      ["sum_scatter", "all_gather"]),
     ("barrier vs all_sum", lambda g: g.barrier() if g.rank() == 1 else mc.all_sum(np.ones(2), group=g),
-     ["barrier()", "all_sum"]),
+     ["barrier #1", "all_sum #1 (shape=(2,)"]),
     ("empty vs full", lambda g: mc.all_sum(np.ones(0 if g.rank() == 1 else 3), group=g), ["(0,)", "(3,)"]),
 ])
 def test_mismatched_calls_raise_the_same_error_on_every_rank(n, case, body, words):

@@ -26,8 +26,8 @@ def test_different_shapes_raise_on_every_rank():
     msgs = _errors(3, lambda g: mc.all_sum(np.zeros(4 + (g.rank() == 2), np.float32), group=g))
     assert all(m is not None for m in msgs)
     assert len(set(msgs)) == 1, "every rank must raise the same error"
-    assert "ranks 0, 1 called all_sum(shape=(4,), dtype=float32)" in msgs[0]
-    assert "rank 2 called all_sum(shape=(5,), dtype=float32)" in msgs[0]
+    assert "ranks 0, 1 called all_sum #1 (shape=(4,), dtype=float32)" in msgs[0]
+    assert "rank 2 called all_sum #1 (shape=(5,), dtype=float32)" in msgs[0]
 
 
 def test_different_operations_raise():
@@ -55,7 +55,7 @@ def test_send_recv_shape_mismatch_raises_on_both_sides():
 
     msgs = _errors(2, body)
     assert msgs[0] and msgs[1]
-    assert "send(shape=(3,)" in msgs[1] and "recv(shape=(4,)" in msgs[1]
+    assert "send #1 (shape=(3,)" in msgs[1] and "recv #1 (shape=(4,)" in msgs[1]
 
 
 def test_send_met_by_a_collective_is_detected():

@@ -108,7 +108,7 @@ def test_parse_welcome_rejects_garbage(secret: bytes, nonce_c: bytes, data: byte
         wire.parse_welcome(secret, nonce_c, data)
 
 
-hellos = st.builds(wire.Hello, u32, u32, u32, nonces, st.text(max_size=300))
+hellos = st.builds(wire.Hello, u32, u32, u32, nonces, st.text(max_size=300), st.text(max_size=300))
 
 
 @FUZZ
@@ -117,8 +117,9 @@ def test_hello_round_trip_and_any_change_is_rejected(secret: bytes, nonce_a: byt
     msg = wire.hello(secret, nonce_a, h)
     assert len(msg) <= HELLO_MAX and wire.hello_size(msg[: wire.HELLO_FIXED]) == len(msg)
     got = wire.parse_hello(secret, nonce_a, msg)
-    version = h.version.encode()[: wire.MAX_VERSION].decode("utf-8", "replace")
-    assert got == wire.Hello(h.world, h.rank, h.target, h.nonce, version)
+    version = h.version.encode()[: wire.VERSION_BYTES].decode("utf-8", "replace")
+    view = h.view.encode()[: wire.VIEW_BYTES].decode("utf-8", "replace")
+    assert got == wire.Hello(h.world, h.rank, h.target, h.nonce, version, view)
     # flip one bit anywhere, or cut or extend the message: rejected
     i = data.draw(st.integers(0, len(msg) - 1))
     bit = data.draw(st.integers(0, 7))
@@ -135,12 +136,13 @@ def test_hello_round_trip_and_any_change_is_rejected(secret: bytes, nonce_a: byt
 
 
 @FUZZ
-@given(secrets_, nonces, st.builds(wire.Welcome, u16, u32, st.text(max_size=300)), st.data())
+@given(secrets_, nonces, st.builds(wire.Welcome, u16, u32, st.text(max_size=300), st.text(max_size=300)), st.data())
 def test_welcome_round_trip_and_any_change_is_rejected(secret: bytes, nonce_c: bytes, w, data) -> None:
     msg = wire.welcome(secret, nonce_c, w)
     assert len(msg) <= WELCOME_MAX and wire.welcome_size(msg[: wire.WELCOME_FIXED]) == len(msg)
     got = wire.parse_welcome(secret, nonce_c, msg)
     assert (got.status, got.rank) == (w.status, w.rank)
+    assert got.view == w.view.encode()[: wire.VIEW_BYTES].decode("utf-8", "replace")
     i = data.draw(st.integers(0, len(msg) - 1))
     flipped = msg[:i] + bytes([msg[i] ^ 0x80]) + msg[i + 1 :]
     with pytest.raises(wire.HandshakeError):

@@ -307,6 +307,86 @@ def test_relay_flipping_a_payload_byte_ends_in_a_clear_error_never_wrong_data(tm
     assert "rank 0 stopped the job" in _last(results, 1)["message"]
 
 
+def test_a_relay_on_loopback_cannot_change_payloads_under_the_default_integrity(tmp_path):
+    """Loopback addresses do not mean nobody is on the path: the relay's link is loopback at
+    both ends, but the ends' views of it (exchanged in the authenticated handshake) differ,
+    so auto tags its payloads and the flipped byte is caught."""
+    results, relay = _relayed_job(tmp_path, "flip")
+    assert "flipped" in relay, relay
+    for r in range(2):
+        rep = _last(results, r)
+        assert rep["error"] is not None, f"rank {r} returned a result through a tampered link: {rep}"
+    assert _last(results, 0)["error"] == "FrameAuthError", _last(results, 0)
+
+
+#: a relay another local user runs: it listens on 127.0.0.1 at rank 0's port (rank 0 listens
+#: on ::1, the first address of the name), passes bytes on to [::1] and flips one of them
+NAME_SQUATTER = """
+import select, socket, sys, time
+port = int(sys.argv[1])
+srv = socket.create_server(("127.0.0.1", port))
+print("ready", flush=True)
+srv.settimeout(30)
+try:
+    c, _ = srv.accept()
+except OSError:
+    sys.exit(0)
+print("accepted", flush=True)
+for _ in range(600):  # rank 0, once it listens
+    try:
+        a = socket.create_connection(("::1", port))
+        break
+    except OSError:
+        time.sleep(0.05)
+seen, flipped, ends = 0, False, {a: c, c: a}
+while True:
+    r, _, _ = select.select([a, c], [], [], 30)
+    if not r:
+        break
+    for s in r:
+        data = s.recv(1 << 16)
+        if not data:
+            sys.exit(0)
+        if s is c and not flipped and seen + len(data) > 200_000:
+            i = 200_000 - seen
+            data = data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:]
+            flipped = True
+            print("flipped", flush=True)
+        seen += len(data) if s is c else 0
+        ends[s].sendall(data)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv")
+                    or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root (a private /etc/hosts in a mount namespace, another uid) and the system python")
+def test_a_local_user_on_the_other_loopback_address_of_a_name_never_gets_the_link(tmp_path):
+    """A hostfile name that resolves to ::1 and 127.0.0.1: rank 0 listens on ::1, another
+    user (uid nobody) on 127.0.0.1 at the same port. Rank 1, started first, connects to the
+    name's first address only (retrying until rank 0 listens), never to the other one."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("::1 duo\n127.0.0.1 duo\n")
+    p0, p1 = free_ports(2)
+    hf = tmp_path / "h.json"
+    hf.write_text(json.dumps([{"ip": "duo", "port": p0}, {"ip": "duo", "port": p1}]))
+    squatter = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                                 "-c", NAME_SQUATTER, str(p0)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefix = ["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && exec \"$@\"", "sh"]
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "ready"
+        env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": "s", "MESHCOMM_SOCKETS_SHM": "0"}
+        procs = start_ranks(2, [_prog(tmp_path)], hf, env=env, ranks=[1], prefix=prefix)
+        time.sleep(1.5)  # rank 1 has found nobody on ::1 and retries
+        procs.update(start_ranks(2, [_prog(tmp_path)], hf, env=env, ranks=[0], prefix=prefix))
+        results = finish(procs, timeout=120)
+    finally:
+        squatter.kill()
+        sout, serr = squatter.communicate()
+    assert "accepted" not in sout, "rank 1 connected to the other user's listener"
+    for r in range(2):
+        assert _last(results, r) == {"error": None, "ok": True, "bad": [], "values": []}, (r, results[r])
+
+
 def test_relay_swapping_a_pickled_object_runs_no_code(tmp_path):
     """With a secret and header-only link integrity, a relay replaces rank 1's pickled object
     with one that runs a command when unpickled: rank 0 unpickles nothing (the core's seal
@@ -604,6 +684,8 @@ def test_a_rank_failing_during_shared_memory_set_up_leaves_nothing_in_dev_shm(tm
 
 
 def test_auto_integrity_tags_payloads_only_on_links_that_leave_the_host():
+    """auto leaves payloads untagged only on a loopback link that both ends saw alike in the
+    handshake (direct: no relay on it), and tags all others."""
     from meshcomm_sockets import engine
 
     srv = socket.create_server(("127.0.0.1", 0))
@@ -612,8 +694,9 @@ def test_auto_integrity_tags_payloads_only_on_links_that_leave_the_host():
     srv.close()
     try:
         assert engine.is_loopback(a)
-        fab = engine.Fabric(0, 2, {1: a}, 5.0, payload_integrity=None)
+        fab = engine.Fabric(0, 2, {1: a}, 5.0, payload_integrity=None, direct={1})
         assert fab.links[1].seal_payload is False
+        assert engine.Fabric(0, 2, {1: a}, 5.0, payload_integrity=None).links[1].seal_payload is True
         assert engine.Fabric(0, 2, {1: a}, 5.0, payload_integrity=True).links[1].seal_payload is True
     finally:
         a.close()
@@ -624,6 +707,6 @@ def test_auto_integrity_tags_payloads_only_on_links_that_leave_the_host():
     try:
         u.connect(("192.0.2.1", 9))
         assert not engine.is_loopback(u)
-        assert engine.Fabric(0, 2, {1: u}, 5.0, payload_integrity=None).links[1].seal_payload is True
+        assert engine.Fabric(0, 2, {1: u}, 5.0, payload_integrity=None, direct={1}).links[1].seal_payload is True
     finally:
         u.close()

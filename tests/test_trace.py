@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -116,6 +117,39 @@ def test_stall_inspector_names_the_rank_that_has_not_joined(backend: str, tmp_pa
         assert "not joined: rank 2 (finished all_sum #1 of world" in line, line
         assert f"joined: ranks {1 - r}" in line
     assert not [ln for ln in _lines(res.stderr, 2, "meshcomm:") if ln.startswith("stall:")]
+
+
+def _errors(out: str, rank: int) -> str:
+    """Rank ``rank``'s error lines (``meshcomm.errors.X: ...``)."""
+    prefix = f"[rank {rank}] meshcomm.errors."
+    return "\n".join(ln[len(prefix):] for ln in out.splitlines() if ln.startswith(prefix))
+
+
+def _numbers(out: str, rank: int) -> list[str]:
+    """The call numbers (``#N``) in rank ``rank``'s error lines."""
+    return re.findall(r"#(\d+)", _errors(out, rank))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_has_one_number_everywhere(backend: str, tmp_path: Path) -> None:
+    """The user's second all_sum is #2 in the stall notice, the timeout error and the trace, on
+    every backend (the backend's own count also counts meshcomm's internal calls: start-up
+    exchanges, call checks); a mismatch in the first call names all_sum #1."""
+    res = _job(backend, tmp_path, "stall", "8", env={"MESHCOMM_STALL_AFTER": "0.5", "MLX_TIMEOUT": "2"})
+    assert res.returncode != 0, res.stdout + res.stderr
+    for r in (0, 1):
+        assert "in all_sum #2 of group world" in "\n".join(_lines(res.stderr, r, "meshcomm:")), res.stderr
+        numbers = _numbers(res.stderr, r)
+        assert numbers and set(numbers) == {"2"}, (r, _errors(res.stderr, r))
+        assert "all_sum #2" in _errors(res.stderr, r)
+        data = json.loads((tmp_path / "trace" / f"rank-{r}.json").read_text())
+        assert [(e[1], e[2], e[8]) for e in data["events"]] == [(1, "all_sum", True), (2, "all_sum", False)]
+    res = _job(backend, tmp_path, "mismatch", trace=False)
+    assert res.returncode != 0, res.stdout + res.stderr
+    for r in (0, 2):
+        errors = _errors(res.stderr, r)
+        assert "CollectiveMismatchError" in errors and "all_sum #1 " in errors, res.stderr
+        assert set(_numbers(res.stderr, r)) == {"1"}, errors
 
 
 def test_stall_inspector_under_a_plain_mpirun(tmp_path: Path) -> None:

@@ -80,6 +80,17 @@ class Backend(abc.ABC):
     #: reinterpret the other's data; an in-band check must compare it with op, dtype and length.
     shape_key: int = 0
 
+    #: Set by the core before each operation, for error messages: the user's call in flight
+    #: (``user_op``, e.g. "all_sum") and its number (``user_no``: collectives counted per
+    #: group, sends and receives per pair of ranks, from 1, as the trace numbers them), and
+    #: ``user_step`` = "the call check" while the core's cross-rank check of it runs. Name the
+    #: operation with :meth:`call_text`: users never see a backend's own numbering, which
+    #: counts meshcomm's internal calls too. ``user_op`` is "" outside the core (start-up, or
+    #: a backend driven directly).
+    user_op: str = ""
+    user_no: int = 0
+    user_step: str = ""
+
     #: True only when every rank is a thread of this one process (a test transport): no
     #: other process can be on its links, so object payloads need no job secret.
     in_process: bool = False
@@ -90,6 +101,20 @@ class Backend(abc.ABC):
     #: (the default, so existing transports need no change) the core receives into a fresh
     #: buffer and copies the result into ``out``. The generic algorithms allow it.
     direct_out: bool = False
+
+    def call_text(self, internal: str) -> str:
+        """The operation in flight as a user should read it: the user's call and number
+        (``all_sum #2``), naming the backend's own step ``internal`` when it is another
+        operation (``all_gather_object #1 (its all_gather)``, ``all_sum #2 (the call check
+        before it)``); just ``internal`` when no user call is known."""
+        op = self.user_op
+        if not op:
+            return internal
+        if self.user_step:
+            return f"{op} #{self.user_no} ({self.user_step} before it)"
+        if internal.split(" ", 1)[0] in (op, ""):
+            return f"{op} #{self.user_no}"
+        return f"{op} #{self.user_no} (its {internal.split(' #', 1)[0]})"
 
     # -- required -------------------------------------------------------------------
     @abc.abstractmethod

@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 __all__ = ["check_collective", "quick_check", "check_send", "check_recv"]
 
 _MAGIC = 0x6D657368  # "mesh"
-_WIDTH = 12
+#: slots: magic, op, dtype, ndim, arg, crc of the shape, 6 dims, then the user's call number
+#: (named in messages, never compared: the ranks' calls are compared by what they are)
+_WIDTH = 13
 _DIMS = 6
+_NUMBER = 12
 #: the op slot holds the operation's code plus (reduction index + 1) << 8 for ``reduce``
 _VARIANT = 256
 
@@ -37,13 +40,19 @@ def _opword(op: str, reduction: str | None) -> int:
 
 
 def _fingerprint(op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
-                 reduction: str | None = None) -> np.ndarray:
+                 reduction: str | None = None, number: int = 0) -> np.ndarray:
     fp = np.zeros(_WIDTH, dtype=np.int64)
     dims = list(shape)[:_DIMS]
     fp[:6] = [_MAGIC, _opword(op, reduction), 0 if dtype is None else dtype_code(dtype), len(shape), arg,
               zlib.crc32(repr(tuple(shape)).encode())]
     fp[6 : 6 + len(dims)] = dims
+    fp[_NUMBER] = number
     return fp
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two fingerprints are the same call (whatever their numbers)."""
+    return bool((a[..., :_NUMBER] == b[..., :_NUMBER]).all())
 
 
 def _describe(fp: np.ndarray) -> str:
@@ -53,7 +62,12 @@ def _describe(fp: np.ndarray) -> str:
     if int(fp[0]) != _MAGIC or spec is None or variant > len(REDUCTIONS):
         return "something that is not a meshcomm call (a message of another kind)"
     op = spec.name
-    if op in ("barrier", "split"):
+    if int(fp[_NUMBER]) > 0:  # "all_sum #2 (shape=...)", "barrier #3"
+        op = f"{op} #{int(fp[_NUMBER])}"
+        if spec.name in ("barrier", "split") or (spec.kind == "object" and not spec.rooted):
+            return op
+        op += " "
+    if spec.name in ("barrier", "split"):
         return f"{op}()"
     if spec.kind == "object":
         return f"{op}({'root=' + str(int(fp[4])) if spec.rooted else ''})"
@@ -77,10 +91,10 @@ def check_collective(
     ``op`` is a name from :mod:`meshcomm.operations`; ``reduction`` the one ``reduce`` applies.
     """
     n = b.size()
-    mine = _fingerprint(op, shape, dtype, arg, reduction)
+    mine = _fingerprint(op, shape, dtype, arg, reduction, b.user_no if b.user_op else 0)
     table = np.empty(n * _WIDTH, dtype=np.int64).reshape(n, _WIDTH)
     b.all_gather(mine, table.reshape(-1))
-    if (table == table[0]).all():
+    if _same(table, table[0]):
         return
     calls: dict[str, list[int]] = {}
     for q in range(n):
@@ -129,11 +143,11 @@ def quick_check(
 
 def check_send(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, dst: int) -> None:
     """Send this call's fingerprint to ``dst`` and compare the one it answers with."""
-    mine = _fingerprint("send", shape, dtype, dst)
+    mine = _fingerprint("send", shape, dtype, dst, None, b.user_no if b.user_op else 0)
     theirs = np.empty(_WIDTH, dtype=np.int64)
     b.sendrecv(mine, dst, theirs, dst)
     expected = _fingerprint("recv", shape, dtype, b.rank())
-    if not np.array_equal(theirs, expected):
+    if not _same(theirs, expected):
         raise CollectiveMismatchError(
             f"MLX_DEBUG: in {group_name}, rank {b.rank()} called {_describe(mine)} but rank {dst} "
             f"called {_describe(theirs)}. Match every send with a recv of the same shape and dtype."
@@ -142,11 +156,11 @@ def check_send(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dt
 
 def check_recv(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, src: int) -> None:
     """Receive the sender's fingerprint, answer with ours, and compare."""
-    mine = _fingerprint("recv", shape, dtype, src)
+    mine = _fingerprint("recv", shape, dtype, src, None, b.user_no if b.user_op else 0)
     theirs = np.empty(_WIDTH, dtype=np.int64)
     b.sendrecv(mine, src, theirs, src)
     expected = _fingerprint("send", shape, dtype, b.rank())
-    if not np.array_equal(theirs, expected):
+    if not _same(theirs, expected):
         raise CollectiveMismatchError(
             f"MLX_DEBUG: in {group_name}, rank {b.rank()} called {_describe(mine)} but rank {src} "
             f"called {_describe(theirs)}. Match every send with a recv of the same shape and dtype."

@@ -120,6 +120,11 @@ class Group:
         self._splits = 0
         self._object_calls = 0
         self._seal: ObjectSeal | None = None
+        #: the user's calls so far, numbered as every message and the trace name them:
+        #: collectives on this group; sends to and receives from each peer
+        self._calls = 0
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -725,11 +730,13 @@ class Group:
         A backend that checks calls in-band is given the shape's key first (Backend.shape_key)."""
         if self._keyed:
             self._b.shape_key = SHAPE_KEYS[shape]
-        if self._debug:
-            _debug.check_collective(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
-            return True
-        if self._check_calls and not self._natively_checked(method):
-            _debug.quick_check(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
+        if self._debug or (self._check_calls and not self._natively_checked(method)):
+            check = _debug.check_collective if self._debug else _debug.quick_check
+            self._b.user_step = "the call check"  # messages name the user's call, not the check's all-reduce
+            try:
+                check(self._b, self._where(), op, shape, dtype, arg, reduction=reduction)
+            finally:
+                self._b.user_step = ""
             return True
         return False
 
@@ -762,9 +769,18 @@ class Group:
     def _execute(self, op: str, ticket: Ticket, run: Callable[[], T], payload: _trace.Payload, arg: int) -> T:
         """``run()`` as operation ``op``, with unexpected exceptions turned into a
         DistributedError naming the rank; then the guard lets the world go."""
+        if op == "send":
+            n = self._sent[arg] = self._sent.get(arg, 0) + 1
+        elif op == "recv":
+            n = self._received[arg] = self._received.get(arg, 0) + 1
+        else:
+            n = self._calls = self._calls + 1
+        b = self._b
+        b.user_op = op
+        b.user_no = n
         ok = False
         try:
-            result = run() if _trace.active is None else _trace.active.call(self, op, run, payload, arg)
+            result = run() if _trace.active is None else _trace.active.call(self, op, run, payload, arg, n)
             ok = True
             return result
         except (DistributedError, ValueError, TypeError):

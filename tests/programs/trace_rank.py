@@ -4,6 +4,7 @@
 rank issued, in order) and ``ACTIVE <bool>`` (whether the core's recorder hook is set).
 ``trace_rank.py stall SECONDS``: rank 2 sleeps SECONDS between two all_sums.
 ``trace_rank.py fail``: rank 1 raises after two all_sums (the others then fail too).
+``trace_rank.py mismatch``: rank 2 passes another shape to the first all_sum.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> None:
             time.sleep(float(sys.argv[2]))
         world.all_sum(np.ones(4))
         print("STALL DONE")
+    elif what == "mismatch":
+        world.all_sum(np.ones(4 + (world.rank() == 2)))
     elif what == "fail":
         world.all_sum(np.ones(4))
         world.all_sum(np.ones(4))

@@ -72,14 +72,12 @@ def rank_file(folder: str | os.PathLike[str], rank: int) -> Path:
 
 
 class _GroupState:
-    __slots__ = ("name", "rank", "size", "seq", "pairs")
+    __slots__ = ("name", "rank", "size")
 
     def __init__(self, name: str, rank: int, size: int) -> None:
         self.name = name
         self.rank = rank
         self.size = size
-        self.seq = 0  #: collectives issued so far
-        self.pairs: dict[tuple[int, int], int] = {}  #: (src, dst) -> sends/recvs so far
 
 
 def _bytes_and_dtype(payload: Payload) -> tuple[int, Any]:
@@ -133,20 +131,16 @@ class Recorder:
         # a group this recorder did not see being made (another world)
         return self._add(group, f"{group.backend}:{group._label}")
 
-    def call(self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1) -> T:
+    def call(self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1,
+             seq: int = 0) -> T:
         """Run ``run()`` (operation ``op`` on ``group``) and record it; ``payload`` is what this
-        rank passes, ``arg`` the peer of ``send``/``recv`` or the color of ``split``."""
+        rank passes, ``arg`` the peer of ``send``/``recv`` or the color of ``split``, ``seq``
+        the call's number (the group counts: see :meth:`meshcomm.Group._execute`)."""
         entry = self._last
         if entry[0]() is not group:
             entry = self._last = self._entry(group)
         st = entry[1]
-        if op == "send" or op == "recv":
-            peer = arg
-            pair = (st.rank, peer) if op == "send" else (peer, st.rank)
-            seq = st.pairs[pair] = st.pairs.get(pair, 0) + 1
-        else:
-            peer = -1
-            st.seq = seq = st.seq + 1
+        peer = arg if op == "send" or op == "recv" else -1
         t0 = _now()
         self.current = (st.name, st.rank, self.world_rank, st.size, seq, op, peer, t0)
         progress = self.progress

@@ -110,11 +110,15 @@ class GlooBackend(Backend):
     def _where(self) -> str:
         return f"rank {self._rank} of the {self._label} group (size {self._size})"
 
+    def _named(self, call: Call) -> Call:
+        """``call`` naming the user's call it is part of (only built when a message needs it)."""
+        return call._replace(shown=self.call_text(call.name)) if self.user_op else call
+
     def _usable(self, call: Call) -> Any:
         """The process group, or the error that broke this group (raised again, same class and peer)."""
         if self._pg is not None:
             return self._pg
-        op = call.describe()
+        op = self._named(call).describe()
         if self._failed is not None:
             first = self._failed
             again = type(first)(f"[gloo] {self._where()}: {op} called on a group that failed earlier; "
@@ -144,7 +148,7 @@ class GlooBackend(Backend):
         Raised ``from None``: its message already quotes gloo's first line, and torch's chained
         traceback above meshcomm's error only buried it; gloo's exception stays reachable as
         ``err.gloo_error``."""
-        call = Call.parse(call.text())  # dtype names, as the other ranks publish them
+        call = Call.parse(self._named(call).text())  # dtype names, as the other ranks publish them
         if isinstance(exc, DistributedError):
             err = exc
         else:
@@ -268,7 +272,7 @@ class GlooBackend(Backend):
             pg.recv([_tensor(head)], src, p2p_tag(buf.dtype, n, 0)).wait()
             if int(head[1]) != n or int(head[0]) != dtype_code(buf.dtype):
                 raise CollectiveMismatchError(
-                    f"[gloo] {self._where()}: {call.describe()}: rank {src} sent {int(head[1])} elements "
+                    f"[gloo] {self._where()}: {self._named(call).describe()}: rank {src} sent {int(head[1])} elements "
                     f"({buf.dtype.name} on both ranks) but this rank expects {n}; a recv must match its "
                     "send's shape and dtype")
         pg.recv([_tensor(buf)], src, p2p_tag(buf.dtype, n, 1)).wait()

@@ -72,30 +72,41 @@ class Call(NamedTuple):
     peer2: int = -1
     dtype2: Any = "-"
     count2: int = 0
+    #: the user's call this is (or is part of), as Backend.call_text names it ("all_sum #2"):
+    #: filled in only when a message needs it; not compared across ranks (see conflicts)
+    shown: str = ""
 
     def text(self) -> str:
         """One line that :meth:`parse` reads back (stored in the rendezvous store)."""
         return " ".join(str(v) for v in (self.kind, self.name, _name(self.dtype), self.count, self.seq, self.root,
-                                          self.peer, self.peer2, _name(self.dtype2), self.count2))
+                                          self.peer, self.peer2, _name(self.dtype2), self.count2, self.shown))
 
     @classmethod
     def parse(cls, text: str) -> Call:
-        k, name, dt, count, seq, root, peer, peer2, dt2, count2 = text.split()
-        return cls(k, name, dt, int(count), int(seq), int(root), int(peer), int(peer2), dt2, int(count2))
+        k, name, dt, count, seq, root, peer, peer2, dt2, count2, *shown = text.split(maxsplit=10)
+        return cls(k, name, dt, int(count), int(seq), int(root), int(peer), int(peer2), dt2, int(count2),
+                   shown[0].strip() if shown else "")
 
     def describe(self) -> str:
-        """What a user reads: ``all_sum of 4 float32 (collective #3)``, ``send of 4 float32 to rank 0``."""
+        """What a user reads: ``all_sum #2 of 4 float32``, ``send #1 of 4 float32 to rank 0``;
+        by the group's own count (``all_sum of 4 float32 (collective #3 of the group)``) only
+        when the user's call is not known."""
         if self.kind == "coll":
             root = f" from root {self.root}" if self.root >= 0 else ""
-            what = f" of {self.count} {self.dtype}" if self.count else ""
+            what = f"{self.name} of {self.count} {self.dtype}" if self.count else self.name
+            if "(" in self.shown:  # a step inside the user's call: "all_sum #2 (the call check before it)"
+                return f"{self.shown[:-1]}: {what}{root})"
+            if self.shown:
+                return f"{self.shown}{what[len(self.name):]}{root}"
             check = (", most likely meshcomm's call check before the next collective"
                      if self.name == "all_max" and self.count == 2 and _name(self.dtype) == "int64" else "")
-            return f"{self.name}{what}{root} (collective #{self.seq} of the group{check})"
+            return f"{what}{root} (collective #{self.seq} of the group{check})"
+        name = self.shown or self.kind
         if self.kind == "send":
-            return f"send of {self.count} {self.dtype} to rank {self.peer}"
+            return f"{name} of {self.count} {self.dtype} to rank {self.peer}"
         if self.kind == "recv":
-            return f"recv of {self.count} {self.dtype} from rank {self.peer}"
-        return (f"sendrecv ({self.count} {self.dtype} to rank {self.peer}, "
+            return f"{name} of {self.count} {self.dtype} from rank {self.peer}"
+        return (f"{name} ({self.count} {self.dtype} to rank {self.peer}, "
                 f"{self.count2} {self.dtype2} from rank {self.peer2})")
 
     # what this call sends to / expects from a given rank, as (dtype, count), or None
@@ -121,7 +132,7 @@ def conflicts(me: int, mine: Call, q: int, theirs: Call) -> bool:
     if not mine.involves(q):
         return False
     if mine.kind == "coll":
-        return theirs != mine
+        return theirs[:-1] != mine[:-1]  # all but ``shown``
     if theirs.kind == "coll":
         return True
     want_out, want_in = mine._sends_to(q), mine._recvs_from(q)

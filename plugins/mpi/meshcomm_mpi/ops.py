@@ -33,7 +33,7 @@ class Desc:
     """
 
     __slots__ = ("cid", "label", "kind", "name", "seq", "dst", "src", "send_k", "recv_k", "members", "local",
-                 "me", "me_world")
+                 "me", "me_world", "shown")
 
     def __init__(self, backend: Any, what: tuple[Any, ...]) -> None:
         self.cid: str = backend.cid
@@ -47,8 +47,13 @@ class Desc:
         self.src: int | None = None
         self.send_k = self.recv_k = 0
         self.seq = backend.coll_count
+        #: a collective as the user called it (Backend.call_text): the communicator's own
+        #: count (``seq``, compared across ranks) also counts meshcomm's internal calls
+        self.shown: str | None = None
         if self.kind == "coll":
             self.name: str = what[1]
+            if backend.user_op:
+                self.shown = backend.call_text(self.name)
         elif self.kind == "send":
             self.name, self.dst = "send", what[1]
             self.send_k = backend.sent[what[1]]
@@ -68,7 +73,7 @@ class Desc:
     def text(self) -> str:
         """``all_sum #6``, ``send #2 to rank 1``, ``recv #1 from rank 0``."""
         if self.kind == "coll":
-            return f"{self.name} #{self.seq}"
+            return self.shown or f"{self.name} #{self.seq}"
         if self.kind == "send":
             return f"send #{self.send_k} to rank {self.dst}"
         if self.kind == "recv":

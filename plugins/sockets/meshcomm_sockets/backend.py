@@ -104,13 +104,14 @@ class SocketsBackend(Backend):
         self._seq = seq = (self._seq + 1) & wire.SEQ_MASK  # wire.next_seq, inline: the latency path
         key = self.shape_key  # the core's, for this collective (0 for 1-D arrays)
         total = wire.call_total(buf.size, key) if key else buf.size
-        return Call(self.gid, seq, code, dtype_code(buf.dtype), total, self.label, arg)
+        return Call(self.gid, seq, code, dtype_code(buf.dtype), total, self.label, arg, self)
 
     def _p2p(self, counter: defaultdict[int, int], peer: int, buf: np.ndarray) -> Call:
         if self._call is not None:
             return self._call
         counter[peer] = wire.next_seq(counter[peer])
-        return Call(self.gid, counter[peer], wire.OP_CODES["send"], dtype_code(buf.dtype), buf.size, self.label)
+        return Call(self.gid, counter[peer], wire.OP_CODES["send"], dtype_code(buf.dtype), buf.size, self.label, 0,
+                    self)
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
@@ -140,7 +141,7 @@ class SocketsBackend(Backend):
         quick = self.path.quick_sum
         if quick is not None and op == "sum":
             seq = (self._seq + 1) & wire.SEQ_MASK  # as in _new_call; taken only if quick_sum applies
-            if quick(sendbuf, recvbuf, self.gid, seq, self.label, self.shape_key):
+            if quick(sendbuf, recvbuf, self.gid, seq, self, self.shape_key):
                 self._seq = seq
                 return
         self._call = call = self._new_call(_ALL_CODES[op], sendbuf)

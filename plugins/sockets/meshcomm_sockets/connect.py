@@ -51,11 +51,24 @@ _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class Connection(NamedTuple):
-    """One authenticated connection to a peer and its two frame keys (see wire.derive_keys)."""
+    """One authenticated connection to a peer and its two frame keys (see wire.derive_keys);
+    ``direct``: both ends saw the same addresses and ports (nothing between them)."""
 
     sock: socket.socket
     send_key: bytes
     recv_key: bytes
+    direct: bool = False
+
+
+def _direct(rank: int, q: int, mine: str, theirs: str) -> bool:
+    """Whether this rank and rank ``q`` saw the same connection (the views of both ends,
+    exchanged in the authenticated handshake); logs the two views when they differ."""
+    if mine == theirs and mine != "?":
+        return True
+    log.info("meshcomm sockets rank %d: the connection to rank %d is not direct (this rank sees %s, rank %d sees "
+             "%s: a relay, proxy or NAT between them); its payloads are authenticated under "
+             "MESHCOMM_SOCKETS_INTEGRITY=auto", rank, q, mine, q, theirs or "nothing")
+    return False
 
 
 def _exhausted(rank: int, what: str, exc: OSError) -> DistributedError:
@@ -110,9 +123,32 @@ def open_listener(rank: int, me: Peer, bind: str | None, backlog: int) -> socket
     return sock
 
 
+def _address(peer: Peer) -> tuple:
+    """The one address to reach ``peer`` at: the first its name resolves to (as its listener
+    binds the first), of the family it listens on when its entry names another ``bind``.
+    Never the others: a rank that falls back to 127.0.0.1 while its peer listens on ::1
+    could meet whoever listens there instead."""
+    infos = socket.getaddrinfo(peer.ip, peer.port, type=socket.SOCK_STREAM)
+    if peer.bind and peer.bind != peer.ip:
+        try:
+            family = socket.getaddrinfo(peer.bind, peer.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        except socket.gaierror:
+            family = None
+        infos = [i for i in infos if i[0] == family] or infos
+    return infos[0]
+
+
 def _connect_once(peer: Peer, deadline: float) -> socket.socket:
     left = max(0.05, deadline - time.monotonic())
-    return socket.create_connection((peer.ip, peer.port), timeout=min(left, 10.0))
+    family, kind, proto, _, addr = _address(peer)
+    sock = socket.socket(family, kind, proto)
+    sock.settimeout(min(left, 10.0))
+    try:
+        sock.connect(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str,
@@ -130,7 +166,8 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
             try:
                 nonce_a = wire.parse_challenge(recv_exact(sock, wire.CHALLENGE_SIZE, deadline, during=_HANDSHAKE))
                 nonce_c = os.urandom(16)
-                sock.sendall(wire.hello(secret, nonce_a, wire.Hello(world, rank, q, nonce_c, version)))
+                view = wire.connection_view(sock, connector=True)
+                sock.sendall(wire.hello(secret, nonce_a, wire.Hello(world, rank, q, nonce_c, version, view)))
                 said_hello = True
                 head = recv_exact(sock, wire.WELCOME_FIXED, deadline, during=_HANDSHAKE)
                 rest = recv_exact(sock, wire.welcome_size(head) - len(head), deadline, during=_HANDSHAKE)
@@ -166,7 +203,7 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                         f"rank {q} listens there. Every rank must use the same hostfile."
                     )
                 c2a, a2c = wire.derive_keys(secret, nonce_a, nonce_c)
-                return Connection(sock, c2a, a2c)
+                return Connection(sock, c2a, a2c, _direct(rank, q, view, w.view))
         if time.monotonic() + delay > deadline:
             if refused:
                 raise DistributedError(
@@ -239,13 +276,14 @@ def _admit(got: _Hello, rank: int, world: int, pending: set[int], secret: bytes,
         status = wire.STATUS_WORLD
     elif h.target != rank or h.rank not in pending:
         status = wire.STATUS_RANK
+    view = wire.connection_view(sock, connector=False)
     try:  # versions only to a peer that proved the secret
-        sock.sendall(wire.welcome(secret, h.nonce, wire.Welcome(status, rank, version if secret else "")))
+        sock.sendall(wire.welcome(secret, h.nonce, wire.Welcome(status, rank, version if secret else "", view)))
     except OSError:
         pass
     if status == wire.STATUS_OK:
         c2a, a2c = wire.derive_keys(secret, got.nonce_a, h.nonce)
-        return Connection(sock, a2c, c2a)
+        return Connection(sock, a2c, c2a, _direct(rank, h.rank, view, h.view))
     sock.close()
     what = {
         wire.STATUS_VERSION: f"it runs {h.version!r} but rank {rank} runs {version!r}; install the same "

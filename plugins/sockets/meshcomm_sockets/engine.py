@@ -28,8 +28,9 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 from meshcomm.plugin import (
@@ -96,32 +97,62 @@ class Call:
     """The operation a frame belongs to; identical on every rank taking part in it.
 
     ``arg`` is the call's argument every rank must agree on: the root of a rooted
-    operation, else 0. Never changed once made (a plain class, not a frozen dataclass:
-    one is made per call, and this is the latency path)."""
+    operation, else 0. ``owner`` is the backend that made it: messages name the user's call
+    it tells (:meth:`meshcomm.plugin.Backend.call_text`), not the wire's own ``seq``, which
+    counts meshcomm's internal calls too. Never changed once made (a plain class, not a
+    frozen dataclass: one is made per call, and this is the latency path)."""
 
-    __slots__ = ("group", "seq", "op", "dtype", "total", "label", "arg")
+    __slots__ = ("group", "seq", "op", "dtype", "total", "label", "arg", "owner")
 
-    def __init__(self, group: int, seq: int, op: int, dtype: int, total: int, label: str, arg: int = 0) -> None:
-        self.group, self.seq, self.op, self.dtype, self.total, self.label, self.arg = (
-            group, seq, op, dtype, total, label, arg)
+    def __init__(self, group: int, seq: int, op: int, dtype: int, total: int, label: str, arg: int = 0,
+                 owner: Any = None) -> None:
+        self.group, self.seq, self.op, self.dtype, self.total, self.label, self.arg, self.owner = (
+            group, seq, op, dtype, total, label, arg, owner)
 
     def __repr__(self) -> str:
         return f"Call({self.label} {self.describe()}, group {self.group})"
 
+    def named(self) -> bool:
+        """True when messages name this call by the user's call (not by the wire's number)."""
+        return self.owner is not None and bool(self.owner.user_op)
+
     def describe(self) -> str:
-        return _describe(self.op, self.seq, self.dtype, self.total, self.arg)
+        """``all_sum #2 (4 x float32)``: the user's call and number when known (see ``owner``)."""
+        name = self.owner.call_text(_op_name(self.op)) if self.named() else None
+        return _describe(self.op, self.seq, self.dtype, self.total, self.arg, name)
+
+    def theirs(self, op: int, seq: int, dtype: int, total: int, arg: int) -> str:
+        """What a peer's header or descriptor for (``op``, ``seq``, ...) is, next to this call:
+        by the wire's number only when this call is named that way too (the peer's own call
+        number is not on the wire), else whether it belongs to an earlier or later call."""
+        if not self.named():
+            return _describe(op, seq, dtype, total, arg)
+        when = "" if seq == self.seq else " of an earlier call" if _before(seq, self.seq) else " of a later call"
+        return _describe(op, None, dtype, total, arg) + when
 
 
 #: operations whose argument is a root (named in messages)
 _ROOTED = {wire.OP_CODES["broadcast"]}
 
 
-def _describe(op: int, seq: int, dtype: int, total: int, arg: int = 0) -> str:
-    name = wire.OPS[op] if 0 <= op < len(wire.OPS) else f"op#{op}"
+def _op_name(op: int) -> str:
+    return wire.OPS[op] if 0 <= op < len(wire.OPS) else f"op#{op}"
+
+
+def _before(seq: int, other: int) -> bool:
+    """Whether wire number ``seq`` came before ``other`` (numbers wrap at wire.SEQ_MASK)."""
+    return 0 < (other - seq) & wire.SEQ_MASK < (wire.SEQ_MASK + 1) // 2
+
+
+def _describe(op: int, seq: int | None, dtype: int, total: int, arg: int = 0, name: str | None = None) -> str:
+    """``all_sum #5 (4 x float32)``; ``name`` replaces ``all_sum #5``, ``seq`` None drops the number."""
+    if name is None:
+        name = _op_name(op) if seq is None else f"{_op_name(op)} #{seq}"
     dt = dtype_from_code(dtype)
     root = f", root {arg}" if op in _ROOTED or arg else ""
     count = total & wire.COUNT_MASK
-    return f"{name} #{seq} ({count} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype}{root})"
+    what = f"{count} x {dt if dt is not None else 'bytes' if dtype == 0 else dtype}{root}"
+    return f"{name[:-1]}: {what})" if name.endswith(")") else f"{name} ({what})"
 
 
 def shape_differs(mine: int, theirs: int) -> str:
@@ -201,18 +232,21 @@ class Fabric:
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float,
                  keys: dict[int, tuple[bytes, bytes]] | None = None,
-                 payload_integrity: bool | None = True) -> None:
+                 payload_integrity: bool | None = True, direct: Container[int] = ()) -> None:
         """``keys``: per peer (send key, receive key) from the handshake (empty keys without);
         ``payload_integrity``: every data frame's payload carries a tag (else only headers,
-        ABORT frames and frames sent inside :meth:`sealed`); None decides per link: tags on
-        links that leave the host, none on loopback links (both ends decide alike)."""
+        ABORT frames and frames sent inside :meth:`sealed`); None decides per link: no tags
+        only on a loopback link that is ``direct`` (the peers in it: both ends saw the same
+        addresses and ports in the handshake, so no relay sits on it), which both ends
+        decide alike."""
         self.rank = rank
         self.size = size
         self.timeout = timeout
         keys = keys or {}
         self.links: dict[int, Link] = {q: Link(q, s, *keys.get(q, (b"", b""))) for q, s in socks.items()}
         for link in self.links.values():
-            link.seal_payload = not is_loopback(link.sock) if payload_integrity is None else payload_integrity
+            link.seal_payload = (not (link.peer in direct and is_loopback(link.sock)) if payload_integrity is None
+                                 else payload_integrity)
         self._sealing = 0
         self.failure: DistributedError | None = None
         #: seconds a waiting rank polls without sleeping (see topology.wait_policy), also in ns
@@ -665,7 +699,7 @@ class Fabric:
         if group != call.group:
             theirs = f"a message of another group (id {group:#x}): {_describe(op, seq, dtype, total, arg)}"
         else:
-            theirs = _describe(op, seq, dtype, total, arg) + shape_differs(call.total, total)
+            theirs = call.theirs(op, seq, dtype, total, arg) + shape_differs(call.total, total)
             if (op, seq, dtype, arg, total) == (call.op, call.seq, call.dtype, call.arg, call.total):
                 theirs += f" in pieces of {nbytes} bytes where {len(exp.target)} were expected"
         raise CollectiveMismatchError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from meshcomm.plugin import algorithms, reducer
@@ -35,8 +35,8 @@ __all__ = ["Path", "TcpPath", "LocalPath", "HostsPath", "RING_MIN_BYTES", "FRAME
 RING_MIN_BYTES = 256 * 1024
 #: largest frame of a plain transfer (the header's size field is 32 bits)
 FRAME_BYTES = 1 << 26
-#: ``ShmGroup.quick_sum``: (sendbuf, recvbuf, group id, call number, label, shape key) -> done
-QuickSum = Callable[[np.ndarray, np.ndarray, int, int, str, int], bool]
+#: ``ShmGroup.quick_sum``: (sendbuf, recvbuf, group id, call number, backend, shape key) -> done
+QuickSum = Callable[[np.ndarray, np.ndarray, int, int, Any, int], bool]
 
 
 class Path(Protocol):
@@ -254,7 +254,11 @@ class HostsPath(TcpPath):
         else:
             recvbuf[...] = sendbuf
         if self.leaders is not None:
-            self.leaders.shape_key = call.total >> wire.SHAPE_SHIFT  # the leaders' call has the same shape
+            leaders = self.leaders
+            leaders.shape_key = call.total >> wire.SHAPE_SHIFT  # the leaders' call has the same shape
+            if call.owner is not None:  # and is the same user call
+                leaders.user_op, leaders.user_no, leaders.user_step = (
+                    call.owner.user_op, call.owner.user_no, call.owner.user_step)
             self.leaders.all_reduce(recvbuf.copy(), recvbuf, op)
         if self.shm is not None:
             self.shm.broadcast(call, recvbuf, 0)

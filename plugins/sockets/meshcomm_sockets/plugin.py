@@ -173,7 +173,8 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
                       timeout=startup, bind=settings.bind, listener=listener)
     fabric = Fabric(config.rank, len(peers), {q: c.sock for q, c in conns.items()}, config.timeout,
                     keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
-                    payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload")
+                    payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload",
+                    direct={q for q, c in conns.items() if c.direct})
     start = _seq_start()
     world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
                            seq_start=start)

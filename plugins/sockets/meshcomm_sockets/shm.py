@@ -69,7 +69,7 @@ from meshcomm.plugin import (
 )
 
 from . import cma, wire
-from .engine import Call, Fabric, _describe, shape_differs
+from .engine import Call, Fabric, shape_differs
 from .results import OwnResults, PeerResults
 
 __all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "ShmSetupError", "SEQ_WRAP", "next_piece",
@@ -586,8 +586,7 @@ class ShmGroup:
             if theirs != mine:
                 raise CollectiveMismatchError(
                     f"rank {self.fabric.rank} called {call.describe()} in group {call.label}, but local "
-                    f"rank {self.local[i]} is in "
-                    f"{_describe(theirs[0], theirs[3], theirs[1], theirs[2], theirs[4])}"
+                    f"rank {self.local[i]} is in {call.theirs(theirs[0], theirs[3], theirs[1], theirs[2], theirs[4])}"
                     f"{shape_differs(total, theirs[2])} (shared memory). "
                     "Every rank must make the same calls in the same order with the same shapes, "
                     "dtypes and roots."
@@ -654,7 +653,7 @@ class ShmGroup:
                 self._split_all_reduce(call, sendbuf, recvbuf, f)
                 return
             # the latency path: one wait, every rank combines every slot
-            if op == "sum" and self.quick_sum(sendbuf, recvbuf, call.group, call.seq, call.label, 0, call):
+            if op == "sum" and self.quick_sum(sendbuf, recvbuf, call.group, call.seq, call.owner, 0, call):
                 return
             self._slots_reduce(call, sendbuf, recvbuf, f, self.seq & 1, publish=True)
             return
@@ -683,9 +682,9 @@ class ShmGroup:
         for v in views[2:]:
             f(recvbuf, v, out=recvbuf)
 
-    def quick_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, group_id: int, cseq: int, label: str,
+    def quick_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, group_id: int, cseq: int, owner: Any,
                   key: int = 0, call: Call | None = None) -> bool:
-        """The all_sum numbered ``cseq`` in group ``group_id`` (``label``, the core's shape
+        """The all_sum numbered ``cseq`` in group ``group_id`` (of backend ``owner``, the core's shape
         ``key``; ``call``'s own total when it is given) when it is one piece
         of a dtype the compiled channel sums (:attr:`native_sums`): publish, spin, compare
         and sum in one C call. The latency path of a small call: ``call`` (its
@@ -709,7 +708,7 @@ class ShmGroup:
         if status == 0:
             return True
         if call is None:
-            call = Call(group_id, cseq, _ALL_SUM, dcode, total, label)
+            call = Call(group_id, cseq, _ALL_SUM, dcode, total, owner.label, 0, owner)
         try:
             if status == 1:
                 self._wake_sleepers(call)

@@ -10,7 +10,10 @@ Handshake (per connection, the higher rank connects to the lower one)::
 
 The HMAC key is the per-job secret (``MESHCOMM_JOB_SECRET``, empty when there is none),
 so a stranger without it is rejected, and garbage fails on the magic first. The WELCOME
-names the acceptor's versions only to a peer that proved a non-empty secret.
+names the acceptor's versions only to a peer that proved a non-empty secret. HELLO and
+WELCOME also carry each side's view of the connection (:func:`connection_view`: both
+ends' addresses and ports): when the two views differ, something (a relay, a proxy, NAT)
+sits between the ranks, whatever the addresses look like.
 
 After the handshake both sides derive two keys from the secret and both nonces
 (HKDF-SHA256, :func:`derive_keys`): one per direction. Every frame then is::
@@ -33,6 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -41,14 +46,16 @@ from meshcomm.plugin import wire_names
 __all__ = [
     "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ENDED", "SHAPE_SHIFT", "COUNT_MASK", "call_total",
     "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
-    "welcome", "parse_welcome", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
+    "welcome", "parse_welcome", "connection_view", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
     "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
     "TAG", "FRAME_HEAD", "Mac", "derive_keys", "INTEGRITY_MODES",
 ]
 
 MAGIC = b"MESHCOMM"
 PROTOCOL = 3  # 2: the header carries the call's argument (root); 3: authenticated frames
-MAX_VERSION = 256
+MAX_VERSION = 512  #: bytes of a HELLO's or WELCOME's variable part: version, view, view length
+VERSION_BYTES = 256  #: at most this much of the version string is sent
+VIEW_BYTES = 255  #: and of the connection view
 
 #: group u32, seq u32, op u16, dtype u16, nbytes u32, arg u32 (root), total u64
 HEADER = struct.Struct("<IIHHIIQ")
@@ -134,6 +141,36 @@ def parse_challenge(data: bytes) -> bytes:
     return nonce
 
 
+def connection_view(sock: socket.socket, connector: bool) -> str:
+    """``"connector ip:port > acceptor ip:port"`` as this end of ``sock`` sees it (IPv4-mapped
+    IPv6 addresses written as IPv4): the same text on both ends of a direct connection."""
+    def where(addr: tuple) -> str:
+        ip = ipaddress.ip_address(addr[0].split("%", 1)[0])
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return f"{mapped or ip}:{addr[1]}"
+
+    try:
+        mine, theirs = where(sock.getsockname()), where(sock.getpeername())
+    except (OSError, ValueError, IndexError, TypeError):
+        return "?"
+    return f"{mine} > {theirs}" if connector else f"{theirs} > {mine}"
+
+
+def _pack_text(version: str, view: str) -> bytes:
+    """The variable part: version bytes, view bytes, then the view's length (one byte)."""
+    v, w = version.encode()[:VERSION_BYTES], view.encode()[:VIEW_BYTES]
+    return v + w + bytes([len(w)])
+
+
+def _unpack_text(var: bytes) -> tuple[str, str]:
+    """(version, view) of a variable part made by :func:`_pack_text`."""
+    if not var or var[-1] + 1 > len(var):
+        raise HandshakeError("malformed version and view field")
+    n = var[-1]
+    return (var[: len(var) - 1 - n].decode("utf-8", "replace"),
+            var[len(var) - 1 - n : -1].decode("utf-8", "replace"))
+
+
 @dataclass(frozen=True)
 class Hello:
     world: int
@@ -141,10 +178,11 @@ class Hello:
     target: int
     nonce: bytes
     version: str
+    view: str = ""  #: the connector's connection_view
 
 
 def hello(secret: bytes, nonce_a: bytes, h: Hello) -> bytes:
-    v = h.version.encode()[:MAX_VERSION]
+    v = _pack_text(h.version, h.view)
     body = _HELLO.pack(MAGIC, PROTOCOL, h.world, h.rank, h.target, h.nonce, len(v)) + v
     return body + _mac(secret, nonce_a, body)
 
@@ -171,15 +209,15 @@ def hello_size(prefix: bytes) -> int:
 
 
 def _authenticated(data: bytes, layout: struct.Struct, what: str, secret: bytes, nonce: bytes,
-                   refusal: str) -> tuple[tuple, str]:
-    """The fixed fields and the version of a HELLO/WELCOME whose size and MAC are right."""
+                   refusal: str) -> tuple[tuple, bytes]:
+    """The fixed fields and the variable part of a HELLO/WELCOME whose size and MAC are right."""
     size = _message_size(data, layout, what)
     if len(data) != size:
         raise HandshakeError(f"{what} of {len(data)} bytes, expected {size}")
     body, mac = data[:-_MAC], data[-_MAC:]
     if not hmac.compare_digest(mac, _mac(secret, nonce, body)):
         raise HandshakeError(refusal)
-    return layout.unpack(data[: layout.size]), data[layout.size : -_MAC].decode("utf-8", "replace")
+    return layout.unpack(data[: layout.size]), data[layout.size : -_MAC]
 
 
 def parse_hello(secret: bytes, nonce_a: bytes, data: bytes) -> Hello:
@@ -187,7 +225,7 @@ def parse_hello(secret: bytes, nonce_a: bytes, data: bytes) -> Hello:
     fields, version = _authenticated(data, _HELLO, "hello", secret, nonce_a,
                                      "wrong job secret (MESHCOMM_JOB_SECRET differs or is missing)")
     _magic, _proto, world, rank, target, nonce, _vlen = fields
-    return Hello(world, rank, target, nonce, version)
+    return Hello(world, rank, target, nonce, *_unpack_text(version))
 
 
 @dataclass(frozen=True)
@@ -195,10 +233,11 @@ class Welcome:
     status: int
     rank: int
     version: str
+    view: str = ""  #: the acceptor's connection_view
 
 
 def welcome(secret: bytes, nonce_c: bytes, w: Welcome) -> bytes:
-    v = w.version.encode()[:MAX_VERSION]
+    v = _pack_text(w.version, w.view)
     body = _WELCOME.pack(MAGIC, PROTOCOL, w.status, w.rank, len(v)) + v
     return body + _mac(secret, nonce_c, body)
 
@@ -213,7 +252,7 @@ def parse_welcome(secret: bytes, nonce_c: bytes, data: bytes) -> Welcome:
     fields, version = _authenticated(data, _WELCOME, "welcome", secret, nonce_c,
                                      "peer failed the job secret check (MESHCOMM_JOB_SECRET differs)")
     _magic, _proto, status, rank, _vlen = fields
-    return Welcome(status, rank, version)
+    return Welcome(status, rank, *_unpack_text(version))
 
 
 def derive_keys(secret: bytes, nonce_a: bytes, nonce_c: bytes) -> tuple[bytes, bytes]:
