@@ -7,6 +7,10 @@
 * a wrong world size and a rank registered twice are clear errors; an unreachable
   coordinator is a CommTimeoutError naming the address and the fix;
 * no secret: it works and rank 0 warns once;
+* issue 33 item 5: a flood of silent connections that reconnect as soon as they are closed
+  does not keep the ranks out (the oldest handshake is evicted, newcomers queue in order),
+  rank 0's timeout error names such a flood (count and busiest source), and a rank whose
+  connections were closed before its HELLO does not blame the secret;
 * Config takes rank, world size and coordinator from other starters' variables, and
   ``any`` refuses to run a rank of a bigger job alone.
 """
@@ -15,15 +19,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import selectors
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from jobs import ROOT, finish, free_ports
-from meshcomm import BackendUnavailableError, Config
+from meshcomm import BackendUnavailableError, CommTimeoutError, Config
 from meshcomm import coordinator as rdv
+from meshcomm.placement import parse_coordinator
 from meshcomm.registry import Registry
 
 PROG = ROOT / "tests" / "programs" / "coordinator_rank.py"
@@ -252,8 +260,8 @@ def test_without_a_secret_a_bad_claim_is_refused_and_the_job_goes_on(procs):
 
 
 def test_a_flood_of_silent_connections_does_not_stop_the_job(procs):
-    """More connections than MAX_PENDING that never say anything: the surplus is closed at
-    once, the silent ones are dropped after the handshake limit, the real ranks get in."""
+    """More connections than MAX_PENDING that never say anything: the surplus waits in the
+    accept queue, the oldest silent ones are evicted for it, the real ranks get in."""
     addr = _addr()
     procs[0] = _start(addr, 0, 3)
     flood = [_connect_when_up(addr)]
@@ -272,4 +280,145 @@ def test_a_flood_of_silent_connections_does_not_stop_the_job(procs):
             s.close()
     reports = {r: _report(res) for r, res in results.items()}
     assert all("table" in rep for rep in reports.values()), reports
-    assert "handshakes were already pending" in results[0][2], results[0][2][-2000:]
+    assert "never completed a handshake" in results[0][2] and "evicted" in results[0][2], results[0][2][-2000:]
+
+
+# -- issue 33 item 5: a flood that reconnects at once ------------------------------------------
+
+#: the attacker's source address (any 127/8 address is this machine's loopback)
+ATTACKER = "127.0.0.66"
+#: the attacker's connections (issue 33 saw 150-300 keep the job out)
+FLOOD = 300
+
+
+class _Flood:
+    """The attack: ``n`` connections to ``addr`` from ATTACKER that never send a byte; each
+    one the coordinator closes is opened again at once. Runs on its own thread while in a
+    ``with`` block; leaving it stops the thread and closes every socket."""
+
+    def __init__(self, addr: str, n: int) -> None:
+        host, port = addr.rsplit(":", 1)
+        self.target, self.n = (host, int(port)), n
+        self.sel = selectors.DefaultSelector()
+        self.stopping = threading.Event()
+        self.reopened = 0  # connections opened again after the coordinator closed them
+        self.thread = threading.Thread(target=self._run, name="flood", daemon=True)
+
+    def __enter__(self) -> _Flood:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the attacker thread did not stop"
+
+    def wait_reopened(self, count: int, within: float) -> None:
+        """Until the coordinator closed ``count`` of the connections (and they came back)."""
+        end = time.monotonic() + within
+        while self.reopened < count:
+            assert time.monotonic() < end, f"only {self.reopened} connections were closed and reopened"
+            time.sleep(0.02)
+
+    def _open(self) -> bool:
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.bind((ATTACKER, 0))
+            s.connect_ex(self.target)
+        except OSError:  # e.g. no local port free for a moment: the next round tries again
+            s.close()
+            return False
+        self.sel.register(s, selectors.EVENT_READ)
+        return True
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                while len(self.sel.get_map()) < self.n and self._open():
+                    pass
+                for key, _ in self.sel.select(0.05):
+                    s = key.fileobj
+                    try:
+                        data = s.recv(4096)  # the challenge, never answered
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:  # closed by the coordinator: straight back in
+                        self.sel.unregister(s)
+                        s.close()
+                        self.reopened += 1
+        finally:
+            for key in list(self.sel.get_map().values()):
+                key.fileobj.close()
+            self.sel.close()
+
+
+def test_a_flood_that_reconnects_at_once_does_not_keep_the_ranks_out(procs):
+    """300 silent connections that reconnect as soon as rank 0 closes them: the ranks still
+    get their table (a full handshake table evicts its oldest entry, newcomers queue in order
+    of arrival, so an honest rank is answered and has time to answer)."""
+    addr = _addr()
+    procs[0] = _start(addr, 0, 3, timeout=12)
+    _connect_when_up(addr).close()
+    with _Flood(addr, FLOOD) as flood:
+        flood.wait_reopened(rdv.MAX_PENDING, within=10)  # the table is full and being recycled
+        start = time.monotonic()
+        procs[1] = _start(addr, 1, 3, timeout=10)
+        procs[2] = _start(addr, 2, 3, timeout=10)
+        results = finish(procs, timeout=60)
+        took = time.monotonic() - start
+    reports = {r: _report(res) for r, res in results.items()}
+    errors = "\n".join(rep["message"] for rep in reports.values() if "table" not in rep)
+    assert not errors, errors
+    assert [e["rank"] for e in reports[0]["table"]] == [0, 1, 2]
+    print(f"\nunder a flood of {FLOOD} connections the job formed in {took:.1f} s")
+    assert f"most from {ATTACKER}" in results[0][2], results[0][2][-2000:]
+
+
+def test_rank_0_names_a_flood_that_keeps_the_ranks_out(procs):
+    """No rank comes while the flood runs: rank 0's timeout error says a flood it was, how
+    many connections and from where, and does not send the user after the secret."""
+    addr = _addr()
+    procs[0] = _start(addr, 0, 2, timeout=3)
+    _connect_when_up(addr).close()
+    with _Flood(addr, 150):
+        rep = _report(finish(procs, timeout=60)[0])
+    assert rep["error"] == "CommTimeoutError" and rep["peer"] == 1, rep
+    msg = rep["message"]
+    assert "ranks 1 of 2" in msg and "a flood of connections" in msg, msg
+    seen = re.search(r"saw (\d+) connections that never completed a handshake in the last [\d.]+ s, "
+                     rf"most from {re.escape(ATTACKER)} \((\d+)\)", msg)
+    assert seen, msg
+    assert int(seen[1]) >= int(seen[2]) > rdv.MAX_PENDING, msg
+    assert "evicted" in msg and f"dport = :{addr.rsplit(':', 1)[1]}" in msg, msg
+    assert "MESHCOMM_JOB_SECRET" not in msg, msg
+
+
+def test_a_rank_shut_out_before_its_hello_does_not_blame_the_secret():
+    """A coordinator port that closes every connection at once: the rank's timeout says it
+    never got to send its HELLO (so the secret cannot be why) and does not blame the secret."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(0.1)
+        stop = threading.Event()
+
+        def slam() -> None:
+            while not stop.is_set():
+                try:
+                    server.accept()[0].close()
+                except TimeoutError:
+                    pass
+
+        t = threading.Thread(target=slam, daemon=True)
+        t.start()
+        try:
+            coord = parse_coordinator(f"127.0.0.1:{server.getsockname()[1]}")
+            with pytest.raises(CommTimeoutError) as err:
+                rdv.exchange(coord, 1, 2, {"rank": 1}, secret=b"s", timeout=1.0)
+        finally:
+            stop.set()
+            t.join(10)
+    msg = str(err.value)
+    assert "before this rank could send its HELLO" in msg and "not over the secret" in msg, msg
+    assert "MESHCOMM_JOB_SECRET" not in msg, msg

@@ -18,9 +18,15 @@ and feed a rank addresses (its replies fail the MAC and the rank stops with an e
 The nonces make every message good for one connection only (no replay).
 
 Rank 0 serves from the calling thread with one selector, so strangers cost no thread; at
-most :data:`MAX_PENDING` connections may be in the handshake at once (more are closed at
-once: a real rank retries). Standard library only; the sockets backend uses it and any
-other backend can (:func:`exchange` takes and returns plain JSON objects).
+most :data:`MAX_PENDING` connections may be in the handshake at once. A flood of silent
+connections cannot hold that table: a newcomer to a full table evicts the oldest handshake
+once that one had :data:`MIN_HANDSHAKE` seconds (a real rank answers within one round
+trip), newcomers wait their turn in the kernel's accept queue, first come first served,
+and past half the table each handshake gets :data:`PRESSURE_LIMIT` instead of
+:data:`HANDSHAKE_LIMIT`. Connections that never complete a handshake are counted by source
+address, and rank 0's timeout error names such a flood. Standard library only; the
+sockets backend uses it and any other backend can (:func:`exchange` takes and returns
+plain JSON objects).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import selectors
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +57,22 @@ __all__ = ["exchange", "local_address", "RendezvousError", "MAX_PENDING", "NO_SE
 log = logging.getLogger("meshcomm.coordinator")
 
 MAGIC = b"MCRDV\x00\x00\x01"  # the last byte is the protocol version
-#: handshakes in progress at once on rank 0; further connections are closed at once
+#: handshakes in progress at once on rank 0; a newcomer to a full table evicts the oldest
 MAX_PENDING = 64
 HANDSHAKE_LIMIT = 5.0  # seconds a connection gets to send its HELLO
+#: the handshake limit while more than half of MAX_PENDING are taken: under a flood, silent
+#: connections are recycled fast
+PRESSURE_LIMIT = 1.0
+#: seconds a handshake keeps its place in a full table: only a handshake this old is evicted
+#: for a newcomer, and until one is, newcomers wait in the kernel's accept queue (in order of
+#: arrival, so a flood that reconnects at once queues behind a real rank). A real rank
+#: answers the challenge within one round trip. A full accept queue (_BACKLOG) is served in
+#: _BACKLOG / MAX_PENDING * MIN_HANDSHAKE = 4 s, less than the HANDSHAKE_LIMIT a rank waits
+#: for its challenge.
+MIN_HANDSHAKE = 0.5
+#: connections without a completed handshake that rank 0 logs one by one; later ones are
+#: only counted (a flood must not flood the log too) and summed up at the end
+_LOGGED_STRAYS = 5
 MAX_ENTRY = 64 * 1024  # bytes of one rank's JSON entry
 MAX_REPLY = 256 * 1024 * 1024  # bytes of one reply (the table of a very large job)
 _CHALLENGE = struct.Struct("<8s16s")
@@ -88,6 +108,11 @@ def _mac(secret: bytes, label: bytes, nonce: bytes, counter: int, data: bytes) -
 
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _host(addr: Any) -> str:
+    """The host part of a socket address (what a flood is counted by)."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
 
 
 def _addr_text(addr: Any) -> str:
@@ -220,7 +245,7 @@ class _Pending:
     sock: socket.socket
     addr: Any
     nonce_s: bytes
-    limit: float
+    since: float  # time.monotonic() of its accept
     buf: bytearray = field(default_factory=bytearray)
 
 
@@ -239,12 +264,16 @@ class _Server:
 
     def __init__(self, coord: Coordinator, size: int, entry: dict, secret: bytes, timeout: float) -> None:
         self.coord, self.size, self.entry, self.secret, self.timeout = coord, size, entry, secret, timeout
-        self.deadline = time.monotonic() + timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
         self.members: dict[int, _Member] = {}
         self.seen: set[int] = set()  # ranks that registered at some point
-        self.pending: dict[socket.socket, _Pending] = {}
+        self.pending: dict[socket.socket, _Pending] = {}  # in order of accept: the oldest first
         self.refused: list[str] = []
-        self.turned_away = 0
+        self.strays: Counter[str] = Counter()  # source host -> connections that never completed a handshake
+        self.wrong_secret: Counter[str] = Counter()  # source host -> HELLOs that failed the secret check
+        self.evicted = 0
+        self.listening = False
         self.changed = False
         self.last_status = 0.0
         self.sel = selectors.DefaultSelector()
@@ -278,7 +307,6 @@ class _Server:
         listener, self.own_address = _listen(self.coord, self.size)
         _raise_fd_limit(self.size)
         listener.setblocking(False)
-        self.sel.register(listener, selectors.EVENT_READ, None)
         try:
             while self._missing():
                 now = time.monotonic()
@@ -287,7 +315,7 @@ class _Server:
                 self._expire(now)
                 if self.changed and now - self.last_status >= 1.0:
                     self._broadcast_waiting()
-                wait = min(0.5, self.deadline - now)
+                wait = min(0.5, self.deadline - now, self._pace(listener, now))
                 for key, _ in self.sel.select(timeout=max(0.0, wait)):
                     if key.fileobj is listener:
                         self._accept(listener)
@@ -300,14 +328,30 @@ class _Server:
                                 "report the failure itself", q, _addr_text(m.addr))
             return table
         finally:
-            if self.turned_away:
-                log.warning("meshcomm coordinator (rank 0): closed %d connections at once because %d handshakes "
-                            "were already pending (a flood of connections to %s?)",
-                            self.turned_away, MAX_PENDING, self.coord)
+            if self.evicted or self.strays.total() > _LOGGED_STRAYS:
+                log.warning("meshcomm coordinator (rank 0): the %s", self._strays_text())
             for s in [*self.pending, *(m.sock for m in self.members.values())]:
                 self._close(s)
             self.sel.close()
             listener.close()
+
+    def _unfinished(self) -> Counter[str]:
+        """Source host -> connections that never completed a handshake (those still in it too)."""
+        return self.strays + Counter(_host(p.addr) for p in self.pending.values())
+
+    def _strays_text(self) -> str:
+        """How many connections never completed a handshake, and from where (names a flood)."""
+        unfinished = self._unfinished()
+        host, most = unfinished.most_common(1)[0] if unfinished else ("nowhere", 0)
+        evicted = (f"; {self.evicted} of them were evicted from the full table of {MAX_PENDING} handshakes to "
+                   "make room for newer ones" if self.evicted else "")
+        return (f"coordinator at {self.coord} saw {unfinished.total()} connections that never completed a "
+                f"handshake in the last {round(time.monotonic() - self.started, 1):g} s, most from {host} "
+                f"({most}){evicted}")
+
+    def _flooded(self) -> bool:
+        """Whether the handshake table filled up: a flood of connections, not a stray one."""
+        return self.evicted > 0 or self._unfinished().total() >= MAX_PENDING
 
     def _timeout(self) -> CommTimeoutError:
         missing = self._missing()
@@ -317,13 +361,22 @@ class _Server:
         if left:
             also = (f" Ranks {_ranks(left)} registered but closed their connection (they gave up or died)."
                     + also)
+        if self._flooded():
+            host = self._unfinished().most_common(1)[0][0]
+            also += (f" Rank 0's {self._strays_text()}: a flood of connections, which can keep the job's ranks "
+                     f"from getting in. Stop what connects from {host} (on that machine, `ss -tnp dport = "
+                     f":{self.coord.port}` names the process) or block it with a firewall rule, or give the job a "
+                     "coordinator port that only its own machines can reach (MLX_COORDINATOR=host:port).")
+        if self.wrong_secret:
+            host, most = self.wrong_secret.most_common(1)[0]
+            also += (f" {self.wrong_secret.total()} connections sent a HELLO that failed the job secret check, "
+                     f"most from {host} ({most}): is MESHCOMM_JOB_SECRET the same on every rank?")
         if not self.own_address:
             also += (f" Note: {self.coord.host} is not an address of rank 0's machine, so rank 0 listens on every "
                      f"interface; if {self.coord} is another machine, the other ranks knock there in vain: point "
                      "MLX_COORDINATOR at rank 0's machine.")
-        what = (f"ranks {_ranks(never)} of {self.size}; they never registered. Did they start, do they reach "
-                f"{self.coord}, and do they have the same MESHCOMM_JOB_SECRET?" if never
-                else f"ranks {_ranks(missing)} of {self.size} to come back.")
+        what = (f"ranks {_ranks(never)} of {self.size}; they never registered. Did they start, and do they reach "
+                f"{self.coord}?" if never else f"ranks {_ranks(missing)} of {self.size} to come back.")
         exc = CommTimeoutError(
             f"rank 0: waited {self.timeout:g} s (MLX_TIMEOUT) at the coordinator {self.coord} (from "
             f"{self.coord.source}) for {what}{also}", peer=(never or missing)[0])
@@ -344,14 +397,51 @@ class _Server:
         sock.close()
 
     def _expire(self, now: float) -> None:
-        for sock, p in list(self.pending.items()):
-            if now >= p.limit:
-                log.warning("meshcomm coordinator (rank 0): rejected a connection from %s: no HELLO within "
-                            "%g s", _addr_text(p.addr), HANDSHAKE_LIMIT)
-                del self.pending[sock]
-                self._close(sock)
+        """Drop the handshakes past their limit: HANDSHAKE_LIMIT, or PRESSURE_LIMIT while more
+        than half the table is taken (silent connections of a flood are recycled fast)."""
+        limit = PRESSURE_LIMIT if len(self.pending) > MAX_PENDING // 2 else HANDSHAKE_LIMIT
+        for p in list(self.pending.values()):  # the oldest first
+            if now < p.since + limit:
+                return
+            self._drop(p, f"no HELLO within {limit:g} s")
+
+    def _drop(self, p: _Pending, why: str) -> None:
+        """Close a connection that did not complete its handshake and count it by source (a
+        flood is named from these counts); only the first few are logged one by one."""
+        del self.pending[p.sock]
+        self._close(p.sock)
+        self.strays[_host(p.addr)] += 1
+        n = self.strays.total()
+        if n <= _LOGGED_STRAYS:
+            log.warning("meshcomm coordinator (rank 0): rejected a connection from %s: %s", _addr_text(p.addr), why)
+        if n == _LOGGED_STRAYS:
+            log.warning("meshcomm coordinator (rank 0): further connections that do not complete a handshake are "
+                        "counted, not logged one by one (a summary follows)")
+
+    def _room_at(self) -> float:
+        """When a newcomer can have a place in the handshake table: at once while it has room,
+        else when its oldest handshake turns MIN_HANDSHAKE (then that one is evicted)."""
+        if len(self.pending) < MAX_PENDING:
+            return 0.0
+        return next(iter(self.pending.values())).since + MIN_HANDSHAKE
+
+    def _pace(self, listener: socket.socket, now: float) -> float:
+        """Watch the listener only while a newcomer can have a place: the others wait in the
+        kernel's accept queue, in order, instead of being closed (a flood that reconnects at
+        once would then overtake a real rank). Returns how long the selector may wait."""
+        room_at = self._room_at()
+        if (room_at <= now) != self.listening:
+            if self.listening:
+                self.sel.unregister(listener)
+            else:
+                self.sel.register(listener, selectors.EVENT_READ, None)
+            self.listening = not self.listening
+        return 0.5 if self.listening else max(0.0, room_at - now)
 
     def _accept(self, listener: socket.socket) -> None:
+        """Take connections from the accept queue and challenge them while the handshake table
+        has a place for them (a full table evicts its oldest handshake once that one had
+        MIN_HANDSHAKE); the rest stay queued, in order of arrival."""
         while True:
             try:
                 sock, addr = listener.accept()
@@ -365,10 +455,6 @@ class _Server:
                         f"connections ({exc.strerror}; open-file limit {soft}, hard limit {hard}, job size "
                         f"{self.size}). Raise the limit (ulimit -n) on rank 0's machine."), "config") from None
                 return
-            if len(self.pending) >= MAX_PENDING:
-                sock.close()
-                self.turned_away += 1
-                continue
             nonce_s = os.urandom(16)
             try:
                 sock.setblocking(False)
@@ -376,8 +462,14 @@ class _Server:
             except OSError:
                 sock.close()
                 continue
-            self.pending[sock] = _Pending(sock, addr, nonce_s, time.monotonic() + HANDSHAKE_LIMIT)
+            if len(self.pending) >= MAX_PENDING:
+                self.evicted += 1
+                self._drop(next(iter(self.pending.values())), "evicted from the full handshake table "
+                           f"({MAX_PENDING} connections without a complete HELLO: a flood?)")
+            self.pending[sock] = _Pending(sock, addr, nonce_s, time.monotonic())
             self.sel.register(sock, selectors.EVENT_READ, None)
+            if self._room_at() > time.monotonic():
+                return  # the rest wait in the accept queue until the oldest handshake had its time
 
     def _readable(self, sock: socket.socket) -> None:
         p = self.pending.get(sock)
@@ -397,11 +489,7 @@ class _Server:
             self._close(sock)
             return
         if not chunk:
-            log.warning("meshcomm coordinator (rank 0): rejected a connection from %s: closed before its HELLO",
-                        _addr_text(p.addr))
-            del self.pending[sock]
-            self._close(sock)
-            return
+            return self._drop(p, "closed before its HELLO")
         p.buf += chunk
         if len(p.buf) < _HELLO.size:
             return
@@ -416,6 +504,7 @@ class _Server:
             return self._reject(p, "bytes after its HELLO")
         body, mac = bytes(p.buf[:-_MAC]), bytes(p.buf[-_MAC:])
         if not hmac.compare_digest(mac, _mac(self.secret, b"meshcomm rendezvous hello", p.nonce_s, 0, body)):
+            self.wrong_secret[_host(p.addr)] += 1
             return self._reject(p, "wrong job secret (its MESHCOMM_JOB_SECRET differs, or it is not a rank of this job)")
         try:
             entry = json.loads(body[_HELLO.size:])
@@ -472,13 +561,36 @@ def _ranks(qs: Sequence[int]) -> str:
 # -- every other rank: the client --------------------------------------------------------------
 
 class _Refused(Exception):
-    """The coordinator closed the connection without an authenticated answer (retry)."""
+    """The coordinator closed the connection without an authenticated answer (retry).
+    ``after_hello``: it did so after this rank's HELLO (only then can the secret be why)."""
+
+    def __init__(self, message: str, *, after_hello: bool) -> None:
+        super().__init__(message)
+        self.after_hello = after_hello
+
+
+def _closed_hint(before: int, after: int) -> str:
+    """What the coordinator's closing without an answer can mean. Only a close after this
+    rank's HELLO can be a refusal of its secret; a flood of connections to rank 0 (which its
+    own error names) drops handshakes too, so neither is claimed as the cause."""
+    hint = ""
+    if before:
+        hint += (f" {before} attempt(s) ended before this rank could send its HELLO (the process there closed the "
+                 f"connection or sent no challenge within {HANDSHAKE_LIMIT:g} s), so not over the secret: rank 0 "
+                 "drops handshakes when a flood of connections fills its table (its own error then names the "
+                 "flood), or it is another program on that port.")
+    if after:
+        hint += (f" The process there closed the connection {after} time(s) after this rank's HELLO without an "
+                 "answer: rank 0 refuses a HELLO that fails the job secret check (its log then says 'wrong job "
+                 "secret': is MESHCOMM_JOB_SECRET the same on every rank?), and drops handshakes under a flood of "
+                 "connections (its error then names the flood).")
+    return hint
 
 
 def _join(coord: Coordinator, rank: int, size: int, entry: dict, secret: bytes, timeout: float) -> list[dict]:
     deadline = time.monotonic() + timeout
     client_id = os.urandom(16)
-    delay, last, silent = 0.02, "no attempt", 0
+    delay, last, before, after = 0.02, "no attempt", 0, 0
     while True:
         left = deadline - time.monotonic()
         try:
@@ -489,20 +601,17 @@ def _join(coord: Coordinator, rank: int, size: int, entry: dict, secret: bytes, 
             try:
                 return _session(sock, coord, rank, size, entry, secret, client_id, deadline, timeout)
             except _Refused as exc:
-                silent += 1
+                after += exc.after_hello
+                before += not exc.after_hello
                 last = str(exc)
             finally:
                 sock.close()
         if time.monotonic() + delay >= deadline:
-            hint = ""
-            if silent:
-                hint = (f" The process there closed the connection {silent} time(s) without answering: rank 0 "
-                        "rejects this rank's HELLO (is MESHCOMM_JOB_SECRET the same on every rank?), or it is "
-                        "another program on that port.")
             raise CommTimeoutError(
                 f"rank {rank}: could not reach the coordinator at {coord} (from {coord.source}) within "
-                f"{timeout:g} s (MLX_TIMEOUT); last error: {last}.{hint} Is rank 0 running, and can this "
-                f"machine reach {coord}? Set MLX_COORDINATOR=host:port to an address of rank 0's machine.",
+                f"{timeout:g} s (MLX_TIMEOUT); last error: {last}.{_closed_hint(before, after)} Is rank 0 running, "
+                f"and can this machine reach {coord}? Set MLX_COORDINATOR=host:port to an address of rank 0's "
+                "machine.",
                 peer=0)
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
@@ -515,7 +624,7 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
     try:
         challenge = recv_exact(sock, _CHALLENGE.size, limit)
     except (OSError, TimeoutError) as exc:
-        raise _Refused(f"no challenge from {coord} ({exc})") from None
+        raise _Refused(f"no challenge from {coord} ({exc})", after_hello=False) from None
     magic, nonce_s = _CHALLENGE.unpack(challenge)
     if magic != MAGIC:
         other = (" (another meshcomm version: use the same version on every rank)"
@@ -530,7 +639,7 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
     try:
         sock.sendall(body + _mac(secret, b"meshcomm rendezvous hello", nonce_s, 0, body))
     except OSError as exc:
-        raise _Refused(f"{coord} closed the connection during the handshake ({exc})") from None
+        raise _Refused(f"{coord} closed the connection during the handshake ({exc})", after_hello=False) from None
     counter, missing = 0, None
     while True:
         try:
@@ -542,13 +651,17 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
         except TimeoutError:
             said = (f"; it was still waiting for ranks {_ranks(missing)}" if missing
                     else "" if missing is not None else "; it never answered this rank's HELLO")
+            ask = ("Did every rank start, with the same MESHCOMM_JOB_SECRET?" if missing is not None else
+                   "Is rank 0 still running? (It refuses a HELLO that fails the secret by closing the connection, "
+                   "not by silence.)")
             raise CommTimeoutError(
                 f"rank {rank}: the coordinator at {coord} (rank 0) sent no table within {timeout:g} s "
-                f"(MLX_TIMEOUT){said}. Did every rank start, with the same MESHCOMM_JOB_SECRET?",
+                f"(MLX_TIMEOUT){said}. {ask}",
                 peer=missing[0] if missing else 0) from None
         except OSError as exc:
             if counter == 0:
-                raise _Refused(f"{coord} closed the connection without answering ({exc})") from None
+                raise _Refused(f"{coord} closed the connection without answering its HELLO ({exc})",
+                               after_hello=True) from None
             raise RendezvousError(
                 f"rank {rank}: rank 0 (the coordinator at {coord}) closed the connection before sending the "
                 "table: it failed or was stopped (its own error says why).", rank=rank, peer=0) from None
