@@ -22,7 +22,9 @@ def _no_mpi_shared_memory_left():
     """Jobs this suite ends by MPI_Abort or a kill leave the MPI library's files in /dev/shm:
     remove the ones created during the session (tests/shm_leftovers.py). The session
     directories of the mpiexec the tests start themselves (meshcomm launch puts its own in
-    the job's directory) go to one directory of the session, removed at its end."""
+    the job's directory) go to one directory of the session, removed at its end. The per-user
+    key file of jobs without a secret goes to a config directory of the session, never the
+    real home."""
     import os
     import shutil
     import tempfile
@@ -32,6 +34,9 @@ def _no_mpi_shared_memory_left():
     before = snapshot()
     sessions = tempfile.mkdtemp(prefix="meshcomm-tests-mpi-")
     os.environ.setdefault("PRTE_MCA_prte_tmpdir_base", sessions)
+    config = tempfile.mkdtemp(prefix="meshcomm-tests-config-")
+    os.environ["XDG_CONFIG_HOME"] = config
     yield
     remove_new(before)
     shutil.rmtree(sessions, ignore_errors=True)
+    shutil.rmtree(config, ignore_errors=True)

@@ -88,15 +88,21 @@ def _version_bytes() -> bytes:
 # -- 1. no secret, strangers ------------------------------------------------------------------
 
 
+#: no usable place for the per-user key file, so a job without a secret has no key at all
+NO_USER_KEY = {"HOME": "", "XDG_CONFIG_HOME": ""}
+
+
 def test_no_secret_warns_once_on_rank_0_and_require_secret_makes_it_an_error(tmp_path):
+    """No secret and no per-user key (no HOME): rank 0 warns once, saying why no key was used."""
     prog = _prog(tmp_path)
     hf = write_hostfile(tmp_path / "h.json", free_ports(2))
-    env = {"MLX_TIMEOUT": "30", "MESHCOMM_JOB_SECRET": "", "SIZE": "8"}
+    env = {"MLX_TIMEOUT": "30", "MESHCOMM_JOB_SECRET": "", "SIZE": "8", **NO_USER_KEY}
     results = finish(start_ranks(2, [prog], hf, env=env), timeout=120)
     for r in range(2):
         assert _last(results, r)["ok"] is True, results[r]
     assert results[0][2].count("MESHCOMM_JOB_SECRET is not set") == 1, results[0][2]
     assert "secrets.token_hex(16)" in results[0][2] and "MESHCOMM_REQUIRE_SECRET=1" in results[0][2]
+    assert "per-user key file was not used: HOME is not set" in results[0][2], results[0][2]
     assert "MESHCOMM_JOB_SECRET is not set" not in results[1][2], results[1][2]
 
     results = finish(start_ranks(2, [prog], hf, env={**env, "MESHCOMM_REQUIRE_SECRET": "1"}), timeout=120)
@@ -401,10 +407,11 @@ def test_relay_swapping_a_pickled_object_runs_no_code(tmp_path):
 
 @pytest.mark.parametrize("unsafe", [False, True])
 def test_objects_without_a_secret_are_refused_unless_the_user_opts_in(tmp_path, unsafe):
-    """No MESHCOMM_JOB_SECRET: nothing can authenticate another rank's pickle, so both ranks
-    refuse all_gather_object before sending anything; MESHCOMM_UNSAFE_OBJECTS=1 allows it."""
+    """No MESHCOMM_JOB_SECRET and no per-user key: nothing can authenticate another rank's
+    pickle, so both ranks refuse all_gather_object before sending anything;
+    MESHCOMM_UNSAFE_OBJECTS=1 allows it."""
     hf = write_hostfile(tmp_path / "h.json", free_ports(2))
-    env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": "", "OBJECTS": "1",
+    env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": "", "OBJECTS": "1", **NO_USER_KEY,
            **({"MESHCOMM_UNSAFE_OBJECTS": "1"} if unsafe else {})}
     results = finish(start_ranks(2, [_prog(tmp_path)], hf, env=env), timeout=120)
     for r in range(2):

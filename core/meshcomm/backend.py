@@ -95,6 +95,10 @@ class Backend(abc.ABC):
     #: other process can be on its links, so object payloads need no job secret.
     in_process: bool = False
 
+    #: The per-user key (:mod:`meshcomm.userkey`) when the transport authenticated with it
+    #: because the job has no MESHCOMM_JOB_SECRET; the core then seals objects with it.
+    local_key: bytes | None = None
+
     #: True when receive buffers may be the caller's own ``out=`` array instead of a fresh
     #: one: written in place, possibly the *same memory* as the send buffer (``all_reduce``
     #: and ``broadcast`` with ``out=x``), and left undefined if the call fails. When False

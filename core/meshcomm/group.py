@@ -580,7 +580,8 @@ class Group:
         """This process's object seal (from the job secret); refuses, before any
         communication, when nothing would authenticate other ranks' objects."""
         if self._seal is None:
-            self._seal = ObjectSeal.for_job(in_process=bool(getattr(self._b, "in_process", False)))
+            self._seal = ObjectSeal.for_job(in_process=bool(getattr(self._b, "in_process", False)),
+                                            local_key=getattr(self._b, "local_key", None))
         if self._size > 1:
             self._seal.require(self._who, op)
         return self._seal

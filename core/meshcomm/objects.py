@@ -62,8 +62,10 @@ class ObjectSeal:
         self.tag_bytes = TAG_BYTES if key is not None else 0
 
     @classmethod
-    def for_job(cls, environ: Mapping[str, str] | None = None, *, in_process: bool = False) -> ObjectSeal:
-        """The seal of this job: keyed from MESHCOMM_JOB_SECRET and MESHCOMM_JOB_ID."""
+    def for_job(cls, environ: Mapping[str, str] | None = None, *, in_process: bool = False,
+                local_key: bytes | None = None) -> ObjectSeal:
+        """The seal of this job: keyed from MESHCOMM_JOB_SECRET and MESHCOMM_JOB_ID, else from
+        ``local_key`` (the per-user key the transport authenticated with, if it did)."""
         env = os.environ if environ is None else environ
         from .config import (  # the settings' one source (on the first object call)
             Config,
@@ -73,10 +75,10 @@ class ObjectSeal:
 
         secret = load_settings(JobSecretSettings, None, env).secret
         unsafe = Config.load(env).unsafe_objects
-        if not secret:
+        if not secret and not local_key:
             return cls(None, unsafe or in_process)
         job = env.get("MESHCOMM_JOB_ID", "")
-        key = hmac.new(secret.encode(), b"meshcomm objects\0" + job.encode(), hashlib.sha256).digest()
+        key = hmac.new(secret.encode() if secret else bytes(local_key or b""), b"meshcomm objects\0" + job.encode(), hashlib.sha256).digest()
         return cls(key, True)
 
     def require(self, who: str, op: str) -> None:

@@ -191,9 +191,11 @@ class SocketsBackend(Backend):
             members = algorithms.split_members(self, color, key)
         self._splits += 1
         gid = zlib.crc32(f"{self.gid}/{self._splits}/{color}".encode()) & 0x7FFFFFFF or 1
-        return SocketsBackend(self.fabric, [self.members[m] for m in members], group_id=gid,
-                              label=f"{self.label}/split{self._splits}(color={color})",
-                              chunk_bytes=self.chunk_bytes, seq_start=self._seq_start)
+        sub = SocketsBackend(self.fabric, [self.members[m] for m in members], group_id=gid,
+                             label=f"{self.label}/split{self._splits}(color={color})",
+                             chunk_bytes=self.chunk_bytes, seq_start=self._seq_start)
+        sub.local_key = self.local_key
+        return sub
 
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed (``reason``, exit ``code``): tell every peer with an

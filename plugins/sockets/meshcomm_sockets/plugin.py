@@ -138,8 +138,10 @@ def _seq_start() -> int:
     return value
 
 
-def _check_secret(rank: int, settings: SocketsSettings, size: int) -> None:
-    check_job_secret(settings, who="sockets backend", rank=rank, size=size, warning=NO_SECRET_WARNING, log=log)
+def _check_secret(rank: int, settings: SocketsSettings, size: int, hosts: list[str]) -> bytes | None:
+    """The per-user key when this one-host job has no secret and uses it (see check_job_secret)."""
+    return check_job_secret(settings, who="sockets backend", rank=rank, size=size, warning=NO_SECRET_WARNING,
+                            log=log, hosts=hosts)
 
 
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
@@ -151,7 +153,6 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
     reason = _environment(config, settings)
     if reason is not None or config.rank is None:
         raise ConfigError(reason or "no rank")
-    secret = (settings.secret or "").encode()
     listener = None
     startup = config.timeout
     if config.hostfile is not None:
@@ -161,13 +162,16 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
                 f"MLX_RANK={config.rank} but MLX_HOSTFILE={str(config.hostfile)!r} lists {len(peers)} "
                 f"ranks; expected 0 <= MLX_RANK < {len(peers)}"
             )
-        _check_secret(config.rank, settings, len(peers))
+        local_key = _check_secret(config.rank, settings, len(peers), [p.ip for p in peers])
+        secret = local_key or (settings.secret or "").encode()
         if settings.listen_fd is not None:
             listener = socket.socket(fileno=settings.listen_fd)
     else:
         from .rendezvous import peers_from_coordinator
 
-        _check_secret(config.rank, settings, config.world_size or 1)
+        coord = config.coordinator_address()
+        local_key = _check_secret(config.rank, settings, config.world_size or 1, [coord.host] if coord else [])
+        secret = local_key or (settings.secret or "").encode()
         peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
     conns = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib, settings.integrity),
                       timeout=startup, bind=settings.bind, listener=listener)
@@ -178,6 +182,7 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
     start = _seq_start()
     world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
                            seq_start=start)
+    world.local_key = local_key
     if len(peers) > 1:
         from .topology import choose_path
 
