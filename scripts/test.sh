@@ -33,7 +33,8 @@ rm -rf "$site"
 echo "== pytest"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 set +e
-"$VPY" -m pytest -p no:cacheprovider -q "$@"
+# --durations: the slowest tests of every run, where the suite's time goes
+"$VPY" -m pytest -p no:cacheprovider -q --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

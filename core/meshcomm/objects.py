@@ -78,7 +78,8 @@ class ObjectSeal:
         if not secret and not local_key:
             return cls(None, unsafe or in_process)
         job = env.get("MESHCOMM_JOB_ID", "")
-        key = hmac.new(secret.encode() if secret else bytes(local_key or b""), b"meshcomm objects\0" + job.encode(), hashlib.sha256).digest()
+        material = secret.encode() if secret else (local_key or b"")
+        key = hmac.new(material, b"meshcomm objects\0" + job.encode(), hashlib.sha256).digest()
         return cls(key, True)
 
     def require(self, who: str, op: str) -> None:

@@ -49,10 +49,6 @@ class LaunchOptions:
     #: ``MESHCOMM_TRACE`` of every rank; the ranks' files are merged into ``DIR/trace.json`` at the end
     trace: str | None = None
 
-    def backend_name(self, environ: Mapping[str, str] | None = None) -> str:
-        """The backend the ranks run on (see :meth:`backend_choice`)."""
-        return self.backend_choice(environ)[0]
-
     def backend_choice(self, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
         """The backend's name and where it came from, first that is set: ``--backend``,
         ``--env MLX_BACKEND=X``, ``MLX_BACKEND`` in the launcher's environment, the

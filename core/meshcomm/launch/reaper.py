@@ -23,19 +23,21 @@ import time
 WAIT = 10.0
 
 
+def in_job(pid: int, job_id: str) -> bool:
+    """Whether process ``pid`` was started for job ``job_id`` (its id is in the process's
+    environment), so a pid recycled by another program is never taken for a rank."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return f"MESHCOMM_JOB_ID={job_id}".encode() in env.split(b"\0")
+
+
 def job_processes(job_id: str) -> list[int]:
-    """Pids of this user's processes started for job ``job_id`` (its id in their environment)."""
-    mark = f"MESHCOMM_JOB_ID={job_id}".encode()
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            if mark in open(f"/proc/{entry}/environ", "rb").read().split(b"\0"):  # noqa: SIM115
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    """Pids of this user's processes started for job ``job_id``."""
+    me = os.getpid()
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me and in_job(int(e), job_id)]
 
 
 def remove(path: str) -> None:

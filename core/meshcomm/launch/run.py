@@ -27,6 +27,7 @@ from .options import LaunchOptions
 from .preflight import check_program, check_settings, check_timeout
 from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines, say
 from .rank import OUTPUT_DIR_ENV
+from .reaper import in_job
 from .safety import check_env_name, mask
 from .spec import CleanupLauncher, ExternalLauncher, RankEnvLauncher
 from .starters import HostStart, RankStart, Session, Starter
@@ -492,10 +493,9 @@ def _job_pids(job: Job, pattern: str) -> list[int]:
     for f in (job.dir / "pids").glob(pattern):
         try:
             pid = int(f.read_text())
-            env = Path(f"/proc/{pid}/environ").read_bytes()
         except (OSError, ValueError):
             continue
-        if f"MESHCOMM_JOB_ID={job.job_id}".encode() in env.split(b"\0"):
+        if in_job(pid, job.job_id):
             pids.append(pid)
     return pids
 

@@ -702,7 +702,10 @@ class ShmGroup:
         total = call.total if call is not None else wire.call_total(sendbuf.size, key) if key else sendbuf.size
         prev = self.seq
         seq = prev % SEQ_WRAP + 1
-        status = nat.all_sum(sendbuf, recvbuf, kind, _DESC_AT[prev & 1], _ALL_SUM, dcode, total, cseq, 0,
+        # published as the call it is part of (a sum_scatter or hierarchical sum runs through
+        # here too): every check compares descriptors with that call's op and argument
+        code, arg = (call.op, call.arg) if call is not None else (_ALL_SUM, 0)
+        status = nat.all_sum(sendbuf, recvbuf, kind, _DESC_AT[prev & 1], code, dcode, total, cseq, arg,
                              seq, prev, fab.spin_ns, fab.yielding)
         self.prev, self.seq = prev, seq
         if status == 0:
