@@ -5,16 +5,19 @@ torch lets Python subclass :class:`torch.distributed.Store` (a pybind11 trampoli
 (``set`` of each rank's address, ``wait`` and ``get`` of the others') then runs through
 :meth:`AuthStore.set` / :meth:`AuthStore.get`. So does everything meshcomm writes (host
 and pid records, failure and status records). Each value is sealed with an HMAC-SHA256
-tag (:mod:`.sealing`); a value whose tag does not verify raises :class:`StoreAuthError`
+tag (:mod:`.sealing`) over the job id and, once :meth:`AuthStore.begin` was called, the
+start-up's nonce (:mod:`.session`; only the session's own keys, under ``meshcomm/session/``,
+are sealed without one); a value whose tag does not verify raises :class:`StoreAuthError`
 naming the key and is never returned.
 
 Counters (``add``) and ``compare_set`` are sealed too (a compare-and-set loop on the
 sealed bytes). Not protected, because the store itself is open: anyone who can reach it
 can delete keys, overwrite them with garbage, or write before a rank does; all of that
 makes start-up fail with this error or time out (denial of service), never use wrong data.
-A sealed value can be copied back to the same key of the same job (replay); meshcomm
-writes each key once per job except failure records, where a replay could at most
-change an error message. Imports torch; imported only by the factory.
+A value recorded in an earlier start-up (another job with the same secret) carries another
+nonce and is refused. Within one start-up a sealed value can be copied back to the same
+key (replay); meshcomm writes each key once per start-up except failure records, where a
+replay could at most change an error message. Imports torch; imported only by the factory.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import torch.distributed as dist
 from .errors import StoreAuthError
 from .sealing import BadSeal, Sealer
 
-__all__ = ["AuthStore", "StoreAuthError"]
+__all__ = ["AuthStore", "StoreAuthError", "SESSION"]
 
-_OWNER = re.compile(r"(?:^|/)(?:proc|status|rejected)/(\d+)$")
+#: keys of the start-up handshake (:mod:`.session`): sealed over the job id only, never over a nonce
+SESSION = "meshcomm/session/"
+_OWNER = re.compile(r"(?:^|/)(?:proc|status|rejected|session/hello)/(\d+)$")
+_ANSWER = re.compile(r"(?:^|/)session/nonce/\d+$")  # written by rank 0
 
 
 def _bytes(value: Any) -> bytes:
@@ -51,7 +57,8 @@ class AuthStore(dist.Store):
                  where: str = "rendezvous store") -> None:
         super().__init__()
         self._inner = inner
-        self._sealer = sealer
+        self._base = sealer.bound(b"")  # the session's own keys
+        self._sealer = sealer  # every other key: over the start-up's nonce once begin() was called
         self._ns = namespace
         self._rank = rank
         self._where = where
@@ -60,31 +67,49 @@ class AuthStore(dist.Store):
         self.rejected: StoreAuthError | None = None
 
     # -- sealing ------------------------------------------------------------------------
+    def begin(self, nonce: bytes) -> None:
+        """Seal and check every key outside ``meshcomm/session/`` over ``nonce`` from now on."""
+        self._sealer = self._base.bound(nonce)
+
     def _full(self, key: str) -> str:
         return self._ns + key
 
-    def _seal(self, key: str, value: Any) -> bytes:
-        return self._sealer.seal(self._full(key), _bytes(value))
+    def _sealer_of(self, key: str) -> Sealer:
+        return self._base if key.startswith(SESSION) else self._sealer
 
-    def _open(self, key: str, raw: Any) -> bytes:
+    def _seal(self, key: str, value: Any) -> bytes:
+        return self._sealer_of(key).seal(self._full(key), _bytes(value))
+
+    def _open(self, key: str, raw: Any, sealer: Sealer | None = None) -> bytes:
         try:
-            return self._sealer.unseal(self._full(key), _bytes(raw))
+            return (sealer or self._sealer_of(key)).unseal(self._full(key), _bytes(raw))
         except BadSeal as bad:
             err = self._error(key, bad)
-            if self.rejected is None:
+            if self.rejected is None and sealer is None:
                 self.rejected = err
             raise err from None
 
+    def get_over(self, key: str, nonce: bytes) -> bytes:
+        """The value of ``key`` if it was sealed over ``nonce`` (not this start-up's); StoreAuthError
+        otherwise. Rank 0 reads a refusal this way: a rank that did not take rank 0's nonce seals
+        its start-up record over its own challenge (:mod:`.session`)."""
+        return self._open(key, self._inner.get(self._full(key)), self._base.bound(nonce))
+
     def _error(self, key: str, bad: BadSeal) -> StoreAuthError:
         m = _OWNER.search(key)
-        owner = int(m.group(1)) if m else None
+        owner = int(m.group(1)) if m else 0 if _ANSWER.search(key) else None
         whose = f" (rank {owner}'s record)" if owner is not None else ""
+        where = f"[gloo] rank {self._rank}: the value of key {self._full(key)!r}{whose} in the {self._where}"
+        if bad.replayed:
+            return StoreAuthError(
+                f"{where} belongs to another start-up: {bad.reason}. The value was not used. Fix: give every job "
+                "its own MESHCOMM_JOB_SECRET (meshcomm launch makes a fresh one per job) and let only the job's "
+                "hosts reach the store's port.", key=self._full(key), peer=owner, replayed=True)
         return StoreAuthError(
-            f"[gloo] rank {self._rank}: the value of key {self._full(key)!r}{whose} in the {self._where} failed "
-            f"the job secret check, so a process without the job secret wrote to the rendezvous store (a "
-            "stranger that can reach the store, or a rank started with another MESHCOMM_JOB_SECRET or none): "
-            f"{bad.reason}. The value was not used. Fix: give every rank the same MESHCOMM_JOB_SECRET (meshcomm "
-            "launch makes one) and let only the job's hosts reach the store's port.",
+            f"{where} failed the job secret check, so a process without the job secret wrote to the rendezvous "
+            "store (a stranger that can reach the store, or a rank started with another MESHCOMM_JOB_SECRET or "
+            f"none): {bad.reason}. The value was not used. Fix: give every rank the same MESHCOMM_JOB_SECRET "
+            "(meshcomm launch makes one) and let only the job's hosts reach the store's port.",
             key=self._full(key), peer=owner)
 
     # -- the Store interface --------------------------------------------------------------

@@ -20,13 +20,15 @@ class StoreAuthError(DistributedError):
     """A rendezvous-store value failed the job secret check (see :mod:`.authstore`); never used.
 
     ``key`` is the store key (without the store's namespace); ``peer`` the world rank whose
-    record it was, when the key names one.
+    record it was, when the key names one; ``replayed``: the value was sealed with this job's
+    secret for another start-up (recorded in an earlier job and written here again).
     """
 
-    def __init__(self, message: str, *, key: str, peer: int | None = None) -> None:
+    def __init__(self, message: str, *, key: str, peer: int | None = None, replayed: bool = False) -> None:
         super().__init__(message)
         self.key = key
         self.peer = peer
+        self.replayed = replayed
 
 
 def first_line(exc: BaseException) -> str:

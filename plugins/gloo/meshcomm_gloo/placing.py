@@ -65,9 +65,43 @@ class Rendezvous:
         return f"TCPStore {host}:{self.port} ({who}; {self.origin})"
 
 
-def job_id(environ: Mapping[str, str]) -> str:
-    """The id every rank of the job shares: meshcomm launch's, else torchrun's run id, else empty."""
-    return environ.get("MESHCOMM_JOB_ID", "").strip() or environ.get("TORCHELASTIC_RUN_ID", "").strip()
+def _first(environ: Mapping[str, str], *names: str) -> str:
+    return next((v for v in (environ.get(n, "").strip() for n in names) if v), "")
+
+
+def _scheduler_id(environ: Mapping[str, str], family: str) -> str:
+    """The job id the scheduler ``family`` (a :data:`meshcomm.placement.FAMILIES` name) gives all its ranks."""
+    if family == "Slurm":
+        job = _first(environ, "SLURM_HET_JOB_ID", "SLURM_PACK_JOB_ID", "SLURM_JOB_ID")  # a het job's components
+        step = _first(environ, "SLURM_STEP_ID", "SLURM_STEPID")                          # differ in SLURM_JOB_ID
+        return f"slurm {job}.{step}" if job and step else ""
+    if family in ("Open MPI", "PMIx"):
+        ns = _first(environ, "PMIX_NAMESPACE")  # Open MPI 5 (prterun-<host>-<pid>@<n>), srun --mpi=pmix
+        if ns:
+            return f"pmix {ns}"
+        ompi = _first(environ, "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid")  # Open MPI 4
+        return f"openmpi {ompi}" if ompi else ""
+    return ""
+
+
+def job_id(environ: Mapping[str, str], source: str | None = None) -> str:
+    """The id every rank of the job shares, bound into every store value's tag ("" when nothing names one).
+
+    meshcomm launch's ``MESHCOMM_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``, else the id of
+    the scheduler whose variables placed this rank (``source``: the core config's
+    ``placement_source``): Slurm's job and step (``SLURM_JOB_ID``, or ``SLURM_HET_JOB_ID``, and
+    ``SLURM_STEP_ID``), the PMIx namespace (``PMIX_NAMESPACE``: Open MPI 5, ``srun --mpi=pmix``) or
+    Open MPI 4's job id (``OMPI_MCA_ess_base_jobid``/``OMPI_MCA_orte_ess_jobid``). ``source`` None:
+    the first of those present. A rank placed by ``MLX_RANK`` takes no scheduler's id, because its
+    ranks may have been started from shells where those variables differ (a batch script's and a
+    step's). The id only keeps jobs apart that a scheduler already tells apart; every start-up is
+    kept apart by its nonce (:mod:`.session`), with or without an id.
+    """
+    own = _first(environ, "MESHCOMM_JOB_ID", "TORCHELASTIC_RUN_ID")
+    if own:
+        return own
+    families = ("Slurm", "Open MPI") if source is None else (source,)
+    return next((i for i in (_scheduler_id(environ, f) for f in families) if i), "")
 
 
 def _said(config: Config) -> str:
@@ -104,7 +138,7 @@ def resolve(config: Config, settings: GlooSettings, environ: Mapping[str, str] |
             "on every rank")
     rank, size, said = config.rank, config.world_size, _said(config)
     assert rank is not None and size is not None
-    job = job_id(env)
+    job = job_id(env, config.placement_source or "MLX_RANK")
     if settings.port is not None:
         return Rendezvous(rank, size, "host" if rank == 0 else "client", settings.addr, settings.port, None, "",
                           job, f"{said}; store from MESHCOMM_GLOO_ADDR/MESHCOMM_GLOO_PORT")

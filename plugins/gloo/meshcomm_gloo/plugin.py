@@ -85,12 +85,13 @@ def factory(config: Config, settings: Any) -> Backend:
     from .backend import GlooBackend
     from .errors import StoreAuthError, translate
     from .rendezvous import WORLD_PREFIX, connect, make_store
+    from .session import open_session
 
     check_job_secret(settings, who="gloo backend", rank=config.rank, size=config.world_size,
                      warning=NO_SECRET_WARNING, log=log)
     store, rank, size, where = make_store(config, settings)
     try:
-        peers = admit(store, rank, size)
+        peers = admit(store, rank, size, open_session(store, rank, size))
         pg, ends = connect(store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname)
     except StoreAuthError as exc:
         note_rejection(store, rank, str(exc))

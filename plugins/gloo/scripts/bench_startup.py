@@ -2,8 +2,9 @@
 
 Each round starts N fresh processes per variant; every process imports torch first, says so,
 and waits for the word to start (sent to all at once when all are ready), so imports are not timed. Timed per rank: opening the
-TCPStore (rank 0 hosts it), the start-up records (set own, get every rank's) and the
-ProcessGroupGloo connecting to every rank. A round's figure is the slowest rank's time;
+TCPStore (rank 0 hosts it), the start-up nonce handshake (sealed variant only, as in the
+backend), the start-up records (set own, get every rank's) and the ProcessGroupGloo
+connecting to every rank. A round's figure is the slowest rank's time;
 the script prints the median over rounds for each variant. Variants alternate round by round.
 
     python plugins/gloo/scripts/bench_startup.py --ranks 2 --ranks 4 --rounds 7
@@ -25,6 +26,7 @@ def _rank(variant: str, rank: int, size: int, port: int) -> None:
     import torch.distributed as dist
     from meshcomm_gloo.authstore import AuthStore
     from meshcomm_gloo.sealing import Sealer
+    from meshcomm_gloo.session import open_session
 
     print("ready", flush=True)
     sys.stdin.readline()
@@ -32,6 +34,8 @@ def _rank(variant: str, rank: int, size: int, port: int) -> None:
     inner = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=True)
     store = inner if variant == "plain" else AuthStore(inner, Sealer(b"bench-secret", "bench"), rank=rank)
+    if variant != "plain":
+        open_session(store, rank, size)
     store.set(f"meshcomm/proc/{rank}", f"{socket.gethostname()} {os.getpid()}")
     for q in range(size):
         store.get(f"meshcomm/proc/{q}")
