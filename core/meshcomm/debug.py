@@ -50,6 +50,11 @@ def _fingerprint(op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: i
     return fp
 
 
+def _number(b: Backend) -> int:
+    """The user's call in flight on ``b`` (0: none), for the fingerprint's number slot."""
+    return b.user_no if b.user_op else 0
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two fingerprints are the same call (whatever their numbers)."""
     return bool((a[..., :_NUMBER] == b[..., :_NUMBER]).all())
@@ -91,7 +96,7 @@ def check_collective(
     ``op`` is a name from :mod:`meshcomm.operations`; ``reduction`` the one ``reduce`` applies.
     """
     n = b.size()
-    mine = _fingerprint(op, shape, dtype, arg, reduction, b.user_no if b.user_op else 0)
+    mine = _fingerprint(op, shape, dtype, arg, reduction, _number(b))
     table = np.empty(n * _WIDTH, dtype=np.int64).reshape(n, _WIDTH)
     b.all_gather(mine, table.reshape(-1))
     if _same(table, table[0]):
@@ -143,7 +148,7 @@ def quick_check(
 
 def check_send(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, dst: int) -> None:
     """Send this call's fingerprint to ``dst`` and compare the one it answers with."""
-    mine = _fingerprint("send", shape, dtype, dst, None, b.user_no if b.user_op else 0)
+    mine = _fingerprint("send", shape, dtype, dst, None, _number(b))
     theirs = np.empty(_WIDTH, dtype=np.int64)
     b.sendrecv(mine, dst, theirs, dst)
     expected = _fingerprint("recv", shape, dtype, b.rank())
@@ -156,7 +161,7 @@ def check_send(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dt
 
 def check_recv(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, src: int) -> None:
     """Receive the sender's fingerprint, answer with ours, and compare."""
-    mine = _fingerprint("recv", shape, dtype, src, None, b.user_no if b.user_op else 0)
+    mine = _fingerprint("recv", shape, dtype, src, None, _number(b))
     theirs = np.empty(_WIDTH, dtype=np.int64)
     b.sendrecv(mine, src, theirs, src)
     expected = _fingerprint("send", shape, dtype, b.rank())
