@@ -19,7 +19,9 @@ files=(tests/test_mpi_*.py tests/test_launch*.py tests/test_failure_*.py tests/t
        tests/test_conformance_kit.py)
 echo "== pytest (mpi backend on $("$VPY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'))"
 set +e
-"$VPY" -m pytest -p no:cacheprovider -q -k mpi "${files[@]}" "$@"
+# in parallel like the main run (scripts/test.sh sets MESHCOMM_TEST_WORKERS; alone: cores + 1)
+"$VPY" -m pytest -p no:cacheprovider -q -n "${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}" --dist loadgroup \
+  -k mpi "${files[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

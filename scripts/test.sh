@@ -1,55 +1,86 @@
 #!/usr/bin/env bash
 # The test command: set up everything (system packages when root, .venv, every plugin,
-# .venv-mpich), then lint, type-check and run the whole test suite (the mpi backend on
-# Open MPI), then the mpi backend's test set again on MPICH (scripts/test-mpich.sh).
-# Exits non-zero on any failure in either run.
-# Extra arguments go to the main pytest (e.g. scripts/test.sh -k sockets);
+# .venv-mpich), then lint, type-check, build the docs site and run the whole test suite (the
+# mpi backend on Open MPI), then the mpi backend's test set again on MPICH
+# (scripts/test-mpich.sh). Exits non-zero on any failure in any part.
+#
+# The tests run in parallel (pytest-xdist, MESHCOMM_TEST_WORKERS processes, default: cores + 1,
+# because most tests wait on processes they started); tests marked `exclusive` (they compare
+# machine-wide state) run after them, one at a time.
+# Extra arguments go to both pytest runs (e.g. scripts/test.sh -k sockets);
 # MESHCOMM_TEST_MPICH=0 skips the MPICH venv and run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && [ -f scripts/ci-system-deps.sh ]; then
   bash scripts/ci-system-deps.sh
 fi
-bash scripts/setup.sh
 MPICH=${MESHCOMM_TEST_MPICH:-1}
 if [ "$MPICH" != 0 ]; then
-  bash scripts/setup-mpich.sh
+  # the two venvs are independent: build them side by side
+  mpich_log=$(mktemp)
+  bash scripts/setup-mpich.sh > "$mpich_log" 2>&1 &
+  mpich_setup=$!
+fi
+bash scripts/setup.sh
+if [ "$MPICH" != 0 ]; then
+  if ! wait "$mpich_setup"; then
+    cat "$mpich_log" >&2
+    rm -f "$mpich_log"
+    echo "FAILED: scripts/setup-mpich.sh" >&2
+    exit 1
+  fi
+  cat "$mpich_log"
+  rm -f "$mpich_log"
 fi
 VPY=.venv/bin/python
-echo "== ruff"
-"$VPY" -m ruff check core plugins tests examples bench
-echo "== mypy (core)"
-"$VPY" -m mypy
-echo "== docs site (mkdocs build --strict: any warning, e.g. a broken link, fails the run)"
+WORKERS=${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}
+export MESHCOMM_TEST_WORKERS=$WORKERS
+
+# lint, types and the docs site are checked while the tests run (their verdict comes at the end)
+checks_log=$(mktemp)
 site=$(mktemp -d)
-# no --quiet: with it mkdocs drops the warnings before strict mode counts them, and passes
-if ! "$VPY" -m mkdocs build --strict --site-dir "$site/html" > "$site/log" 2>&1; then
-  grep -v "^INFO" "$site/log" >&2
-  rm -rf "$site"
-  echo "FAILED: the docs site (mkdocs build --strict)" >&2
-  exit 1
-fi
-rm -rf "$site"
-echo "== pytest"
+(
+  set -e
+  echo "== ruff"
+  "$VPY" -m ruff check core plugins tests examples bench
+  echo "== mypy (core)"
+  "$VPY" -m mypy
+  echo "== docs site (mkdocs build --strict: any warning, e.g. a broken link, fails the run)"
+  # no --quiet: with it mkdocs drops the warnings before strict mode counts them, and passes
+  if ! "$VPY" -m mkdocs build --strict --site-dir "$site/html" > "$site/log" 2>&1; then
+    grep -v "^INFO" "$site/log"
+    echo "FAILED: the docs site (mkdocs build --strict)"
+    exit 1
+  fi
+) > "$checks_log" 2>&1 &
+checks=$!
+
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 set +e
+echo "== pytest ($WORKERS processes)"
 # --durations: the slowest tests of every run, where the suite's time goes
-"$VPY" -m pytest -p no:cacheprovider -q --durations=25 "$@"
+"$VPY" -m pytest -p no:cacheprovider -q --durations=25 -n "$WORKERS" --dist loadgroup -m "not exclusive" "$@"
 rc=$?
-set -e
 if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: that is a failure" >&2
   rc=1
 fi
+echo "== pytest (tests that need the machine to themselves, one at a time)"
+"$VPY" -m pytest -p no:cacheprovider -q -m exclusive "$@"
+exclusive_rc=$?
+[ "$exclusive_rc" = 5 ] && exclusive_rc=0  # e.g. -k selected none of them
 mpich_rc=0
 if [ "$MPICH" != 0 ]; then
-  set +e
   bash scripts/test-mpich.sh
   mpich_rc=$?
-  set -e
 fi
-if [ "$rc" != 0 ] || [ "$mpich_rc" != 0 ]; then
-  echo "FAILED: main pytest (Open MPI) exit $rc, mpi tests on MPICH exit $mpich_rc" >&2
-  [ "$rc" != 0 ] && exit "$rc"
-  exit "$mpich_rc"
+wait "$checks"
+checks_rc=$?
+set -e
+cat "$checks_log"
+rm -rf "$checks_log" "$site"
+if [ "$rc" != 0 ] || [ "$exclusive_rc" != 0 ] || [ "$mpich_rc" != 0 ] || [ "$checks_rc" != 0 ]; then
+  echo "FAILED: main pytest (Open MPI) exit $rc, exclusive tests exit $exclusive_rc," \
+       "mpi tests on MPICH exit $mpich_rc, ruff/mypy/docs exit $checks_rc" >&2
+  exit 1
 fi

@@ -8,6 +8,7 @@ rank programs are the ``_w_*`` functions below, run as ``python this_file.py NAM
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -238,8 +239,6 @@ def test_any_selects_gloo_when_its_environment_is_set() -> None:
 
 
 def test_dead_peer_raises_on_survivors() -> None:
-    import re
-
     timeout = 20.0
     procs = start(3, [str(HERE), "_w_dead", "kill"], {"MLX_TIMEOUT": str(timeout)})
     res = finish(procs, timeout=90)
@@ -271,9 +270,7 @@ def test_stopped_peer_times_out_on_survivors() -> None:
     timeout = 3.0
     procs = start(3, [str(HERE), "_w_dead", "stop"], {"MLX_TIMEOUT": str(timeout)})
     try:
-        t0 = time.monotonic()
         res1 = finish(procs[1:2], timeout=60)[0]
-        elapsed = time.monotonic() - t0
         # resumed while rank 0 (the store's host) still runs: it must learn that the others gave up on it
         procs[2].send_signal(signal.SIGCONT)
         res0, resumed = finish([procs[0], procs[2]], timeout=60)
@@ -286,7 +283,10 @@ def test_stopped_peer_times_out_on_survivors() -> None:
         assert "RAISED CommTimeoutError peer=2" in out, out
         assert "is stopped" in out and "MLX_TIMEOUT" in out, out
     assert "RAISED PeerLostError" in resumed[1] and "gave up waiting for this rank" in resumed[1], resumed
-    assert elapsed < 30, f"survivors took {elapsed:.1f} s with MLX_TIMEOUT={timeout}"
+    for r, (_, out, _) in enumerate(res):
+        # measured by the rank from its first call after start-up (start-up is slow on a loaded machine)
+        took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+        assert took < timeout + 5, f"rank {r} took {took:.1f} s with MLX_TIMEOUT={timeout}"
 
 
 @pytest.mark.parametrize("mode", ["count", "dtype", "big"])

@@ -77,11 +77,12 @@ def _last_error(err: str) -> str:
 
 
 # -- the test process as a store client ------------------------------------------------------
-def _client(port: int, n: int, *, counts: bool) -> Any:
-    """A TCPStore client of rank 0's store (``counts``: it is one of the ``n`` workers rank 0 waits for)."""
+def _client(port: int, n: int, *, counts: bool, timeout: float = 30) -> Any:
+    """A TCPStore client of rank 0's store (``counts``: it is one of the ``n`` workers rank 0
+    waits for); the client tries to connect for up to ``timeout`` seconds."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, n, False, timeout=datetime.timedelta(seconds=30),
+    return dist.TCPStore("127.0.0.1", port, n, False, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=counts)
 
 
@@ -354,8 +355,8 @@ def test_stranger_hammering_every_key_never_gives_wrong_data() -> None:
                 else:
                     s.set(keys[i % len(keys)], f"evil {i}")
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 ended) or refused an add
-                try:
-                    s = _client(port, 2, counts=False)
+                try:  # briefly: once rank 0 has ended, no store comes back
+                    s = _client(port, 2, counts=False, timeout=1)
                 except Exception:  # noqa: BLE001
                     return
             i += 1

@@ -20,6 +20,9 @@ import pytest
 from slurm import SlurmCluster, session_cluster
 from test_slurm import FAILURE, PY, RANK, infos, job_env, show
 
+#: every test of the one Slurm test cluster runs in the same test process (pytest-xdist)
+pytestmark = pytest.mark.xdist_group("slurm")
+
 VENV_BIN = Path(sys.executable).parent
 
 

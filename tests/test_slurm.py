@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from slurm import CTL_NS, SlurmCluster, session_cluster, unavailable_reason
 
+#: every test of the one Slurm test cluster runs in the same test process (pytest-xdist)
+pytestmark = pytest.mark.xdist_group("slurm")
+
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
 RANK = str(TESTS / "programs" / "slurm_rank.py")

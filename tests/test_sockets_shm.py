@@ -33,6 +33,7 @@ def _run(n, tmp_path, mode="ok", env=None, rank_env=None, args=None):
     return finish(procs, timeout=300)
 
 
+@pytest.mark.exclusive  # compares every meshcomm segment in /dev/shm before and after
 def test_same_host_ranks_use_shared_memory_and_leave_nothing(tmp_path):
     before = _segments()
     results = _run(3, tmp_path)
@@ -83,6 +84,7 @@ def test_whole_contract(tmp_path, layout):
         assert rc == 0 and "19 passed, 0 failed" in out, (r, out[-2000:], err[-3000:])
 
 
+@pytest.mark.exclusive  # compares every meshcomm segment in /dev/shm before and after
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_dead_rank_on_the_same_host_is_detected(tmp_path, native):
     before = _segments()
@@ -104,6 +106,7 @@ def test_waking_a_rank_that_ended_after_publishing_the_same_piece_is_not_a_loss(
     assert json.loads(results[0][1].splitlines()[-1]) == {"ahead": "PeerLostError peer=1"}, results[0]
 
 
+@pytest.mark.exclusive  # compares every meshcomm segment in /dev/shm before and after
 def test_nothing_left_after_the_launcher_is_interrupted():
     before = _segments()
     proc = subprocess.Popen([sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--", PROG, "loop"],
@@ -126,6 +129,7 @@ def test_nothing_left_after_the_launcher_is_interrupted():
     assert _segments() == before
 
 
+@pytest.mark.exclusive  # compares every meshcomm segment in /dev/shm before and after
 def test_launcher_removes_segments_of_a_job_that_died_during_start_up(tmp_path):
     """A rank that dies between creating and unlinking leaves a name; the launcher's clean-up
     (the sockets backend's cleanup_command) removes the job's names."""

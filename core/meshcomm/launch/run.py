@@ -378,9 +378,12 @@ def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankO
 
 def _stop(sessions: list[Session], statuses: Callable[[], dict[int, int | None]]) -> None:
     """SIGTERM every rank's process group, then SIGKILL them after the grace period (groups
-    of ranks that already exited too: what they started must not outlive the job)."""
+    of ranks that already exited too: what they started must not outlive the job). SIGCONT
+    follows SIGTERM, as a shell's ``kill`` does for a stopped job: a stopped rank gets its
+    SIGTERM now instead of being killed only at the end of the grace period."""
     for s in sessions:
         s.signal(signal.SIGTERM)
+        s.signal(signal.SIGCONT)
     deadline = time.monotonic() + GRACE
     while time.monotonic() < deadline and any(rc is None for rc in statuses().values()):
         time.sleep(0.05)
@@ -433,6 +436,7 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
             time.sleep(0.05)
         if (intr.signum is not None or stopped) and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGCONT)
             try:
                 proc.wait(GRACE * 2)
             except subprocess.TimeoutExpired:

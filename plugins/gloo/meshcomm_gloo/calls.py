@@ -22,25 +22,19 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import numpy as np
-from meshcomm.plugin import SUPPORTED
+from meshcomm.plugin import dtype_code
 
 __all__ = ["Call", "BIG", "p2p_tag", "conflicts", "dtype_code"]
 
 #: element counts from here on travel with a header instead of in the tag
 BIG = 1 << 25
-_CODES = {np.dtype(dt): i for i, dt in enumerate(SUPPORTED)}
-assert len(_CODES) <= 32, "five bits of the p2p tag hold the dtype"
-
-
-def dtype_code(dtype: np.dtype) -> int:
-    """A small number for each supported dtype (the same on every rank)."""
-    return _CODES[np.dtype(dtype)]
 
 
 def p2p_tag(dtype: np.dtype, count: int, part: int = 0) -> int:
     """The gloo tag of a message of ``count`` elements of ``dtype`` (31 bits, never negative).
 
-    Below :data:`BIG`: ``code << 25 | count``. From :data:`BIG` on: bit 30 set, ``part`` 0
+    ``code`` is meshcomm's wire code of the dtype (1..15, five bits). Below :data:`BIG`:
+    ``code << 25 | count``. From :data:`BIG` on: bit 30 set, ``part`` 0
     for the header and 1 for the payload.
     """
     code = dtype_code(dtype)

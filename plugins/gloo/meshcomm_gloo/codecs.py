@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from meshcomm.plugin import SUPPORTED, bfloat16
+from meshcomm.plugin import check_dtype
 
 __all__ = ["Plan", "plan_for", "GLOO_WIRE"]
 
@@ -109,38 +109,38 @@ def _generic(o: str) -> Plan:
     return Plan(np.dtype(np.uint8), "uint8", o, generic=True)
 
 
-def _table() -> dict[tuple[np.dtype, str], Plan]:
-    rules: dict[str, dict[str, Callable[[str], Plan]]] = {
-        "bool": {"sum": _view("uint8", op="max"), "max": _view("uint8"), "min": _view("uint8")},
-        "int16": dict.fromkeys(("sum", "max", "min"), _widen),
-        "uint16": dict.fromkeys(("sum", "max", "min"), _widen),
-        "uint32": {"sum": _view("int32"), "max": _flip(32), "min": _flip(32)},
-        "uint64": {"sum": _view("int64"), "max": _flip(64), "min": _flip(64)},
-        "float16": {"sum": _view("float16"), "max": _float_key(16), "min": _float_key(16)},
-        "bfloat16": {"sum": _view("int16", "bfloat16"), "max": _float_key(16), "min": _float_key(16)},
-        "float32": {"sum": _view("float32"), "max": _float_key(32), "min": _float_key(32)},
-        "float64": {"sum": _view("float64"), "max": _float_key(64), "min": _float_key(64)},
-        "complex64": {"sum": _view("float32"), "max": _generic, "min": _generic},
-        "complex128": {"sum": _view("float64"), "max": _generic, "min": _generic},
-    }
-    table: dict[tuple[np.dtype, str], Plan] = {}
-    for dt in SUPPORTED:
-        name = "bfloat16" if bfloat16 is not None and dt == bfloat16 else dt.name
-        by_op = rules.get(name, dict.fromkeys(("sum", "max", "min"), _view(name)))
-        for op, make in by_op.items():
-            table[(dt, op)] = make(op)
-    return table
-
-
-_PLANS = _table()
+#: how each dtype (by name) travels per op; a dtype not named here is gloo's own (a view)
+_RULES: dict[str, dict[str, Callable[[str], Plan]]] = {
+    "bool": {"sum": _view("uint8", op="max"), "max": _view("uint8"), "min": _view("uint8")},
+    "int16": dict.fromkeys(("sum", "max", "min"), _widen),
+    "uint16": dict.fromkeys(("sum", "max", "min"), _widen),
+    "uint32": {"sum": _view("int32"), "max": _flip(32), "min": _flip(32)},
+    "uint64": {"sum": _view("int64"), "max": _flip(64), "min": _flip(64)},
+    "float16": {"sum": _view("float16"), "max": _float_key(16), "min": _float_key(16)},
+    "bfloat16": {"sum": _view("int16", "bfloat16"), "max": _float_key(16), "min": _float_key(16)},
+    "float32": {"sum": _view("float32"), "max": _float_key(32), "min": _float_key(32)},
+    "float64": {"sum": _view("float64"), "max": _float_key(64), "min": _float_key(64)},
+    "complex64": {"sum": _view("float32"), "max": _generic, "min": _generic},
+    "complex128": {"sum": _view("float64"), "max": _generic, "min": _generic},
+}
+#: the plans made so far: built on first use, so that bfloat16 (a dtype only once the user's
+#: program has imported ml_dtypes) costs nothing to a program without it
+_PLANS: dict[tuple[np.dtype, str], Plan] = {}
 
 
 def plan_for(dtype: np.dtype, op: str) -> Plan:
     """The plan reducing ``dtype`` with ``op``; ValueError for a dtype or op meshcomm lacks."""
+    key = (np.dtype(dtype), op)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
     try:
-        return _PLANS[(np.dtype(dtype), op)]
-    except KeyError:
+        dt = check_dtype(key[0])
+        make = _RULES.get(dt.name, dict.fromkeys(("sum", "max", "min"), _view(dt.name)))[op]
+    except (ValueError, KeyError):
         raise ValueError(
             f"gloo backend: no way to reduce dtype {np.dtype(dtype)} with op {op!r}; "
             "ops are 'sum', 'max', 'min' and dtypes those of meshcomm.dtypes.SUPPORTED"
         ) from None
+    plan = _PLANS[key] = make(op)
+    return plan

@@ -431,6 +431,7 @@ class Control:
             return
         self.aborting = True
         others = [w for w in range(self.size) if w != self.rank]
+        first_hand = False
 
         def everyone_knows() -> bool:
             return all(w in self.acks or w in self.down or w in self.exited or w in self.failed for w in others)
@@ -460,7 +461,12 @@ class Control:
                 self._post(w, FAIL, notice)
             self.linger(2.0, everyone_knows)
             self.linger(0.3, lambda: False)  # the peers' last output is on its way to mpiexec
-        if self.failed:
+            # peers that failed at the same moment (a mismatch every rank sees): the lowest
+            # of them ends the job at once, the others let it (below)
+            first_hand = bool(self.failed) and self.rank < min(self.failed)
+        if first_hand:
+            self.acknowledge()
+        elif self.failed:
             # another rank failed first and ends the job with its own exit code: let it,
             # and only end the job here if it has not done so in a few seconds
             _flush_std()

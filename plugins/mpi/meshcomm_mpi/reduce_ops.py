@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from meshcomm.plugin import SUPPORTED
 from meshcomm.plugin import UFUNCS as _UFUNCS
 from mpi4py import MPI
 
@@ -51,6 +50,16 @@ _NATIVE_TYPES: dict[np.dtype, Any] = {
     np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
     np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
 }
+
+
+class _Carriers(dict[np.dtype, Any]):
+    """The MPI datatype moving each dtype, made on first use: bfloat16 exists only once a
+    user's program has imported ml_dtypes, and reading it here would import ml_dtypes
+    (~0.9 s) into every rank."""
+
+    def __missing__(self, dt: np.dtype) -> Any:
+        made = self[dt] = _carrier(np.dtype(dt))
+        return made
 
 
 def _carrier(dt: np.dtype) -> Any:
@@ -114,8 +123,8 @@ class OpTable:
         #: (dtype, op) -> (MPI datatype, MPI op); the backend reads it on every reduction
         self.table: dict[tuple[np.dtype, str], tuple[Any, Any]] = {}
         #: datatype used to move (not reduce) each dtype
-        self.move: dict[np.dtype, Any] = {dt: _carrier(dt) for dt in SUPPORTED}
-        for dt in SUPPORTED:
+        self.move: dict[np.dtype, Any] = _Carriers()
+        for dt in _NATIVE_TYPES:
             for op in _UFUNCS:
                 native = self._native_op(dt, op)
                 if native is not None:

@@ -151,8 +151,10 @@ class Agent:
             r.signal(sig, group)
 
     def stop(self) -> None:
-        """The launcher is gone: SIGTERM every rank's group, SIGKILL after the grace period."""
+        """The launcher is gone: SIGTERM every rank's group (SIGCONT after it, so that a
+        stopped rank gets it now), SIGKILL after the grace period."""
         self.signal(signal.SIGTERM, True)
+        self.signal(signal.SIGCONT, True)
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and any(r.proc is not None and r.proc.poll() is None for r in self.ranks):
             time.sleep(0.05)
