@@ -19,13 +19,25 @@ files=(tests/test_mpi_*.py tests/test_launch*.py tests/test_failure_*.py tests/t
        tests/test_conformance_kit.py)
 echo "== pytest (mpi backend on $("$VPY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'))"
 set +e
-# in parallel like the main run (scripts/test.sh sets MESHCOMM_TEST_WORKERS; alone: cores + 1)
-"$VPY" -m pytest -p no:cacheprovider -q -n "${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}" --dist loadgroup \
-  -k mpi "${files[@]}" "$@"
+# as in scripts/test.sh: the tests of the one Slurm test cluster in one pytest process of their
+# own beside the parallel ones (MESHCOMM_TEST_WORKERS processes; alone: cores + 1)
+log=$(mktemp)
+"$VPY" -m pytest -p no:cacheprovider -q -m slurm_cluster -k mpi "${files[@]}" "$@" > "$log" 2>&1 &
+slurm=$!
+"$VPY" -m pytest -p no:cacheprovider -q -n "${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}" --dist worksteal \
+  -m "not slurm_cluster" -k mpi "${files[@]}" "$@"
 rc=$?
+wait "$slurm"
+slurm_rc=$?
+cat "$log"
+rm -f "$log"
 set -e
 if [ "$rc" = 5 ]; then
   echo "test-mpich: pytest collected no mpi tests: that is a failure" >&2
+  exit 1
+fi
+if [ "$slurm_rc" != 0 ] && { [ "$slurm_rc" != 5 ] || [ $# = 0 ]; }; then
+  echo "test-mpich: the Slurm cluster's mpi tests failed (exit $slurm_rc)" >&2
   exit 1
 fi
 exit "$rc"

@@ -5,8 +5,9 @@
 # (scripts/test-mpich.sh). Exits non-zero on any failure in any part.
 #
 # The tests run in parallel (pytest-xdist, MESHCOMM_TEST_WORKERS processes, default: cores + 1,
-# because most tests wait on processes they started); tests marked `exclusive` (they compare
-# machine-wide state) run after them, one at a time.
+# because most tests wait on processes they started), the tests of the one Slurm test cluster
+# in one more process beside them; tests marked `exclusive` (they compare machine-wide state)
+# run after them, one at a time.
 # Extra arguments go to both pytest runs (e.g. scripts/test.sh -k sockets);
 # MESHCOMM_TEST_MPICH=0 skips the MPICH venv and run.
 set -euo pipefail
@@ -56,19 +57,26 @@ site=$(mktemp -d)
 checks=$!
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# pytest's exit status 5 (no test selected) fails a part, unless arguments chose a subset
+none_ok() { if [ "$1" = 5 ] && [ "$2" -gt 0 ]; then echo 0; else echo "$1"; fi; }
 set +e
-echo "== pytest ($WORKERS processes)"
+# the tests of the machine's one Slurm test cluster: one pytest process of their own, alongside
+slurm_log=$(mktemp)
+"$VPY" -m pytest -p no:cacheprovider -q -m "slurm_cluster and not exclusive" "$@" > "$slurm_log" 2>&1 &
+slurm=$!
+echo "== pytest ($WORKERS processes; the Slurm cluster's tests in one more)"
 # --durations: the slowest tests of every run, where the suite's time goes
-"$VPY" -m pytest -p no:cacheprovider -q --durations=25 -n "$WORKERS" --dist loadgroup -m "not exclusive" "$@"
-rc=$?
-if [ "$rc" = 5 ]; then
-  echo "pytest collected no tests: that is a failure" >&2
-  rc=1
-fi
+"$VPY" -m pytest -p no:cacheprovider -q --durations=25 -n "$WORKERS" --dist worksteal \
+  -m "not exclusive and not slurm_cluster" "$@"
+rc=$(none_ok $? $#)
+wait "$slurm"
+slurm_rc=$(none_ok $? $#)
+echo "== pytest (the Slurm cluster's tests)"
+cat "$slurm_log"
+rm -f "$slurm_log"
 echo "== pytest (tests that need the machine to themselves, one at a time)"
 "$VPY" -m pytest -p no:cacheprovider -q -m exclusive "$@"
-exclusive_rc=$?
-[ "$exclusive_rc" = 5 ] && exclusive_rc=0  # e.g. -k selected none of them
+exclusive_rc=$(none_ok $? $#)
 mpich_rc=0
 if [ "$MPICH" != 0 ]; then
   bash scripts/test-mpich.sh
@@ -79,8 +87,9 @@ checks_rc=$?
 set -e
 cat "$checks_log"
 rm -rf "$checks_log" "$site"
-if [ "$rc" != 0 ] || [ "$exclusive_rc" != 0 ] || [ "$mpich_rc" != 0 ] || [ "$checks_rc" != 0 ]; then
-  echo "FAILED: main pytest (Open MPI) exit $rc, exclusive tests exit $exclusive_rc," \
-       "mpi tests on MPICH exit $mpich_rc, ruff/mypy/docs exit $checks_rc" >&2
+if [ "$rc" != 0 ] || [ "$slurm_rc" != 0 ] || [ "$exclusive_rc" != 0 ] || [ "$mpich_rc" != 0 ] \
+   || [ "$checks_rc" != 0 ]; then
+  echo "FAILED: main pytest (Open MPI) exit $rc, Slurm cluster tests exit $slurm_rc, exclusive tests" \
+       "exit $exclusive_rc, mpi tests on MPICH exit $mpich_rc, ruff/mypy/docs exit $checks_rc" >&2
   exit 1
 fi

@@ -20,8 +20,9 @@ import pytest
 from slurm import SlurmCluster, session_cluster
 from test_slurm import FAILURE, PY, RANK, infos, job_env, show
 
-#: every test of the one Slurm test cluster runs in the same test process (pytest-xdist)
-pytestmark = pytest.mark.xdist_group("slurm")
+#: the machine has one Slurm test cluster: scripts/test.sh runs every test that uses it in one
+#: pytest process of its own, beside the parallel ones
+pytestmark = pytest.mark.slurm_cluster
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from slurm import CTL_NS, SlurmCluster, session_cluster, unavailable_reason
 
-#: every test of the one Slurm test cluster runs in the same test process (pytest-xdist)
-pytestmark = pytest.mark.xdist_group("slurm")
+#: the machine has one Slurm test cluster: scripts/test.sh runs every test that uses it in one
+#: pytest process of its own, beside the parallel ones
+pytestmark = pytest.mark.slurm_cluster
 
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
