@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from jobs import finish
+from jobs import connect_when_listening, finish
 
 pytest.importorskip("torch")
 
@@ -341,9 +341,12 @@ def test_stranger_hammering_every_key_never_gives_wrong_data() -> None:
     keys = ["meshcomm/session/hello/1", "meshcomm/session/nonce/1", "meshcomm/proc/0", "meshcomm/proc/1",
             "meshcomm/world/0/0", "meshcomm/world/0/1"]
     stop = threading.Event()
+    done: list[int] = []  # writes the stranger got through
 
     def hammer() -> None:
-        try:
+        try:  # as soon as rank 0's store listens (a TCPStore client that finds no listener
+            # backs off for tens of seconds, long after the job ended: nothing would be hammered)
+            connect_when_listening(port).close()
             s = _client(port, 2, counts=False)
         except Exception:  # noqa: BLE001 - the job ended before the stranger got in
             return
@@ -354,6 +357,7 @@ def test_stranger_hammering_every_key_never_gives_wrong_data() -> None:
                     s.add(keys[i % len(keys)], 1)
                 else:
                     s.set(keys[i % len(keys)], f"evil {i}")
+                done.append(i)
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 ended) or refused an add
                 try:  # briefly: once rank 0 has ended, no store comes back
                     s = _client(port, 2, counts=False, timeout=1)
@@ -377,6 +381,7 @@ def test_stranger_hammering_every_key_never_gives_wrong_data() -> None:
             assert "SUM" not in out, (r, out)
             refused += PHRASE in err
     assert refused or all(rc == 0 for rc, _, _ in res.values()), res
+    assert done, "the stranger never got a write through: the test hammered nothing"
 
 
 # -- an earlier job's records replayed into a new job (issue 33, item 6) -------------------------
@@ -471,7 +476,6 @@ def test_replaying_an_earlier_job_into_a_running_start_up_never_hangs(job_a: dic
     again from the moment it listens: each rank computes the right sum or raises StoreAuthError, and
     none waits past MLX_TIMEOUT."""
     import torch.distributed as dist
-    from jobs import connect_when_listening
 
     port, stop, listening = _free_port(), threading.Event(), threading.Event()
     writes = [0]
