@@ -21,7 +21,10 @@ echo "== pytest (mpi backend on $("$VPY" -c 'from mpi4py import MPI; print(MPI.G
 set +e
 # as in scripts/test.sh: the tests of the one Slurm test cluster in one pytest process of their
 # own beside the parallel ones (MESHCOMM_TEST_WORKERS processes; alone: cores + 1)
+. scripts/leftovers.sh
+leftovers_mark
 log=$(mktemp)
+trap 'leftovers_remove; rm -f "$log"' EXIT
 "$VPY" -m pytest -p no:cacheprovider -q -m slurm_cluster -k mpi "${files[@]}" "$@" > "$log" 2>&1 &
 slurm=$!
 "$VPY" -m pytest -p no:cacheprovider -q -n "${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}" --dist worksteal \
@@ -30,7 +33,6 @@ rc=$?
 wait "$slurm"
 slurm_rc=$?
 cat "$log"
-rm -f "$log"
 set -e
 if [ "$rc" = 5 ]; then
   echo "test-mpich: pytest collected no mpi tests: that is a failure" >&2

@@ -16,9 +16,15 @@ if [ "$(id -u)" = 0 ] && [ -f scripts/ci-system-deps.sh ]; then
   bash scripts/ci-system-deps.sh
 fi
 MPICH=${MESHCOMM_TEST_MPICH:-1}
+# one scratch directory for this run's logs and docs site, and the files MPICH's Hydra leaves:
+# gone when the script ends, however it ends (short of SIGKILL)
+. scripts/leftovers.sh
+leftovers_mark
+scratch=$(mktemp -d)
+trap 'leftovers_remove; rm -rf "$scratch"' EXIT
 if [ "$MPICH" != 0 ]; then
   # the two venvs are independent: build them side by side
-  mpich_log=$(mktemp)
+  mpich_log=$scratch/setup-mpich.log
   bash scripts/setup-mpich.sh > "$mpich_log" 2>&1 &
   mpich_setup=$!
 fi
@@ -26,20 +32,19 @@ bash scripts/setup.sh
 if [ "$MPICH" != 0 ]; then
   if ! wait "$mpich_setup"; then
     cat "$mpich_log" >&2
-    rm -f "$mpich_log"
     echo "FAILED: scripts/setup-mpich.sh" >&2
     exit 1
   fi
   cat "$mpich_log"
-  rm -f "$mpich_log"
 fi
 VPY=.venv/bin/python
 WORKERS=${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 export MESHCOMM_TEST_WORKERS=$WORKERS
 
 # lint, types and the docs site are checked while the tests run (their verdict comes at the end)
-checks_log=$(mktemp)
-site=$(mktemp -d)
+checks_log=$scratch/checks.log
+site=$scratch/site
+mkdir "$site"
 (
   set -e
   echo "== ruff"
@@ -61,7 +66,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 none_ok() { if [ "$1" = 5 ] && [ "$2" -gt 0 ]; then echo 0; else echo "$1"; fi; }
 set +e
 # the tests of the machine's one Slurm test cluster: one pytest process of their own, alongside
-slurm_log=$(mktemp)
+slurm_log=$scratch/slurm.log
 "$VPY" -m pytest -p no:cacheprovider -q -m "slurm_cluster and not exclusive" "$@" > "$slurm_log" 2>&1 &
 slurm=$!
 echo "== pytest ($WORKERS processes; the Slurm cluster's tests in one more)"
@@ -73,7 +78,6 @@ wait "$slurm"
 slurm_rc=$(none_ok $? $#)
 echo "== pytest (the Slurm cluster's tests)"
 cat "$slurm_log"
-rm -f "$slurm_log"
 echo "== pytest (tests that need the machine to themselves, one at a time)"
 "$VPY" -m pytest -p no:cacheprovider -q -m exclusive "$@"
 exclusive_rc=$(none_ok $? $#)
@@ -86,7 +90,6 @@ wait "$checks"
 checks_rc=$?
 set -e
 cat "$checks_log"
-rm -rf "$checks_log" "$site"
 if [ "$rc" != 0 ] || [ "$slurm_rc" != 0 ] || [ "$exclusive_rc" != 0 ] || [ "$mpich_rc" != 0 ] \
    || [ "$checks_rc" != 0 ]; then
   echo "FAILED: main pytest (Open MPI) exit $rc, Slurm cluster tests exit $slurm_rc, exclusive tests" \

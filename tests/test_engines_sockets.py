@@ -131,12 +131,13 @@ def test_mpich_mpiexec_as_a_plain_launcher(job_id):
     assert all(rep["placement"] == "MPICH (PMI)" for rep in reports), reports
 
 
-def test_torchrun_with_sockets(job_id):
+def test_torchrun_with_sockets(job_id, tmp_path):
     torchrun = BIN / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun (pip install torch) is not in this environment")
+    # TMPDIR: torchrun makes a log directory there (torchelastic_*) and leaves it
     env = _env(MLX_BACKEND="sockets", MESHCOMM_JOB_ID=job_id, MESHCOMM_JOB_SECRET=secrets.token_hex(16),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     # a MASTER_PORT whose next port is free too (--standalone picks any port, and the next one
     # may belong to another process: a RendezvousError that names the fix, not a test failure)
     master = free_port_pair()

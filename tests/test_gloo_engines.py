@@ -119,9 +119,11 @@ def test_master_addr_without_agent_store_hosts_at_the_port_above() -> None:
 
 # -- torchrun ---------------------------------------------------------------------------------
 @pytest.mark.skipif(not (BIN / "torchrun").exists(), reason="torchrun is not installed next to this Python")
-def test_torchrun_three_ranks_use_the_agent_store() -> None:
+def test_torchrun_three_ranks_use_the_agent_store(tmp_path: Path) -> None:
     n = 3
-    rc, out, err = _run([str(BIN / "torchrun"), "--nproc-per-node", str(n), str(HERE), "_w_torchrun"], _base_env())
+    # TMPDIR: torchrun makes a log directory there (torchelastic_*) and leaves it
+    rc, out, err = _run([str(BIN / "torchrun"), "--nproc-per-node", str(n), str(HERE), "_w_torchrun"],
+                        _base_env({"TMPDIR": str(tmp_path)}))
     assert rc == 0, (out, err[-4000:])
     _check(out, err, n)
     assert out.count("AGENT STORE HOLDS MESHCOMM KEYS") == n, out
