@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .dtypes import reducer
 
-if TYPE_CHECKING:
-    from .backend import Backend
-
 __all__ = [
+    "PointToPoint",
     "SMALL_BYTES",
     "all_reduce",
     "all_gather",
@@ -32,7 +30,6 @@ __all__ = [
     "gather",
     "scatter",
     "reduce",
-    "split",
     "block_bounds",
     "recursive_doubling",
     "ring_reduce_scatter",
@@ -47,13 +44,27 @@ __all__ = [
 SMALL_BYTES = 64 * 1024
 
 
+class PointToPoint(Protocol):
+    """What the algorithms use of a group: its rank and size, messages between two ranks,
+    and (for the few that build on them) its all_gather and all_reduce. Every
+    :class:`meshcomm.backend.Backend` is one; the algorithms need nothing else of it."""
+
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def send(self, buf: np.ndarray, dst: int) -> None: ...
+    def recv(self, buf: np.ndarray, src: int) -> None: ...
+    def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None: ...
+    def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None: ...
+    def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
+
+
 def block_bounds(length: int, n: int) -> list[int]:
     """Boundaries of ``n`` nearly equal blocks of ``length`` elements (``n + 1`` offsets)."""
     return [(length * i) // n for i in range(n + 1)]
 
 
 # -- all-reduce ---------------------------------------------------------------------------
-def all_reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+def all_reduce(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
     """Reduce ``sendbuf`` over all ranks into ``recvbuf`` (ring for large, doubling for small)."""
     recvbuf[...] = sendbuf
     n = b.size()
@@ -67,7 +78,7 @@ def all_reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) ->
         ring_all_gather(b, recvbuf, bounds, offset=1)
 
 
-def recursive_doubling(b: Backend, acc: np.ndarray, op: str) -> None:
+def recursive_doubling(b: PointToPoint, acc: np.ndarray, op: str) -> None:
     """In-place all-reduce in ``ceil(log2 n) + 2`` rounds; non-powers of two fold in first."""
     f = reducer(op)
     n, r = b.size(), b.rank()
@@ -104,7 +115,7 @@ def recursive_doubling(b: Backend, acc: np.ndarray, op: str) -> None:
 
 
 def ring_reduce_scatter(
-    b: Backend, buf: np.ndarray, bounds: list[int], op: str, *, offset: int
+    b: PointToPoint, buf: np.ndarray, bounds: list[int], op: str, *, offset: int
 ) -> None:
     """Ring reduce-scatter in place: afterwards rank r holds the full reduction of block
     ``(r + 1 + offset) % n`` (the other blocks hold partial sums)."""
@@ -122,7 +133,7 @@ def ring_reduce_scatter(
         f(incoming, block, out=block)
 
 
-def ring_all_gather(b: Backend, buf: np.ndarray, bounds: list[int], *, offset: int) -> None:
+def ring_all_gather(b: PointToPoint, buf: np.ndarray, bounds: list[int], *, offset: int) -> None:
     """Ring all-gather in place, starting from rank r owning block ``(r + offset) % n``."""
     n, r = b.size(), b.rank()
     right, left = (r + 1) % n, (r - 1) % n
@@ -133,7 +144,7 @@ def ring_all_gather(b: Backend, buf: np.ndarray, bounds: list[int], *, offset: i
 
 
 # -- reduce-scatter ---------------------------------------------------------------------
-def reduce_scatter(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+def reduce_scatter(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
     """Block ``rank`` of the reduction of ``sendbuf`` (whose length is ``size * len(recvbuf)``)."""
     n, r = b.size(), b.rank()
     m = recvbuf.size
@@ -150,7 +161,7 @@ def reduce_scatter(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str
 
 
 def reduce_scatter_by_all_reduce(
-    b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str,
+    b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str,
     reduce_all: Callable[[np.ndarray, np.ndarray, str], None] | None = None,
 ) -> None:
     """Reduce-scatter as an all-reduce of the whole buffer, then this rank's block.
@@ -166,7 +177,7 @@ def reduce_scatter_by_all_reduce(
 
 
 # -- all-gather -------------------------------------------------------------------------
-def all_gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+def all_gather(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     """Concatenate every rank's ``sendbuf`` into ``recvbuf`` in rank order."""
     n, r = b.size(), b.rank()
     m = sendbuf.size
@@ -179,7 +190,7 @@ def all_gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         ring_all_gather(b, recvbuf, [i * m for i in range(n + 1)], offset=0)
 
 
-def _bruck_all_gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+def _bruck_all_gather(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     """All-gather in ``ceil(log2 n)`` rounds (Bruck): blocks collect in rotated order."""
     n, r = b.size(), b.rank()
     m = sendbuf.size
@@ -198,7 +209,7 @@ def _bruck_all_gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> N
 
 
 # -- broadcast --------------------------------------------------------------------------
-def broadcast(b: Backend, buf: np.ndarray, root: int) -> None:
+def broadcast(b: PointToPoint, buf: np.ndarray, root: int) -> None:
     """Root's ``buf`` to every rank: binomial tree, or scatter + ring all-gather when large."""
     n, r = b.size(), b.rank()
     if n == 1 or buf.size == 0:
@@ -228,7 +239,7 @@ def broadcast(b: Backend, buf: np.ndarray, root: int) -> None:
 
 
 # -- all-to-all, gather, scatter, reduce ------------------------------------------------
-def all_to_all(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+def all_to_all(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
     """Block j of ``sendbuf`` to rank j; block i of ``recvbuf`` from rank i (pairwise exchange).
 
     Step s (1 .. n-1) sends to rank ``r + s`` and receives from rank ``r - s`` at once, so
@@ -244,7 +255,7 @@ def all_to_all(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         b.sendrecv(sendbuf[dst * m : (dst + 1) * m], dst, recvbuf[src * m : (src + 1) * m], src)
 
 
-def gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
+def gather(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
     """Root's ``recvbuf`` = every rank's ``sendbuf`` in rank order (``recvbuf`` is None elsewhere)."""
     n, r = b.size(), b.rank()
     m = sendbuf.size
@@ -260,7 +271,7 @@ def gather(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: in
                 b.recv(recvbuf[q * m : (q + 1) * m], q)
 
 
-def scatter(b: Backend, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
+def scatter(b: PointToPoint, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
     """Block r of root's ``sendbuf`` into rank r's ``recvbuf`` (``sendbuf`` is None off the root)."""
     n, r = b.size(), b.rank()
     m = recvbuf.size
@@ -276,7 +287,7 @@ def scatter(b: Backend, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: i
                 b.send(sendbuf[q * m : (q + 1) * m], q)
 
 
-def reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: str, root: int) -> None:
+def reduce(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: str, root: int) -> None:
     """Root's ``recvbuf`` = the reduction of every rank's ``sendbuf`` (None elsewhere).
 
     Runs the backend's own ``all_reduce`` and keeps the result on the root only: the
@@ -289,7 +300,7 @@ def reduce(b: Backend, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: str,
 
 
 # -- barrier ----------------------------------------------------------------------------
-def barrier(b: Backend) -> None:
+def barrier(b: PointToPoint) -> None:
     """Dissemination barrier: ``ceil(log2 n)`` rounds of one-byte messages."""
     n, r = b.size(), b.rank()
     token = np.zeros(1, dtype=np.uint8)
@@ -301,13 +312,6 @@ def barrier(b: Backend) -> None:
 
 
 # -- split ------------------------------------------------------------------------------
-def split(b: Backend, color: int, key: int) -> Backend:
-    """Subgroup of the ranks that passed the same ``color``, ordered by ``key`` then rank."""
-    from .subgroup import SubgroupBackend
-
-    return SubgroupBackend(b, split_members(b, color, key))
-
-
 @dataclass(frozen=True)
 class SplitPlan:
     """This rank's subgroup after a split, as every rank computed it from the same table."""
@@ -321,7 +325,7 @@ class SplitPlan:
     rank: int
 
 
-def split_plan(b: Backend, color: int, key: int) -> SplitPlan:
+def split_plan(b: PointToPoint, color: int, key: int) -> SplitPlan:
     """Exchange every rank's (colour, key) with ``b.all_gather`` and order the subgroup.
 
     Members sort by key, then by parent rank; a negative key sorts as the parent rank
@@ -349,6 +353,6 @@ def split_plan(b: Backend, color: int, key: int) -> SplitPlan:
     return SplitPlan(members, palette.index(int(colors[r])), members.index(r))
 
 
-def split_members(b: Backend, color: int, key: int) -> list[int]:
+def split_members(b: PointToPoint, color: int, key: int) -> list[int]:
     """Ranks of ``b`` (in their new order) that passed the same ``color`` as this rank."""
     return split_plan(b, color, key).members

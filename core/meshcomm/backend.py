@@ -28,7 +28,7 @@ import numpy as np
 
 from . import algorithms
 
-__all__ = ["Backend", "in_place", "shape_key", "SHAPE_KEYS"]
+__all__ = ["Backend", "SubgroupBackend", "in_place", "shape_key", "SHAPE_KEYS"]
 
 
 class _ShapeKeys(dict):
@@ -222,8 +222,9 @@ class Backend(abc.ABC):
         algorithms.barrier(self)
 
     def split(self, color: int, key: int) -> Backend:
-        """The backend of the subgroup of ranks sharing ``color``, ordered by (key, rank)."""
-        return algorithms.split(self, color, key)
+        """The backend of the subgroup of ranks sharing ``color``, ordered by (key, rank):
+        by default a :class:`SubgroupBackend` over this backend's links."""
+        return SubgroupBackend(self, algorithms.split_members(self, color, key))
 
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed (an uncaught exception, or exit code ``code``).
@@ -238,6 +239,35 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections and threads; called once, when the group is destroyed."""
         return None
+
+
+class SubgroupBackend(Backend):
+    """Ranks ``members`` of ``parent`` as a group of their own; collectives come from the
+    generic algorithms over the parent's send/recv, with ranks translated."""
+
+    #: the generic algorithms accept the caller's out= buffers (see Backend.direct_out)
+    direct_out = True
+
+    def __init__(self, parent: Backend, members: list[int]) -> None:
+        self.parent = parent
+        self.members = list(members)
+        self._rank = self.members.index(parent.rank())
+        self.timeout = parent.timeout
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def send(self, buf: np.ndarray, dst: int) -> None:
+        self.parent.send(buf, self.members[dst])
+
+    def recv(self, buf: np.ndarray, src: int) -> None:
+        self.parent.recv(buf, self.members[src])
+
+    def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
+        self.parent.sendrecv(sendbuf, self.members[dst], recvbuf, self.members[src])
 
 
 def in_place(sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool:
