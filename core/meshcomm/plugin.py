@@ -63,7 +63,7 @@ from .errors import (
     DistributedError,
     PeerLostError,
 )
-from .hookspecs import hookimpl
+from .hookspecs import Availability, BackendRegistrar, EnvironmentCheck, Factory, hookimpl
 from .jobsecret import JobSecretSettings, check_job_secret
 from .launch.safety import check_env_name, secret_names
 from .launch.spec import (
@@ -76,7 +76,6 @@ from .launch.spec import (
 )
 from .operations import wire_names
 from .placement import FAMILIES, Coordinator, Family, Placement, coordinator, placement
-from .registry import Availability, BackendRegistrar, EnvironmentCheck, Factory
 from .sockio import recv_exact
 
 if TYPE_CHECKING:  # resolved by __getattr__ at run time

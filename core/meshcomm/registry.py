@@ -1,8 +1,13 @@
-"""Finding backends: entry points loaded lazily through pluggy, one registrar, selection.
+"""Finding backends: plugins loaded lazily through pluggy, what they register, selection.
 
 Plugins are loaded on first use (``init()``, ``backends()``, the CLI), never at
 ``import meshcomm``. A plugin that fails to import or to register is listed as
 unavailable with its error and does not affect the others.
+
+The hook and what it deals in (:class:`BackendRegistrar`, :class:`BackendSpec`, the
+``Factory`` / ``Availability`` / ``EnvironmentCheck`` types) are defined in
+:mod:`meshcomm.hookspecs`, below this module, and re-exported here; the built-in size-1
+plugin :mod:`meshcomm.single` imports only that vocabulary, so this module can import it.
 
 Environment switches: ``MESHCOMM_PLUGINS`` (comma list of entry-point names to load;
 empty = load none) and ``MESHCOMM_DISABLE_PLUGINS`` (comma list to skip).
@@ -14,20 +19,18 @@ import importlib.metadata as md
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from . import hookspecs
+from . import hookspecs, single
 from .backend import Backend
 from .errors import BackendUnavailableError, ConfigError
-from .launch.spec import ExternalLauncher, LauncherSupport, RankEnvLauncher
+from .hookspecs import Availability, BackendRegistrar, BackendSpec, EnvironmentCheck, Factory
 
-if TYPE_CHECKING:  # pydantic is imported by the first init(), not by import meshcomm
-    from pydantic import BaseModel
-
+if TYPE_CHECKING:
     from .config import Config
 
 __all__ = [
@@ -42,14 +45,6 @@ __all__ = [
     "reset_registry",
 ]
 
-#: ``factory(config, settings) -> Backend``: starts the backend (``settings`` is an instance
-#: of the model passed as ``settings=``, or None)
-Factory = Callable[["Config", Any], Backend]
-#: ``available() -> None | str``: None when the backend's libraries load, else why not
-Availability = Callable[[], str | None]
-#: ``environment(config, settings) -> None | str``: None when this process was started for the backend
-EnvironmentCheck = Callable[["Config", Any], str | None]
-
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -62,109 +57,6 @@ class BackendInfo:
     reason: str | None
     configured: bool = False
     description: str = ""
-
-
-@dataclass
-class BackendSpec:
-    """Everything a plugin tells the core about one backend."""
-
-    name: str
-    factory: Factory
-    available: Availability = lambda: None
-    environment: EnvironmentCheck = lambda config, settings: None
-    settings: type[BaseModel] | None = None
-    launcher: LauncherSupport | None = None
-    priority: int = 100
-    multiprocess: bool = True
-    description: str = ""
-    plugin: str = ""
-    distribution: str | None = None
-    version: str | None = None
-
-    def unavailable_reason(self) -> str | None:
-        """None when the backend's libraries load, else why not (never raises)."""
-        try:
-            return self.available()
-        except Exception as exc:  # an availability check must not break listing
-            return f"availability check failed: {exc!r}"
-
-    def load_settings(self, overrides: Mapping[str, Any] | None = None) -> Any:
-        """This backend's validated settings section (None when it has none)."""
-        from .config import load_settings
-
-        return None if self.settings is None else load_settings(self.settings, overrides)
-
-
-class BackendRegistrar:
-    """The ``register`` object handed to :func:`meshcomm_register_backends`."""
-
-    def __init__(self, registry: Registry) -> None:
-        self._registry = registry
-        self._plugin = ""
-        self._dist: tuple[str | None, str | None] = (None, None)
-
-    def __call__(
-        self,
-        name: str,
-        *,
-        factory: Factory,
-        available: Availability | None = None,
-        environment: EnvironmentCheck | None = None,
-        settings: type[BaseModel] | None = None,
-        launcher: LauncherSupport | None = None,
-        priority: int = 100,
-        multiprocess: bool = True,
-        description: str = "",
-    ) -> None:
-        """Register backend ``name``.
-
-        Args:
-            name: lower-case name users select with ``MLX_BACKEND`` / ``init(backend=...)``.
-            factory: ``factory(config, settings) -> Backend``; starts the backend (connects,
-                rendezvous). Raise BackendUnavailableError or DistributedError on failure.
-            available: ``() -> None | str``: None if the libraries load, else why not.
-            environment: ``(config, settings) -> None | str``: None if this process was
-                started for this backend (so ``any`` picks it), else what is missing.
-            settings: pydantic model of the backend's own settings (built with
-                :func:`meshcomm.config.setting` so each field names its environment variable).
-            launcher: what ``meshcomm launch --backend NAME`` calls: an object with
-                ``rank_env(job)`` or ``external_command(job, argv, env)``
-                (:data:`meshcomm.plugin.LauncherSupport`); None if the backend cannot be launched.
-            priority: order in which ``any`` tries backends (lower first).
-            multiprocess: False for backends that never span processes (size 1).
-            description: one line shown by ``meshcomm info``.
-        """
-        key = name.strip().lower()
-        if not callable(factory):
-            raise TypeError(f"backend {key!r} (plugin {self._plugin!r}): factory must be callable, got {factory!r}")
-        if launcher is not None and not isinstance(launcher, (RankEnvLauncher, ExternalLauncher)):
-            raise TypeError(
-                f"backend {key!r} (plugin {self._plugin!r}): launcher {type(launcher).__name__} has neither "
-                "rank_env(job) nor external_command(job, argv, env); pass one of those (see "
-                "meshcomm.plugin.LauncherSupport) or launcher=None"
-            )
-        if key in self._registry.specs:
-            other = self._registry.specs[key]
-            raise ValueError(
-                f"backend {key!r} registered twice: by {other.plugin!r} and by {self._plugin!r}"
-            )
-        spec = BackendSpec(
-            name=key,
-            factory=factory,
-            settings=settings,
-            launcher=launcher,
-            priority=priority,
-            multiprocess=multiprocess,
-            description=description,
-            plugin=self._plugin,
-            distribution=self._dist[0],
-            version=self._dist[1],
-        )
-        if available is not None:
-            spec.available = available
-        if environment is not None:
-            spec.environment = environment
-        self._registry.specs[key] = spec
 
 
 @dataclass
@@ -190,8 +82,6 @@ class Registry:
     def load(self, environ: Mapping[str, str] | None = None, *, entry_points: bool = True) -> Registry:
         """Register the built-in plugins, then every allowed entry point, then call the hook."""
         environ = os.environ if environ is None else environ
-        from . import single
-
         self.pm.register(single, name="single")
         if entry_points:
             self._load_entry_points(environ)
