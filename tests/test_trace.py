@@ -295,7 +295,7 @@ def test_ring_keeps_the_newest_events_and_counts_the_dropped(tmp_path: Path, fre
     world = mc.init(backend="any", strict=False)
     assert world.size() == 1 and recorder.active is None
     rec = recorder.Recorder(world, folder=tmp_path, capacity=4, progress=None)
-    recorder.active = rec
+    recorder.attach(rec)
     try:
         for i in range(6):
             world.all_sum(np.full(3, i, np.int16))

@@ -51,15 +51,24 @@ _installed = False
 _stacks_installed = False
 _ended = False
 _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
+#: what the failure path needs of the layers above, handed over by them (this module imports
+#: none of them: the rank runner starts with the standard library only): the started worlds'
+#: (name, backend) pairs, and what must run before their abort (the tracer writes its file)
+_worlds: Callable[[], list[tuple[str, Any]]] = list
+_before_abort: list[Callable[[], object]] = []
 
 
-def install() -> None:
-    """Wrap ``sys.excepthook`` (once; calling again does nothing).
+def install(worlds: Callable[[], list[tuple[str, Any]]] | None = None) -> None:
+    """Wrap ``sys.excepthook`` (once; calling again only takes ``worlds``).
 
     The previous hook prints the traceback first, then :func:`end_rank` runs with code 1.
+    ``worlds`` returns the (name, backend) of every world this process started: the ones
+    :func:`end_rank` aborts (:func:`meshcomm.world.started_backends`).
     """
-    global _installed, _previous_hook
+    global _installed, _previous_hook, _worlds
     with _lock:
+        if worlds is not None:
+            _worlds = worlds
         if _installed:
             return
         _installed = True
@@ -134,7 +143,7 @@ def end_rank(code: int, reason: str, exc: BaseException | None = None) -> None:
     except OSError as err:  # a full or vanished job directory must not hide the real failure
         sys.stderr.write(f"meshcomm: could not write the failure record of this rank: {err}\n")
     _flush()
-    _dump_trace()
+    _run_before_abort()
     _abort_worlds(code, reason)
 
 
@@ -158,18 +167,27 @@ def _flush() -> None:
             pass
 
 
+def before_abort(hook: Callable[[], object]) -> None:
+    """Run ``hook()`` when this rank's program fails, after its record and before the worlds
+    abort (which may end the process): the tracer writes its file. Adding it again does nothing."""
+    with _lock:
+        if hook not in _before_abort:
+            _before_abort.append(hook)
+
+
 def _started_backends() -> list[tuple[str, Any]]:
-    """(name, backend) of every world this process started; none if meshcomm.world was never
-    imported (the rank runner must not import it: it starts with the standard library only)."""
-    world = sys.modules.get("meshcomm.world")
-    return [] if world is None else world.started_backends()
+    """(name, backend) of every world this process started, as :func:`install` was told;
+    none when no world started (the rank runner alone)."""
+    return _worlds()
 
 
-def _dump_trace() -> None:
-    """Write this rank's trace (MESHCOMM_TRACE) before an abort can end the process."""
-    recorder = sys.modules.get("meshcomm.trace.recorder")
-    if recorder is not None:
-        recorder.dump("failure")
+def _run_before_abort() -> None:
+    for hook in list(_before_abort):
+        try:
+            hook()
+        except Exception as err:  # noqa: BLE001 - the rank is ending anyway; say why the hook failed
+            sys.stderr.write(f"meshcomm: before the abort, {getattr(hook, '__qualname__', hook)} failed: {describe(err)}\n")
+            _flush()
 
 
 def _abort_worlds(code: int, reason: str) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import debug as _debug
 from . import exits, objects
+from . import observer as _observer
 from .backend import SHAPE_KEYS, Backend
 from .dtypes import BASE_SUPPORTED, check_dtype
 from .errors import DistributedError
@@ -29,7 +30,6 @@ from .frameworks import MappedWork, result_type, to_numpy
 from .guard import Ticket, WorldGuard
 from .objects import ObjectSeal
 from .operations import REDUCTIONS
-from .trace import recorder as _trace
 from .work import Work, WorldWorker
 
 __all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
@@ -741,7 +741,7 @@ class Group:
             return True
         return False
 
-    def _submit(self, op: str, run: Callable[[], T], async_op: bool, payload: _trace.Payload = None,
+    def _submit(self, op: str, run: Callable[[], T], async_op: bool, payload: _observer.Payload = None,
                 arg: int = -1) -> Any:
         """Issue ``op``: refused on a closed group or from a second thread; then ``run()`` here,
         or on the world's worker when ``async_op`` (a handle is returned) or when earlier
@@ -749,7 +749,7 @@ class Group:
 
         ``payload`` and ``arg`` describe the operation to the recorder, which only reads them
         when tracing or the stall inspector is on: what this rank passes (see
-        :data:`meshcomm.trace.recorder.Payload`), and the peer of ``send``/``recv`` or the
+        :data:`meshcomm.observer.Payload`), and the peer of ``send``/``recv`` or the
         color of ``split``. Callers pass values they already hold (only ``recv`` pairs its
         shape and dtype), so with the recorder off they cost two passed arguments.
         """
@@ -767,7 +767,7 @@ class Group:
         worker.submit(work, lambda: self._execute(op, ticket, run, payload, arg))
         return work if async_op else work.wait()
 
-    def _execute(self, op: str, ticket: Ticket, run: Callable[[], T], payload: _trace.Payload, arg: int) -> T:
+    def _execute(self, op: str, ticket: Ticket, run: Callable[[], T], payload: _observer.Payload, arg: int) -> T:
         """``run()`` as operation ``op``, with unexpected exceptions turned into a
         DistributedError naming the rank; then the guard lets the world go."""
         if op == "send":
@@ -781,7 +781,7 @@ class Group:
         b.user_no = n
         ok = False
         try:
-            result = run() if _trace.active is None else _trace.active.call(self, op, run, payload, arg, n)
+            result = run() if _observer.active is None else _observer.active.call(self, op, run, payload, arg, n)
             ok = True
             return result
         except (DistributedError, ValueError, TypeError):

@@ -57,7 +57,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         transport, started = registry.start(name, config, strict)
         if started != "single":
             # An uncaught exception on this rank tells its peers and the launcher (exits.py).
-            exits.install()
+            exits.install(started_backends)
             exits.install_stack_dump(transport.rank())
             if config.keep_memory:
                 keep_freed_memory()

@@ -1,14 +1,14 @@
 """The per-rank recorder: every operation's name, group, sequence, bytes, dtype, start and end.
 
-``Group._execute`` runs each operation through :data:`active` when it is set (one ``None``
-check when it is not), handing over what the operation's method already holds: the
+``Group._execute`` runs each operation through the observer slot (:mod:`meshcomm.observer`)
+when it is set, handing over what the operation's method already holds: the
 :data:`Payload` this rank passes and the peer (send, recv) or color (split).
 :meth:`Recorder.call` notes the start, runs the operation, notes the end. :func:`start` sets it up from the world's settings:
 
 * ``MESHCOMM_TRACE=DIR``: events go into a bounded ring (``MESHCOMM_TRACE_EVENTS``; the
   oldest are dropped and counted) written to ``DIR/rank-<R>.json`` at exit, and when the
-  rank's program fails (:func:`meshcomm.exits.end_rank` calls :func:`dump` before it
-  aborts the worlds);
+  rank's program fails (:func:`start` hands :func:`meshcomm.exits.end_rank` the dump to run
+  before it aborts the worlds);
 * ``MESHCOMM_STALL_AFTER`` > 0: the stall inspector (:mod:`meshcomm.trace.stall`) and,
   under ``meshcomm launch`` or a PMIx ``mpirun``, this rank's progress record
   (:mod:`meshcomm.trace.progress`).
@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from .. import exits, observer
+from ..observer import Payload
 from ..private_files import private_dir, write_atomic
 from .progress import ProgressWriter, job_progress_dir
 from .stall import Current, StallInspector
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..group import Group
 
-__all__ = ["Recorder", "Payload", "active", "start", "dump", "stop", "RANK_FILE_FORMAT", "rank_file"]
+__all__ = ["Recorder", "Payload", "active", "start", "attach", "dump", "stop", "RANK_FILE_FORMAT", "rank_file"]
 
 T = TypeVar("T")
 
@@ -55,15 +57,12 @@ _now = time.time  # looked up once: this runs around every operation
 
 #: the ``format`` field of a rank file
 RANK_FILE_FORMAT = "meshcomm-trace-rank/1"
-#: the recorder the core runs every operation through, or None (tracing and inspector off)
+#: the recorder in the observer slot, or None (tracing and inspector off)
 active: Recorder | None = None
 _lock = threading.Lock()
 
 #: one event: group, sequence, op, peer (-1: a collective), bytes, dtype, start, end, ok
 Event = tuple[str, int, str, int, int, Any, float, float, bool]
-#: what a rank passes to an operation, as the core hands it over: the array (its bytes and
-#: dtype are recorded), the pickled object (bytes), recv's (shape, dtype), or None
-Payload = np.ndarray | bytes | tuple[tuple[int, ...], np.dtype[Any]] | None
 
 
 def rank_file(folder: str | os.PathLike[str], rank: int) -> Path:
@@ -197,7 +196,6 @@ class Recorder:
 
 def start(config: Config, world: Group) -> Recorder | None:
     """Set up tracing and the stall inspector for ``world`` as ``config`` asks (once per process)."""
-    global active
     stall = float(config.stall_after)
     if config.trace is None and stall <= 0:
         return None
@@ -225,8 +223,21 @@ def start(config: Config, world: Group) -> Recorder | None:
             rec.inspector.start()
         if rec.folder is not None:
             atexit.register(dump, "exit")
-        active = rec
+        attach(rec)
         return rec
+
+
+def attach(rec: Recorder) -> None:
+    """Make ``rec`` the active recorder: every operation of every group runs through it (the
+    observer slot), and a failing rank writes its file before the worlds abort."""
+    global active
+    active = rec
+    observer.attach(rec)
+    exits.before_abort(_dump_failure)
+
+
+def _dump_failure() -> None:
+    dump("failure")
 
 
 def dump(reason: str = "exit") -> Path | None:
@@ -247,6 +258,8 @@ def stop() -> None:
     """Stop recording (tests; the core never calls it): the inspector ends, the hook goes."""
     global active
     rec, active = active, None
+    if rec is not None and observer.active is rec:
+        observer.detach()
     if rec is not None:
         if rec.inspector is not None:
             rec.inspector.stop()

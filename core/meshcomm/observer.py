@@ -1,0 +1,50 @@
+"""The slot through which a tool watches every operation of every group.
+
+``Group._execute`` runs each operation through :data:`active` when it is set (one ``None``
+check when it is not), handing over what the operation's method already holds. The tracer
+and the stall inspector (:mod:`meshcomm.trace.recorder`) fill the slot when the world starts
+with them on; the groups know only this module, not the tool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+__all__ = ["Payload", "CallObserver", "active", "attach", "detach"]
+
+T = TypeVar("T")
+
+#: what a rank passes to an operation, as the core hands it over: the array (its bytes and
+#: dtype are recorded), the pickled object (bytes), recv's (shape, dtype), or None
+Payload = np.ndarray | bytes | tuple[tuple[int, ...], np.dtype[Any]] | None
+
+
+class CallObserver(Protocol):
+    """A tool that runs each operation itself, to note what it does."""
+
+    def call(self, group: Any, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1,
+             seq: int = 0) -> T:
+        """Run ``run()`` (operation ``op`` on ``group``, the group's call number ``seq``) and
+        note it; ``payload`` is what this rank passes, ``arg`` the peer of ``send``/``recv``
+        or the color of ``split``."""
+        ...
+
+
+#: the observer every operation runs through, or None (nothing watches)
+active: CallObserver | None = None
+
+
+def attach(observer: CallObserver) -> None:
+    """Run every later operation of every group through ``observer``."""
+    global active
+    active = observer
+
+
+def detach() -> CallObserver | None:
+    """Empty the slot; returns the observer that was in it."""
+    global active
+    observer, active = active, None
+    return observer
