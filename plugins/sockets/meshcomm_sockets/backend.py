@@ -24,6 +24,7 @@ from meshcomm.plugin import UFUNCS, Backend, algorithms, dtype_code
 
 from . import wire
 from .engine import Call, Fabric, Link, as_bytes
+from .mesh import MeshGroup
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
 from .shm import DIRECT_REDUCE_MIN_BYTES
 
@@ -51,8 +52,9 @@ class _Op:
             self.backend._call = None
 
 
-class SocketsBackend(Backend):
-    """One group (the world, or a split of it) over a shared :class:`Fabric`."""
+class SocketsBackend(MeshGroup):
+    """One group (the world, or a split of it) over a shared :class:`Fabric` (its paths see
+    it as a :class:`MeshGroup`)."""
 
     #: every collective's descriptor (op, dtype, count, root) is checked in-band on every rank
     checks_calls = True

@@ -10,7 +10,9 @@
 
 Each path takes the call's descriptor (:class:`~meshcomm_sockets.engine.Call`) and
 contiguous 1-D buffers, so each can be tuned and tested on its own; the backend only
-numbers calls and picks nothing per operation.
+numbers calls and picks nothing per operation. A path knows its group only as a
+:class:`~meshcomm_sockets.mesh.MeshGroup` (the backend imports this module, never the
+reverse).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from meshcomm.plugin import algorithms, reducer
+from meshcomm.plugin import Backend, algorithms, reducer
 
 from . import wire
 from .engine import Call, as_bytes
+from .mesh import MeshGroup
 
 if TYPE_CHECKING:
-    from .backend import SocketsBackend
     from .shm import ShmGroup
 
 __all__ = ["Path", "TcpPath", "LocalPath", "HostsPath", "RING_MIN_BYTES", "FRAME_BYTES"]
@@ -65,7 +67,7 @@ class TcpPath:
     name = "tcp"
     quick_sum: QuickSum | None = None
 
-    def __init__(self, group: SocketsBackend) -> None:
+    def __init__(self, group: MeshGroup) -> None:
         self.group = group
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -187,7 +189,7 @@ class LocalPath(TcpPath):
 
     name = "local"
 
-    def __init__(self, group: SocketsBackend, shm: ShmGroup) -> None:
+    def __init__(self, group: MeshGroup, shm: ShmGroup) -> None:
         super().__init__(group)
         self.shm = shm
         # only with the C channel (attached before the path is made): without it every
@@ -241,7 +243,7 @@ class HostsPath(TcpPath):
 
     name = "hier"
 
-    def __init__(self, group: SocketsBackend, shm: ShmGroup | None, leaders: SocketsBackend | None) -> None:
+    def __init__(self, group: MeshGroup, shm: ShmGroup | None, leaders: Backend | None) -> None:
         super().__init__(group)
         self.shm = shm
         self.leaders = leaders

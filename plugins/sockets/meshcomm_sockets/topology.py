@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import cma
+from .backend import SocketsBackend
 from .paths import HostsPath, LocalPath, Path, TcpPath
 from .shm import SHM_DIR, ShmGroup, check_name, check_piece, host_key, new_name, remove_dir
-
-if TYPE_CHECKING:
-    from .backend import SocketsBackend
 
 log = logging.getLogger("meshcomm.sockets")
 
@@ -87,8 +84,6 @@ def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: i
 
 def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
             job_id: str | None, spin_us: int, seq_start: int, direct: bool, native: bool) -> Path:
-    from .backend import SocketsBackend
-
     tcp = TcpPath(world)
     n, r = world.size(), world.rank()
     mine = np.zeros(17, np.uint8)
