@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from . import limits
-from .cli import COMPARE_SIZES, add_compare_arguments
+from .compare_options import COMPARE_SIZES, add_compare_arguments
 from .sizes import format_size
 
 __all__ = ["main", "run"]

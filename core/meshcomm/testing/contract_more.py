@@ -1,10 +1,10 @@
 """The second round of the API contract: all_to_all, gather, scatter, reduce, the object
 collectives, ``out=``, ``async_op=True`` and ``close()``, as checks that run on every rank.
 
-Like :mod:`meshcomm.testing.contract`, each ``check_*`` takes a group and raises
-AssertionError naming the rank and what differed. They run after the first round's checks
-with ``python -m meshcomm.testing.contract --more`` (and ``--meshcomm-more`` in the pytest
-plugin); :data:`ALL_CHECKS` is both rounds.
+Like the first round's (:mod:`meshcomm.testing.contract_first`), each ``check_*`` takes a
+group and raises AssertionError naming the rank and what differed. They run after the first
+round's checks with ``python -m meshcomm.testing.contract --more`` (and ``--meshcomm-more``
+in the pytest plugin); :data:`ALL_CHECKS` is both rounds.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 
 import meshcomm as mc
 
-from .contract import (
-    CHECKS,
+from .checks_base import (
     LARGE,
     _dtypes,
     _expect,
@@ -25,6 +24,7 @@ from .contract import (
     _same,
     rank_input,
 )
+from .contract_first import CHECKS
 
 __all__ = ["MORE_CHECKS", "ALL_CHECKS"]
 

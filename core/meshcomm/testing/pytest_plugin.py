@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from .contract import CHECKS, JSON_MARK
+from .contract_more import ALL_CHECKS
 
 __all__ = ["ContractJob", "ContractRunner", "check_names"]
 
@@ -71,8 +72,6 @@ def _more(config: pytest.Config | None) -> bool:
 def check_names(more: bool = False) -> list[str]:
     """The names of the contract's checks (``more``: both rounds)."""
     if more:
-        from .contract_more import ALL_CHECKS
-
         return [c.__name__ for c in ALL_CHECKS]
     return [c.__name__ for c in CHECKS]
 
