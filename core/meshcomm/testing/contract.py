@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import meshcomm as mc
 
-# the names this module defined before the checks moved out; importable from here as before
+# re-exported: backend authors' tests import the checks and helpers from this module
 from .checks_base import (  # noqa: F401
     LARGE,
     SHAPES,
