@@ -28,7 +28,11 @@ import numpy as np
 
 from . import algorithms
 
-__all__ = ["Backend", "SubgroupBackend", "in_place", "shape_key", "SHAPE_KEYS"]
+__all__ = ["Backend", "SubgroupBackend", "in_place", "shape_key", "SHAPE_KEYS", "DEFAULT_TIMEOUT"]
+
+#: seconds a rank waits on a peer unless told otherwise: the default of ``MLX_TIMEOUT``
+#: (:attr:`meshcomm.config.Config.timeout`) and of :attr:`Backend.timeout`
+DEFAULT_TIMEOUT: float = 300.0
 
 
 class _ShapeKeys(dict):
@@ -63,7 +67,7 @@ class Backend(abc.ABC):
     """Base class of every transport. Subclass it and implement the four abstract methods."""
 
     #: seconds a blocking call waits on a peer before raising CommTimeoutError
-    timeout: float = 300.0
+    timeout: float = DEFAULT_TIMEOUT
 
     #: True when the transport itself compares every collective's op, dtype, length and
     #: root across ranks (raising CollectiveMismatchError). When False the core does it

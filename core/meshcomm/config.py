@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .backend import DEFAULT_TIMEOUT
 from .errors import ConfigError
 from .placement import Coordinator, coordinator, parse_coordinator, placement
 
@@ -184,7 +185,7 @@ class Config(Settings):
         description="peers of the sockets backend",
     )
     timeout: float = setting(
-        300.0,
+        DEFAULT_TIMEOUT,
         env="MLX_TIMEOUT",
         accepts=f"a number of seconds > 0 and <= {MAX_TIMEOUT} (about 24.8 days)",
         description="seconds a rank waits on a peer (start-up and every operation) before it raises",

@@ -177,7 +177,7 @@ class Group:
         if world_was_closed:
             return  # the world's close already released everything split from it
         # after this rank's program failed (the peers were told), do not wait on them
-        timeout = 0.0 if exits.has_ended() else float(getattr(self._b, "timeout", 300.0))
+        timeout = 0.0 if exits.has_ended() else float(self._b.timeout)
         if self._is_world:
             self._world.worker.stop(timeout)
         else:

@@ -17,7 +17,8 @@ What is here, by job:
   ``available``, ``environment``, ``settings``, ``launcher``, ``priority``,
   ``multiprocess``, ``description``);
 * the transport: :class:`Backend` (subclass it; only ``rank``, ``size``, ``send`` and
-  ``recv`` are required), :func:`in_place` for ``direct_out`` backends, and the generic
+  ``recv`` are required), :func:`in_place` for ``direct_out`` backends, :data:`DEFAULT_TIMEOUT`
+  (the seconds ``MLX_TIMEOUT`` and :attr:`Backend.timeout` default to), and the generic
   algorithms a transport may reuse (:mod:`algorithms`, e.g. :func:`split_plan`,
   :func:`reduce_scatter_by_all_reduce`);
 * settings: :class:`Config` (the core's settings a factory receives), :func:`setting`
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from . import algorithms
 from . import dtypes as _dtypes
 from .algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
-from .backend import Backend, in_place
+from .backend import DEFAULT_TIMEOUT, Backend, in_place
 from .config import Config, Settings, load_settings, setting
 from .coordinator import exchange, local_address
 from .dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
@@ -85,7 +86,7 @@ __all__ = [
     # registering
     "hookimpl", "BackendRegistrar", "Factory", "Availability", "EnvironmentCheck",
     # the transport and the generic algorithms
-    "Backend", "in_place", "algorithms", "split_plan", "split_members", "SplitPlan",
+    "Backend", "in_place", "DEFAULT_TIMEOUT", "algorithms", "split_plan", "split_members", "SplitPlan",
     "reduce_scatter_by_all_reduce",
     # settings
     "Config", "Settings", "setting", "load_settings", "JobSecretSettings", "check_job_secret",

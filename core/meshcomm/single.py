@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backend import Backend
+from .backend import DEFAULT_TIMEOUT, Backend
 from .hookspecs import BackendRegistrar, hookimpl
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ class SingleBackend(Backend):
     #: the generic algorithms accept the caller's out= buffers (see Backend.direct_out)
     direct_out = True
 
-    def __init__(self, timeout: float = 300.0) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
 
     def rank(self) -> int:

@@ -20,7 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from meshcomm.plugin import Backend, CollectiveMismatchError, DistributedError, in_place, split_plan
+from meshcomm.plugin import (
+    DEFAULT_TIMEOUT,
+    Backend,
+    CollectiveMismatchError,
+    DistributedError,
+    in_place,
+    split_plan,
+)
 from mpi4py import MPI
 
 from .control import Control
@@ -55,7 +62,7 @@ class MPIBackend(Backend):
     #: results go straight into callers' out= arrays (out=x: MPI_IN_PLACE)
     direct_out = True
 
-    def __init__(self, comm: Any, ops: OpTable, control: Control, *, timeout: float = 300.0,
+    def __init__(self, comm: Any, ops: OpTable, control: Control, *, timeout: float = DEFAULT_TIMEOUT,
                  cid: str = "world", members: list[int] | None = None, label: str = "the world") -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = comm

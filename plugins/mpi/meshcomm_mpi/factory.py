@@ -6,10 +6,9 @@ Imported only when the backend starts, because importing ``mpi4py.MPI`` initiali
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
-from meshcomm.plugin import Backend, BackendUnavailableError
+from meshcomm.plugin import Backend, BackendUnavailableError, Config
 
 from .environment import launched_world_size
 from .settings import MPISettings
@@ -17,7 +16,7 @@ from .settings import MPISettings
 __all__ = ["create_backend"]
 
 
-def create_backend(config: Any, settings: MPISettings | None) -> Backend:
+def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     """The ``factory`` of the mpi backend: an MPIBackend on a duplicate of COMM_WORLD.
 
     Raises BackendUnavailableError when MPI cannot initialise, or when the launcher
@@ -55,7 +54,7 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
     if launched is not None:
         die_with_parent()  # a rank must not outlive its mpiexec
     control = Control(ctl, None, spin=settings.spin_us * 1e-6)
-    timeout = float(getattr(config, "timeout", 300.0))
+    timeout = float(config.timeout)
     # start-up exchanges run under the deadline like every operation
     start = MPIBackend(comm, OpTable([]), control, timeout=timeout)
     ident = np.array([os.getpid(), host_key()], dtype=np.int64)
