@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CommTimeoutError, DistributedError
+from .jobsecret import SECRET_HINT
 from .placement import Coordinator
 from .sockio import recv_exact
 
@@ -86,9 +87,7 @@ _BACKLOG = 512
 NO_SECRET_WARNING = (
     "meshcomm coordinator (rank 0): MESHCOMM_JOB_SECRET is not set, so any process that can reach the "
     "coordinator's port can register as a rank, learn every rank's address, or pose as the coordinator. "
-    "Make one secret and give every rank the same value, e.g. "
-    "export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;print(secrets.token_hex(16))') before "
-    "starting the job (srun, mpirun and torchrun pass the environment on)."
+    f"{SECRET_HINT}."
 )
 
 

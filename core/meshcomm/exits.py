@@ -34,13 +34,12 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from .launchvars import RUNNER_RANK_VARS
+
 __all__ = ["JOB_DIR_ENV", "STACKS_FILE", "install", "install_stack_dump", "end_rank", "failure_record", "read_records", "rank_from_env"]
 
 #: set by ``meshcomm launch``: the job's directory, where ranks leave their failure records
 JOB_DIR_ENV = "MESHCOMM_JOB_DIR"
-
-#: rank variables of the launchers a rank may run under, in the order they are trusted
-_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 #: ``<MESHCOMM_JOB_DIR>/pids/stacks-<R>.pid``: rank R's process prints its Python stacks on
 #: SIGUSR1 (the launcher sends it on a timeout only to processes that wrote this file)
@@ -204,7 +203,7 @@ def _abort_worlds(code: int, reason: str) -> None:
 
 def rank_from_env() -> int | None:
     """This process's rank as the launcher that started it says (meshcomm, Open MPI, MPICH, PMIx)."""
-    for var in _RANK_VARS:
+    for var in RUNNER_RANK_VARS:
         value = os.environ.get(var, "")
         if value.isdigit():
             return int(value)

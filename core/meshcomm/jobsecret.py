@@ -21,10 +21,13 @@ from .userkey import KeyUnavailable, all_loopback, user_key
 
 __all__ = ["JobSecretSettings", "check_job_secret", "user_key_warning", "SECRET_HINT"]
 
-#: how to make and share a secret, for messages
+#: how to make and share a secret: the one wording of every message that asks for one (rank 0's
+#: warnings of the coordinator and the backends, the ConfigError of MESHCOMM_REQUIRE_SECRET)
 SECRET_HINT = (
-    "give every rank the same secret, e.g. export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;"
-    "print(secrets.token_hex(16))') once and pass it to every rank (meshcomm launch sets one itself)"
+    "meshcomm launch sets a fresh secret itself; for ranks started otherwise make one secret and give "
+    "the same value to every rank, e.g. export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;"
+    "print(secrets.token_hex(16))') before starting them (srun, mpirun and torchrun pass the "
+    "environment on; elsewhere put it in each rank's environment)"
 )
 
 #: warnings already given in this process (one per backend and text)

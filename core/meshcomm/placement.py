@@ -2,8 +2,8 @@
 
 meshcomm's own launcher sets ``MLX_RANK``/``MLX_WORLD_SIZE``/``MLX_LOCAL_RANK``/``MLX_LOCAL_SIZE``;
 Slurm's ``srun``, Open MPI's and MPICH's ``mpirun``/``mpiexec`` and ``torchrun`` set their
-own. :func:`placement` reads the first family present, rank and sizes from the same family
-(mixing ``SLURM_PROCID`` with torchrun's ``WORLD_SIZE`` would pair numbers from two jobs).
+own (:data:`meshcomm.launchvars.FAMILIES` names them all). :func:`placement` reads the first
+family present, rank and sizes from the same family (mixing ``SLURM_PROCID`` with torchrun's ``WORLD_SIZE`` would pair numbers from two jobs).
 :func:`coordinator` says where rank 0 serves the rendezvous: ``MLX_COORDINATOR``, else
 ``MASTER_ADDR`` and ``MASTER_PORT + 1`` (``MASTER_PORT`` itself is torch's: torchrun's agent
 serves its store there), else one derived from the Slurm step.
@@ -17,32 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .launchvars import FAMILIES
 
 __all__ = ["Placement", "Coordinator", "placement", "coordinator", "parse_coordinator", "expand_hostlist",
            "FAMILIES"]
-
-
-@dataclass(frozen=True)
-class Family:
-    """One starter's variable names (None: that starter does not set it)."""
-
-    name: str
-    rank: str
-    size: str | None
-    local_rank: str | None
-    local_size: str | None
-
-
-#: in the order they are consulted: meshcomm's own first, torchrun's generic names last
-FAMILIES: tuple[Family, ...] = (
-    Family("meshcomm", "MLX_RANK", "MLX_WORLD_SIZE", "MLX_LOCAL_RANK", "MLX_LOCAL_SIZE"),
-    Family("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
-    Family("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-           "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    Family("PMIx", "PMIX_RANK", None, None, None),
-    Family("MPICH (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    Family("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-)
 
 
 @dataclass(frozen=True)

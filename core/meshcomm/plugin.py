@@ -25,10 +25,11 @@ What is here, by job:
   (a pydantic field that names its environment variable), :func:`load_settings`,
   :class:`Settings` (a model that reads the environment when constructed),
   :class:`JobSecretSettings` and :func:`check_job_secret` (``MESHCOMM_JOB_SECRET`` and
-  ``MESHCOMM_REQUIRE_SECRET``, the same for every backend that authenticates);
+  ``MESHCOMM_REQUIRE_SECRET``, the same for every backend that authenticates), and
+  :data:`SECRET_HINT` (how to set the secret, for messages);
 * where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
   rendezvous address from any launcher family; :data:`FAMILIES` names each family's
-  variables), :func:`exchange` and
+  variables, :data:`MPI_FAMILIES` the MPI launchers among them), :func:`exchange` and
   :func:`local_address` (the coordinator's address exchange), :func:`recv_exact` (bytes
   from a socket by a deadline, for start-up handshakes);
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
@@ -65,7 +66,7 @@ from .errors import (
     PeerLostError,
 )
 from .hookspecs import Availability, BackendRegistrar, EnvironmentCheck, Factory, hookimpl
-from .jobsecret import JobSecretSettings, check_job_secret
+from .jobsecret import SECRET_HINT, JobSecretSettings, check_job_secret
 from .launch.safety import check_env_name, secret_names
 from .launch.spec import (
     CleanupLauncher,
@@ -75,8 +76,9 @@ from .launch.spec import (
     RankEnvLauncher,
     RankPlace,
 )
+from .launchvars import FAMILIES, MPI_FAMILIES, Family
 from .operations import wire_names
-from .placement import FAMILIES, Coordinator, Family, Placement, coordinator, placement
+from .placement import Coordinator, Placement, coordinator, placement
 from .sockio import recv_exact
 
 if TYPE_CHECKING:  # resolved by __getattr__ at run time
@@ -90,8 +92,9 @@ __all__ = [
     "reduce_scatter_by_all_reduce",
     # settings
     "Config", "Settings", "setting", "load_settings", "JobSecretSettings", "check_job_secret",
+    "SECRET_HINT",
     # where the rank runs
-    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "Family", "exchange", "local_address", "recv_exact",
+    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "MPI_FAMILIES", "Family", "exchange", "local_address", "recv_exact",
     # meshcomm launch
     "LauncherSupport", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "JobSpec", "RankPlace",
     "check_env_name", "secret_names",

@@ -24,8 +24,9 @@ a job needs and a plain interpreter lacks:
 ``--exec COMMAND ARGS`` does all of this but the Python parts (exit records, stacks) and then
 execs COMMAND in place of the runner (same pid, same output FIFOs).
 
-Importing this module needs only the standard library: it also runs under a ``--python``
-interpreter (by path) whose program may never import meshcomm.
+Importing this module needs only the standard library (and :mod:`meshcomm.launchvars`, which
+needs no more): it also runs under a ``--python`` interpreter (by path, and then runs
+``launchvars.py`` by path too) whose program may never import meshcomm.
 """
 
 from __future__ import annotations
@@ -41,19 +42,20 @@ import signal
 import sys
 import types
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if __package__ or TYPE_CHECKING:
+    from ..launchvars import FROM_MPI_LAUNCHER, RUNNER_RANK_VARS
+else:  # run by path (launch.run.program_argv), maybe by an interpreter without meshcomm: run the
+    # package's stdlib-only file of launcher variables by path too
+    _VARS = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        "launchvars.py"))
+    FROM_MPI_LAUNCHER, RUNNER_RANK_VARS = _VARS["FROM_MPI_LAUNCHER"], _VARS["RUNNER_RANK_VARS"]
 
 __all__ = ["main", "OUTPUT_DIR_ENV"]
 
 #: set by the launcher when ranks must send their output through per-rank FIFOs
 OUTPUT_DIR_ENV = "MESHCOMM_OUTPUT_DIR"
-_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-#: meshcomm's variable <- the first of these another launcher sets
-_FROM_LAUNCHER = {
-    "MLX_RANK": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"),
-    "MLX_WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
-    "MLX_LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
-    "MLX_LOCAL_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
-}
 _PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m meshcomm.launch.rank (PROGRAM | -m MODULE | -c CODE | --exec COMMAND) [ARGS...]"
 
@@ -63,7 +65,7 @@ def set_rank_variables(environ: dict[str, str] | os._Environ[str] = os.environ) 
     ``MLX_RANK`` & co. from its variables, where meshcomm's own are not set."""
     if not environ.get("MESHCOMM_JOB_ID") or environ.get("MLX_RANK", "").isdigit():
         return
-    for mine, theirs in _FROM_LAUNCHER.items():
+    for mine, theirs in FROM_MPI_LAUNCHER.items():
         if environ.get(mine, "").isdigit():
             continue
         for var in theirs:
@@ -74,7 +76,7 @@ def set_rank_variables(environ: dict[str, str] | os._Environ[str] = os.environ) 
 
 
 def _env_rank() -> int | None:
-    for var in _RANK_VARS:
+    for var in RUNNER_RANK_VARS:
         value = os.environ.get(var, "")
         if value.isdigit():
             return int(value)
@@ -275,7 +277,7 @@ def main() -> None:
     folder = os.environ.get(OUTPUT_DIR_ENV)
     redirected = bool(folder) and rank is not None and redirect_output(str(folder), rank)
     if not redirected and os.environ.get("MESHCOMM_JOB_ID") and any(
-            os.environ.get(v) for vs in _FROM_LAUNCHER.values() for v in vs):
+            os.environ.get(v) for vs in FROM_MPI_LAUNCHER.values() for v in vs):
         whole_line_writes()
     _record_pid(rank)
     if args[0] == "--exec":

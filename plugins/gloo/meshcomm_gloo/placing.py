@@ -24,15 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from meshcomm.plugin import BackendUnavailableError, Config
+from meshcomm.plugin import FAMILIES, BackendUnavailableError, Config
 
 if TYPE_CHECKING:
     from .settings import GlooSettings
 
 __all__ = ["Rendezvous", "resolve", "missing", "job_id"]
 
-_RANK_VARS = "MLX_RANK (or a scheduler's rank: SLURM_PROCID, OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, RANK)"
-_SIZE_VARS = "MLX_WORLD_SIZE (or a scheduler's size: SLURM_NTASKS, OMPI_COMM_WORLD_SIZE, PMI_SIZE, WORLD_SIZE)"
+_OWN, *_SCHEDULERS = FAMILIES  # meshcomm's own variables, then every other launcher's in the core's order
+_RANK_VARS = f"{_OWN.rank} (or a scheduler's rank: {', '.join(f.rank for f in _SCHEDULERS)})"
+_SIZE_VARS = f"{_OWN.size} (or a scheduler's size: {', '.join(f.size for f in _SCHEDULERS if f.size)})"
 _STORE_VARS = ("MESHCOMM_GLOO_PORT (with MESHCOMM_GLOO_ADDR), MLX_COORDINATOR=host:port (or MASTER_ADDR and "
                "MASTER_PORT) or MESHCOMM_GLOO_FILE")
 
@@ -70,7 +71,7 @@ def _first(environ: Mapping[str, str], *names: str) -> str:
 
 
 def _scheduler_id(environ: Mapping[str, str], family: str) -> str:
-    """The job id the scheduler ``family`` (a :data:`meshcomm.placement.FAMILIES` name) gives all its ranks."""
+    """The job id the scheduler ``family`` (a :data:`meshcomm.plugin.FAMILIES` name) gives all its ranks."""
     if family == "Slurm":
         job = _first(environ, "SLURM_HET_JOB_ID", "SLURM_PACK_JOB_ID", "SLURM_JOB_ID")  # a het job's components
         step = _first(environ, "SLURM_STEP_ID", "SLURM_STEPID")                          # differ in SLURM_JOB_ID

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from meshcomm.plugin import (
+    SECRET_HINT,
     Backend,
     BackendRegistrar,
     BackendUnavailableError,
@@ -36,11 +37,8 @@ NO_SECRET_WARNING = (
     "meshcomm gloo rank 0: MESHCOMM_JOB_SECRET is not set, so the rendezvous store's values are tagged with a "
     "key anyone can compute: any process that can reach the store's port (other users of this machine, other "
     "machines when it listens on a network address) can write the addresses gloo connects to and the job's "
-    "failure records. meshcomm launch sets a fresh secret itself; for ranks started by hand (srun, mpirun, "
-    "torchrun) make one secret and give the same value to every rank, e.g. "
-    "export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;print(secrets.token_hex(16))'). gloo's data "
-    "connections are never authenticated or encrypted (use a WireGuard or ssh tunnel between hosts). Set "
-    "MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
+    f"failure records. {SECRET_HINT}. gloo's data connections are never authenticated or encrypted (use a "
+    "WireGuard or ssh tunnel between hosts). Set MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
 )
 
 

@@ -14,14 +14,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from meshcomm.plugin import FAMILIES
+from meshcomm.plugin import FAMILIES, MPI_FAMILIES
 
 __all__ = ["MPI_FAMILIES", "LAUNCHER_VARIABLES", "launched_world_size", "launch_reason", "unavailable_reason"]
 
-#: the launcher families of the core's table (:data:`meshcomm.plugin.FAMILIES`) that are MPI
-#: launchers: Open MPI's mpiexec, a PMIx launcher (prterun, ``srun --mpi=pmix``), MPICH/Hydra
-MPI_FAMILIES = ("Open MPI", "PMIx", "MPICH (PMI)")
-#: variables an MPI launcher sets in every rank: (rank variable, size variable, launcher)
+#: variables an MPI launcher sets in every rank: (rank variable, size variable, launcher), for the
+#: MPI launchers of the core's table (:data:`meshcomm.plugin.MPI_FAMILIES`)
 LAUNCHER_VARIABLES: tuple[tuple[str, str | None, str], ...] = tuple(
     (f.rank, f.size, f"the {f.name} launcher") for f in FAMILIES if f.name in MPI_FAMILIES
 )

@@ -10,6 +10,7 @@ from importlib import metadata
 from typing import Literal
 
 from meshcomm.plugin import (
+    SECRET_HINT,
     Backend,
     BackendRegistrar,
     Config,
@@ -30,10 +31,8 @@ NO_SECRET_WARNING = (
     "meshcomm sockets rank 0: MESHCOMM_JOB_SECRET is not set, so this job has no secret: any process that can "
     "reach a rank's port (other users of this machine, and other machines when ranks listen on a network "
     "address) can join the job as a rank, read its arrays and change them, and frame authentication then "
-    "uses a key anyone can compute. meshcomm launch sets a fresh secret itself; for ranks started by hand make "
-    "one secret and give the same value to every rank, e.g. "
-    "export MESHCOMM_JOB_SECRET=$(python -c 'import secrets;print(secrets.token_hex(16))') once, then pass it "
-    "to each rank's environment. Set MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
+    f"uses a key anyone can compute. {SECRET_HINT}. Set MESHCOMM_REQUIRE_SECRET=1 to make a missing secret "
+    "an error."
 )
 
 
