@@ -25,13 +25,14 @@ a job needs and a plain interpreter lacks:
 execs COMMAND in place of the runner (same pid, same output FIFOs).
 
 Importing this module needs only the standard library: it also runs under a ``--python``
-interpreter (by path) whose program may never import meshcomm.
+interpreter (by path) whose program may never import meshcomm. Its one module of meshcomm,
+:mod:`meshcomm.launch.lifetime` (the parent-death signal), is standard-library only too and,
+run by path, is loaded from the file next to this one.
 """
 
 from __future__ import annotations
 
 import builtins
-import ctypes
 import faulthandler
 import importlib.machinery
 import io
@@ -41,6 +42,18 @@ import signal
 import sys
 import types
 from types import TracebackType
+
+if __package__:  # python -m meshcomm.launch.rank
+    from .lifetime import die_with_parent
+else:  # python .../launch/rank.py: the file next to this one, under a name no program imports
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "_meshcomm_lifetime", os.path.join(os.path.dirname(os.path.abspath(__file__)), "lifetime.py"))
+    assert _spec is not None and _spec.loader is not None
+    _lifetime = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_lifetime)
+    die_with_parent = _lifetime.die_with_parent
 
 __all__ = ["main", "OUTPUT_DIR_ENV"]
 
@@ -54,7 +67,6 @@ _FROM_LAUNCHER = {
     "MLX_LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
     "MLX_LOCAL_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
 }
-_PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m meshcomm.launch.rank (PROGRAM | -m MODULE | -c CODE | --exec COMMAND) [ARGS...]"
 
 
@@ -79,19 +91,6 @@ def _env_rank() -> int | None:
         if value.isdigit():
             return int(value)
     return None
-
-
-def die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when our parent exits; if it already has (we were
-    reparented before the request took effect), end now."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux: nothing to ask for
-    if parent == 1 or os.getppid() != parent:
-        os._exit(128 + signal.SIGKILL)
 
 
 def redirect_output(folder: str, rank: int) -> bool:
@@ -269,7 +268,7 @@ def main() -> None:
     if not args or args[0] in ("-h", "--help"):
         sys.stderr.write(_USAGE + "\n")
         raise SystemExit(2)
-    die_with_parent()
+    die_with_parent(signal.SIGKILL, check="exit")  # an orphaned rank ends before its program starts
     set_rank_variables()
     rank = _env_rank()
     folder = os.environ.get(OUTPUT_DIR_ENV)

@@ -6,10 +6,11 @@ Imported only when the backend starts, because importing ``mpi4py.MPI`` initiali
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import numpy as np
-from meshcomm.plugin import Backend, BackendUnavailableError
+from meshcomm.plugin import Backend, BackendUnavailableError, die_with_parent
 
 from .environment import launched_world_size
 from .settings import MPISettings
@@ -33,7 +34,6 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
         ) from exc
     from .backend import MPIBackend
     from .control import Control, host_cores
-    from .parent import die_with_parent
     from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
 
@@ -53,7 +53,9 @@ def create_backend(config: Any, settings: MPISettings | None) -> Backend:
     ctl = world.Dup()
     ctl.Set_errhandler(MPI.ERRORS_RETURN)
     if launched is not None:
-        die_with_parent()  # a rank must not outlive its mpiexec
+        # a rank must not outlive its mpiexec: SIGKILL when its parent exits; if the parent
+        # died before the request took effect, the rank ends at once
+        die_with_parent(signal.SIGKILL, check="kill")
     control = Control(ctl, None, spin=settings.spin_us * 1e-6)
     timeout = float(getattr(config, "timeout", 300.0))
     # start-up exchanges run under the deadline like every operation
