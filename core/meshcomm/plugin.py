@@ -35,7 +35,8 @@ What is here, by job:
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
   :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
   :class:`RankPlace`, and :func:`check_env_name` / :func:`secret_names` for commands
-  that pass environment variables;
+  that pass environment variables; :func:`die_with_parent` (a rank must not outlive the
+  process that started it: ``prctl(PR_SET_PDEATHSIG)``);
 * dtypes and reductions: :data:`SUPPORTED`, :data:`bfloat16`, :data:`UFUNCS`,
   :func:`reducer`, :func:`check_dtype`, :func:`dtype_code`, :func:`dtype_from_code`,
   :func:`wire_names` (operation names in a stable order, for wire codes);
@@ -67,6 +68,7 @@ from .errors import (
 )
 from .hookspecs import Availability, BackendRegistrar, EnvironmentCheck, Factory, hookimpl
 from .jobsecret import SECRET_HINT, JobSecretSettings, check_job_secret
+from .launch.lifetime import die_with_parent
 from .launch.safety import check_env_name, secret_names
 from .launch.spec import (
     CleanupLauncher,
@@ -97,7 +99,7 @@ __all__ = [
     "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "MPI_FAMILIES", "Family", "exchange", "local_address", "recv_exact",
     # meshcomm launch
     "LauncherSupport", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "JobSpec", "RankPlace",
-    "check_env_name", "secret_names",
+    "check_env_name", "secret_names", "die_with_parent",
     # dtypes and reductions
     "SUPPORTED", "bfloat16", "UFUNCS", "reducer", "check_dtype", "dtype_code", "dtype_from_code", "wire_names",
     # errors

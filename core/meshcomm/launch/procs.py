@@ -1,11 +1,10 @@
-"""Starting, watching and stopping the processes of a job, with rank-prefixed output."""
+"""Watching the processes of a job, with rank-prefixed output (their parent-death signal and
+how they are stopped: :mod:`.lifetime`)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -14,19 +13,7 @@ from typing import IO, Any
 from ..errors import ConfigError
 from ..private_files import create_file, open_dir, private_dir
 
-__all__ = ["RankOutput", "FifoOutput", "die_with_parent", "private_dir_script", "DIR_REFUSED", "pump_lines",
-           "say"]
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """``preexec_fn`` of every process the launcher starts: the kernel sends it ``sig`` when
-    the launcher dies (even by SIGKILL), so no rank or mpiexec outlives a killed launcher."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+__all__ = ["RankOutput", "FifoOutput", "private_dir_script", "DIR_REFUSED", "pump_lines", "say"]
 
 
 def say(text: str) -> None:

@@ -24,15 +24,16 @@ a job needs and a plain interpreter lacks:
 ``--exec COMMAND ARGS`` does all of this but the Python parts (exit records, stacks) and then
 execs COMMAND in place of the runner (same pid, same output FIFOs).
 
-Importing this module needs only the standard library (and :mod:`meshcomm.launchvars`, which
-needs no more): it also runs under a ``--python`` interpreter (by path, and then runs
-``launchvars.py`` by path too) whose program may never import meshcomm.
+Importing this module needs only the standard library: it also runs under a ``--python``
+interpreter (by path) whose program may never import meshcomm. Its two modules of meshcomm,
+:mod:`meshcomm.launchvars` (the launchers' rank variables) and :mod:`meshcomm.launch.lifetime`
+(the parent-death signal), are standard-library only too and, run by path, are loaded from
+their files.
 """
 
 from __future__ import annotations
 
 import builtins
-import ctypes
 import faulthandler
 import importlib.machinery
 import io
@@ -42,21 +43,27 @@ import signal
 import sys
 import types
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-if __package__ or TYPE_CHECKING:
+
+def _by_path(*parts: str) -> dict[str, Any]:
+    """The names of a standard-library-only module of meshcomm, run from its file (this file
+    was run by path, perhaps by an interpreter without meshcomm)."""
+    return runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), *parts))
+
+
+if __package__ or TYPE_CHECKING:  # python -m meshcomm.launch.rank
     from ..launchvars import FROM_MPI_LAUNCHER, RUNNER_RANK_VARS
-else:  # run by path (launch.run.program_argv), maybe by an interpreter without meshcomm: run the
-    # package's stdlib-only file of launcher variables by path too
-    _VARS = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                        "launchvars.py"))
+    from .lifetime import die_with_parent
+else:  # python .../launch/rank.py (launch.run.program_argv)
+    _VARS = _by_path(os.pardir, "launchvars.py")
     FROM_MPI_LAUNCHER, RUNNER_RANK_VARS = _VARS["FROM_MPI_LAUNCHER"], _VARS["RUNNER_RANK_VARS"]
+    die_with_parent = _by_path("lifetime.py")["die_with_parent"]
 
 __all__ = ["main", "OUTPUT_DIR_ENV"]
 
 #: set by the launcher when ranks must send their output through per-rank FIFOs
 OUTPUT_DIR_ENV = "MESHCOMM_OUTPUT_DIR"
-_PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m meshcomm.launch.rank (PROGRAM | -m MODULE | -c CODE | --exec COMMAND) [ARGS...]"
 
 
@@ -81,19 +88,6 @@ def _env_rank() -> int | None:
         if value.isdigit():
             return int(value)
     return None
-
-
-def die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when our parent exits; if it already has (we were
-    reparented before the request took effect), end now."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux: nothing to ask for
-    if parent == 1 or os.getppid() != parent:
-        os._exit(128 + signal.SIGKILL)
 
 
 def redirect_output(folder: str, rank: int) -> bool:
@@ -271,7 +265,7 @@ def main() -> None:
     if not args or args[0] in ("-h", "--help"):
         sys.stderr.write(_USAGE + "\n")
         raise SystemExit(2)
-    die_with_parent()
+    die_with_parent(signal.SIGKILL, check="exit")  # an orphaned rank ends before its program starts
     set_rank_variables()
     rank = _env_rank()
     folder = os.environ.get(OUTPUT_DIR_ENV)

@@ -22,10 +22,11 @@ from ..registry import BackendSpec, get_registry
 from .blame import Failure, blame, describe_status, exit_code
 from .hosts import Host, job_size, place_ranks
 from .job import Job
+from .lifetime import die_with_parent, stop, wait_until
 from .mpiexec_lines import MpiexecLines
 from .options import LaunchOptions
 from .preflight import check_program, check_settings, check_timeout
-from .procs import FifoOutput, RankOutput, die_with_parent, pump_lines, say
+from .procs import FifoOutput, RankOutput, pump_lines, say
 from .rank import OUTPUT_DIR_ENV
 from .reaper import in_job
 from .safety import check_env_name, mask
@@ -377,18 +378,17 @@ def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankO
 
 
 def _stop(sessions: list[Session], statuses: Callable[[], dict[int, int | None]]) -> None:
-    """SIGTERM every rank's process group, then SIGKILL them after the grace period (groups
-    of ranks that already exited too: what they started must not outlive the job). SIGCONT
-    follows SIGTERM, as a shell's ``kill`` does for a stopped job: a stopped rank gets its
-    SIGTERM now instead of being killed only at the end of the grace period."""
-    for s in sessions:
-        s.signal(signal.SIGTERM)
-        s.signal(signal.SIGCONT)
-    deadline = time.monotonic() + GRACE
-    while time.monotonic() < deadline and any(rc is None for rc in statuses().values()):
-        time.sleep(0.05)
-    for s in sessions:
-        s.signal(signal.SIGKILL)
+    """Stop every rank's process group (:func:`.lifetime.stop`: SIGTERM, SIGCONT, SIGKILL after
+    the grace period), groups of ranks that already exited too: what they started must not
+    outlive the job."""
+
+    def send(signals: Sequence[int]) -> None:
+        for s in sessions:  # one session after another, each its signals in order
+            for sig in signals:
+                s.signal(sig)
+
+    stop(send, lambda grace: wait_until(lambda: all(rc is not None for rc in statuses().values()), grace),
+         GRACE, kill_always=True)
 
 
 def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, output: RankOutput, verbose: bool,
@@ -435,13 +435,10 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
                 break
             time.sleep(0.05)
         if (intr.signum is not None or stopped) and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            os.killpg(proc.pid, signal.SIGCONT)
-            try:
-                proc.wait(GRACE * 2)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            # mpiexec's group: SIGTERM, SIGCONT, SIGKILL only if it has not ended after 2 x GRACE
+            stop(lambda signals: _killpg(proc.pid, signals), lambda grace: _ended(proc, grace), GRACE * 2,
+                 kill_always=False)
+            proc.wait()
         _kill_ranks(job)
         if fifos is not None:
             fifos.close()
@@ -464,6 +461,21 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
     if rc != 0:
         say(f"meshcomm launch: {cmd[0]} {describe_status(rc)}\n")
     return exit_code(rc)
+
+
+def _killpg(pgid: int, signals: Sequence[int]) -> None:
+    """Send ``signals``, in order, to the process group ``pgid``."""
+    for sig in signals:
+        os.killpg(pgid, sig)
+
+
+def _ended(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to end; whether it did."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 #: how mpiexec tags a rank's line: Open MPI ``--tag-output`` (``[1,2]<stdout>: ``), MPICH

@@ -6,9 +6,10 @@ Imported only when the backend starts, because importing ``mpi4py.MPI`` initiali
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
-from meshcomm.plugin import Backend, BackendUnavailableError, Config
+from meshcomm.plugin import Backend, BackendUnavailableError, Config, die_with_parent
 
 from .environment import launched_world_size
 from .settings import MPISettings
@@ -32,7 +33,6 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
         ) from exc
     from .backend import MPIBackend
     from .control import Control, host_cores
-    from .parent import die_with_parent
     from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
 
@@ -52,7 +52,9 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     ctl = world.Dup()
     ctl.Set_errhandler(MPI.ERRORS_RETURN)
     if launched is not None:
-        die_with_parent()  # a rank must not outlive its mpiexec
+        # a rank must not outlive its mpiexec: SIGKILL when its parent exits; if the parent
+        # died before the request took effect, the rank ends at once
+        die_with_parent(signal.SIGKILL, check="kill")
     control = Control(ctl, None, spin=settings.spin_us * 1e-6)
     timeout = float(config.timeout)
     # start-up exchanges run under the deadline like every operation

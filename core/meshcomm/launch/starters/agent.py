@@ -22,23 +22,33 @@ stdout (agent -> launcher), one line each, written whole:
   ``R <json>`` a failure record a rank left in ``job_dir/failures``; ``F`` done.
 
 Only the standard library: the host may run the agent with an interpreter that has no
-meshcomm.
+meshcomm. The ssh starter ships :mod:`meshcomm.launch.lifetime` next to it (as
+``lifetime.py``): the parent-death signal and the stop sequence come from there.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Sequence
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+if __package__:  # imported as meshcomm.launch.starters.agent
+    from ..lifetime import die_with_parent, stop, wait_until
+else:  # run as the shipped file: lifetime.py lies next to it (sys.path need not hold it)
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "_meshcomm_lifetime", os.path.join(os.path.dirname(os.path.abspath(__file__)), "lifetime.py"))
+    assert _spec is not None and _spec.loader is not None
+    _lifetime = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_lifetime)
+    die_with_parent, stop, wait_until = _lifetime.die_with_parent, _lifetime.stop, _lifetime.wait_until
+
 _out_lock = threading.Lock()
 _out = sys.stdout.buffer
 
@@ -56,13 +66,6 @@ def send(kind: str, *parts: object, data: bytes = b"") -> None:
             pass  # the launcher is gone: the end of stdin stops the ranks
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 class Rank:
     def __init__(self, spec: dict, cwd: str) -> None:
         self.rank = int(spec["rank"])
@@ -72,7 +75,7 @@ class Rank:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [str(a) for a in spec["argv"]], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             self.proc = None
@@ -153,15 +156,19 @@ class Agent:
     def stop(self) -> None:
         """The launcher is gone: SIGTERM every rank's group (SIGCONT after it, so that a
         stopped rank gets it now), SIGKILL after the grace period."""
-        self.signal(signal.SIGTERM, True)
-        self.signal(signal.SIGCONT, True)
-        deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and any(r.proc is not None and r.proc.poll() is None for r in self.ranks):
-            time.sleep(0.05)
-        self.signal(signal.SIGKILL, True)
+        stop(self.signal_groups, lambda grace: wait_until(lambda: not self.running(), grace), self.grace,
+             kill_always=True)
+
+    def signal_groups(self, signals: Sequence[int]) -> None:
+        """Send each of ``signals`` in turn to every rank's process group."""
+        for sig in signals:
+            self.signal(sig, True)
+
+    def running(self) -> bool:
+        return any(r.proc is not None and r.proc.poll() is None for r in self.ranks)
 
     def finish(self) -> None:
-        if any(r.proc is not None and r.proc.poll() is None for r in self.ranks):
+        if self.running():
             self.stop()  # the launcher stops ranks before it finishes: only if it could not
         for r in self.ranks:
             for t in getattr(r, "pumps", []):

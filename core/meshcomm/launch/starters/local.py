@@ -17,7 +17,8 @@ import threading
 from collections.abc import Sequence
 
 from ...errors import ConfigError
-from ..procs import die_with_parent, pump_lines
+from ..lifetime import die_with_parent
+from ..procs import pump_lines
 from ..safety import mask
 from . import HostStart, Output, RankStart, Session, start_all
 

@@ -29,22 +29,25 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
-from ..procs import die_with_parent, private_dir_script, pump_lines
+from ..lifetime import die_with_parent
+from ..procs import private_dir_script, pump_lines
 from ..safety import check_env_name, mask, ssh_argv
 from . import HostStart, Output, Session, start_all
 from .local import LocalSession
 
-__all__ = ["SshStarter", "SshSession", "start_script", "create", "AGENT_FILE"]
+__all__ = ["SshStarter", "SshSession", "start_script", "create", "AGENT_FILE", "LIFETIME_FILE"]
 
 #: the agent's file name in the job's directory on each remote host
 AGENT_FILE = ".meshcomm-agent.py"
+#: the module the agent imports (:mod:`meshcomm.launch.lifetime`), shipped next to it
+LIFETIME_FILE = "lifetime.py"
 #: seconds the agent gives ranks between SIGTERM and SIGKILL when its connection ends
 STOP_GRACE = 3.0
 
 
 def start_script(hs: HostStart) -> str:
     """The bash script ssh runs on ``hs.host``: private job directory, job files (and the
-    agent), shared variables, then ``exec python agent``.
+    agent's), shared variables, then ``exec python agent``.
 
     Every variable name is checked to be a shell identifier (it is pasted unquoted after
     ``export``); every value, path and argument is quoted.
@@ -52,7 +55,7 @@ def start_script(hs: HostStart) -> str:
     for k in hs.env:
         check_env_name(k, "remote rank environment")
     lines = ["set -e", *private_dir_script(hs.job_dir)]
-    files = {**hs.files, AGENT_FILE: Path(__file__).with_name("agent.py").read_text()}
+    files = {**hs.files, **agent_files()}
     for name, content in files.items():
         marker = "MESHCOMM_EOF_" + os.urandom(6).hex()
         final = shlex.quote(hs.job_dir + "/" + name)
@@ -98,7 +101,7 @@ class SshSession:
             every = {**hs.env, **{k: v for r in hs.ranks for k, v in r.env.items()}}
             shown = " ".join(shlex.quote(c) for c in [*self.command[:-1], "bash -s"])
             text = f"meshcomm launch: ranks {', '.join(map(str, self.ranks))} on {hs.host}: {shown} <<script\n"
-            text += script.replace(files_marker(script), "") + "\n"
+            text += without_agent(script) + "\n"
             for r in hs.ranks:
                 own = " ".join(f"{k}={shlex.quote(v)}" for k, v in r.env.items())
                 text += f"meshcomm launch: rank {r.rank} on {hs.host}: {own} {' '.join(map(shlex.quote, r.argv))}\n"
@@ -180,10 +183,17 @@ class SshSession:
         self._err.join(5)
 
 
-def files_marker(script: str) -> str:
-    """The agent's source inside ``script`` (not worth printing with ``--verbose``)."""
-    source = Path(__file__).with_name("agent.py").read_text()
-    return source if source in script else "\0"
+def agent_files() -> dict[str, str]:
+    """The agent's source and the module it imports, by file name in the job's directory."""
+    here = Path(__file__).parent
+    return {LIFETIME_FILE: (here.parent / "lifetime.py").read_text(), AGENT_FILE: (here / "agent.py").read_text()}
+
+
+def without_agent(script: str) -> str:
+    """``script`` without the sources of :func:`agent_files` (not worth printing with ``--verbose``)."""
+    for source in agent_files().values():
+        script = script.replace(source, "")
+    return script
 
 
 class SshStarter:
