@@ -28,11 +28,14 @@ trap 'leftovers_remove; rm -f "$log"' EXIT
 "$VPY" -m pytest -p no:cacheprovider -q -m slurm_cluster -k mpi "${files[@]}" "$@" > "$log" 2>&1 &
 slurm=$!
 "$VPY" -m pytest -p no:cacheprovider -q -n "${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}" --dist worksteal \
-  -m "not slurm_cluster" -k mpi "${files[@]}" "$@"
+  -m "not slurm_cluster and not exclusive" -k mpi "${files[@]}" "$@"
 rc=$?
 wait "$slurm"
 slurm_rc=$?
 cat "$log"
+# the tests that compare machine-wide state (marked exclusive): after the others, one at a time
+"$VPY" -m pytest -p no:cacheprovider -q -m "exclusive and not slurm_cluster" -k mpi "${files[@]}" "$@"
+exclusive_rc=$?
 set -e
 if [ "$rc" = 5 ]; then
   echo "test-mpich: pytest collected no mpi tests: that is a failure" >&2
@@ -40,6 +43,10 @@ if [ "$rc" = 5 ]; then
 fi
 if [ "$slurm_rc" != 0 ] && { [ "$slurm_rc" != 5 ] || [ $# = 0 ]; }; then
   echo "test-mpich: the Slurm cluster's mpi tests failed (exit $slurm_rc)" >&2
+  exit 1
+fi
+if [ "$exclusive_rc" != 0 ] && [ "$exclusive_rc" != 5 ]; then
+  echo "test-mpich: the exclusive mpi tests failed (exit $exclusive_rc)" >&2
   exit 1
 fi
 exit "$rc"

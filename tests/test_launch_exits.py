@@ -187,6 +187,7 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+@pytest.mark.exclusive  # compares the temporary directory and /dev/shm before and after
 @pytest.mark.parametrize("backend,victim", [
     *[pytest.param(b, "launcher", marks=m.marks, id=f"{b}-launcher")
       for b, m in zip(("sockets", "mpi"), backend_param("sockets", "mpi"), strict=True)],
