@@ -43,3 +43,20 @@ def _no_mpi_shared_memory_left():
     remove_new(before)
     shutil.rmtree(sessions, ignore_errors=True)
     shutil.rmtree(config, ignore_errors=True)
+
+
+#: tests that take a minute or more of the parallel run: started first, so that none of them
+#: begins near the end and holds one process while the others have nothing left to do
+#: (node-id prefixes; the order of every other test is kept)
+LONG_FIRST = (
+    "tests/test_packaging.py::",
+    "tests/test_sockets_push.py::test_kept_results_stay",
+    "tests/test_gloo_backend.py::test_contract[",
+    "tests/test_bench.py::test_compare_runs",
+    "tests/test_conformance_kit.py::test_kit_passes_on_a_correct_backend",
+    "tests/test_sockets_shm.py::test_whole_contract",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))  # a stable sort
