@@ -294,15 +294,15 @@ def test_p2p_mismatch_is_a_mismatch_error_on_both_ranks(mode: str) -> None:
     """A recv of another size or dtype than its send: CollectiveMismatchError on both ranks, never
     gloo's silent truncation or its process abort (gloo::EnforceNotMet)."""
     timeout = 3.0
-    t0 = time.monotonic()
     res = finish(start(2, [str(HERE), "_w_p2p", mode], {"MLX_TIMEOUT": str(timeout)}), timeout=90)
-    took = time.monotonic() - t0
     _all_ok(res)
     for r, (_, out, err) in enumerate(res):
         assert "RAISED CollectiveMismatchError" in out, f"rank {r}: {out}{err[-2000:]}"
         assert "GOT" not in out, out
+        # measured by the rank from its first call after start-up (start-up is slow on a loaded machine)
+        took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+        assert took < timeout + 5, f"rank {r} took {took:.1f} s with MLX_TIMEOUT={timeout}"
     assert "rank 0 called send #1 of" in res[1][1] or "rank 0 sent" in res[1][1], res[1][1]
-    assert took < timeout + 30, f"took {took:.1f} s"
 
 
 def test_big_p2p_message_round_trips() -> None:
@@ -562,6 +562,7 @@ def _w_p2p() -> None:
     sent = (np.arange(n) % 251).astype(np.uint8 if mode.startswith("big") else np.float32)
     want = {"count": (n + 1, sent.dtype), "dtype": (n, np.float64), "big": (n + 1, sent.dtype)}.get(mode)
     shape, dtype = want if want else (n, sent.dtype)
+    t0 = time.monotonic()
     try:
         if r == 0:
             mc.send(sent, dst=1, group=g)
@@ -573,7 +574,8 @@ def _w_p2p() -> None:
             g.barrier()
         print("OK")
     except mc.DistributedError as exc:
-        print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}", flush=True)
+        print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)} after {time.monotonic() - t0:.1f}s: "
+              f"{exc}", flush=True)
 
 
 def _w_leave() -> None:
