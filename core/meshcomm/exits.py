@@ -34,7 +34,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from .launchvars import RUNNER_RANK_VARS
+from .launchvars import rank_from_env
 
 __all__ = ["JOB_DIR_ENV", "STACKS_FILE", "install", "install_stack_dump", "end_rank", "failure_record", "read_records", "rank_from_env"]
 
@@ -199,15 +199,6 @@ def _abort_worlds(code: int, reason: str) -> None:
         except Exception as err:  # noqa: BLE001 - the rank is ending anyway; say why abort failed
             sys.stderr.write(f"meshcomm: {name} backend's abort({code}) failed: {describe(err)}\n")
             _flush()
-
-
-def rank_from_env() -> int | None:
-    """This process's rank as the launcher that started it says (meshcomm, Open MPI, MPICH, PMIx)."""
-    for var in RUNNER_RANK_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def _rank() -> int | None:

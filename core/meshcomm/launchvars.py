@@ -12,10 +12,12 @@ heavy is imported, and may run this file by path under an interpreter without me
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Family", "FAMILIES", "MPI_FAMILIES", "family", "variables", "RUNNER_RANK_VARS", "FROM_MPI_LAUNCHER"]
+__all__ = ["Family", "FAMILIES", "MPI_FAMILIES", "family", "variables", "RUNNER_RANK_VARS", "FROM_MPI_LAUNCHER",
+           "rank_from_env"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,15 @@ def variables(field: str, names: Iterable[str]) -> tuple[str, ...]:
 #: MPICH's ``PMI_RANK`` comes before ``PMIX_RANK``, the order these readers have always used
 #: (it matters only when both are set, i.e. one was inherited from an enclosing job).
 RUNNER_RANK_VARS: tuple[str, ...] = variables("rank", ("meshcomm", "Open MPI", "MPICH (PMI)", "PMIx"))
+
+def rank_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
+    """This process's rank as the launcher that started it says (:data:`RUNNER_RANK_VARS`)."""
+    for var in RUNNER_RANK_VARS:
+        value = environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
 
 #: meshcomm's variable <- the first of these an MPI launcher sets (the rank runner sets meshcomm's
 #: from them): the MPI families in :data:`FAMILIES` order, and for the local rank and size also

@@ -3,7 +3,8 @@
 meshcomm's own launcher sets ``MLX_RANK``/``MLX_WORLD_SIZE``/``MLX_LOCAL_RANK``/``MLX_LOCAL_SIZE``;
 Slurm's ``srun``, Open MPI's and MPICH's ``mpirun``/``mpiexec`` and ``torchrun`` set their
 own (:data:`meshcomm.launchvars.FAMILIES` names them all). :func:`placement` reads the first
-family present, rank and sizes from the same family (mixing ``SLURM_PROCID`` with torchrun's ``WORLD_SIZE`` would pair numbers from two jobs).
+family present, rank and sizes from the same family (mixing ``SLURM_PROCID`` with torchrun's
+``WORLD_SIZE`` would pair numbers from two jobs).
 :func:`coordinator` says where rank 0 serves the rendezvous: ``MLX_COORDINATOR``, else
 ``MASTER_ADDR`` and ``MASTER_PORT + 1`` (``MASTER_PORT`` itself is torch's: torchrun's agent
 serves its store there), else one derived from the Slurm step.

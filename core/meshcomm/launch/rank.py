@@ -53,11 +53,11 @@ def _by_path(*parts: str) -> dict[str, Any]:
 
 
 if __package__ or TYPE_CHECKING:  # python -m meshcomm.launch.rank
-    from ..launchvars import FROM_MPI_LAUNCHER, RUNNER_RANK_VARS
+    from ..launchvars import FROM_MPI_LAUNCHER, rank_from_env
     from .lifetime import die_with_parent
 else:  # python .../launch/rank.py (launch.run.program_argv)
     _VARS = _by_path(os.pardir, "launchvars.py")
-    FROM_MPI_LAUNCHER, RUNNER_RANK_VARS = _VARS["FROM_MPI_LAUNCHER"], _VARS["RUNNER_RANK_VARS"]
+    FROM_MPI_LAUNCHER, rank_from_env = _VARS["FROM_MPI_LAUNCHER"], _VARS["rank_from_env"]
     die_with_parent = _by_path("lifetime.py")["die_with_parent"]
 
 __all__ = ["main", "OUTPUT_DIR_ENV"]
@@ -80,14 +80,6 @@ def set_rank_variables(environ: dict[str, str] | os._Environ[str] = os.environ) 
             if value.isdigit():
                 environ[mine] = value
                 break
-
-
-def _env_rank() -> int | None:
-    for var in RUNNER_RANK_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def redirect_output(folder: str, rank: int) -> bool:
@@ -267,7 +259,7 @@ def main() -> None:
         raise SystemExit(2)
     die_with_parent(signal.SIGKILL, check="exit")  # an orphaned rank ends before its program starts
     set_rank_variables()
-    rank = _env_rank()
+    rank = rank_from_env()
     folder = os.environ.get(OUTPUT_DIR_ENV)
     redirected = bool(folder) and rank is not None and redirect_output(str(folder), rank)
     if not redirected and os.environ.get("MESHCOMM_JOB_ID") and any(

@@ -40,14 +40,10 @@ from typing import Any
 if __package__:  # imported as meshcomm.launch.starters.agent
     from ..lifetime import die_with_parent, stop, wait_until
 else:  # run as the shipped file: lifetime.py lies next to it (sys.path need not hold it)
-    import importlib.util
+    import runpy
 
-    _spec = importlib.util.spec_from_file_location(
-        "_meshcomm_lifetime", os.path.join(os.path.dirname(os.path.abspath(__file__)), "lifetime.py"))
-    assert _spec is not None and _spec.loader is not None
-    _lifetime = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_lifetime)
-    die_with_parent, stop, wait_until = _lifetime.die_with_parent, _lifetime.stop, _lifetime.wait_until
+    _LIFETIME = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lifetime.py"))
+    die_with_parent, stop, wait_until = _LIFETIME["die_with_parent"], _LIFETIME["stop"], _LIFETIME["wait_until"]
 
 _out_lock = threading.Lock()
 _out = sys.stdout.buffer
