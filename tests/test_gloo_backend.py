@@ -547,7 +547,18 @@ def _w_dead() -> None:
         peer = getattr(exc, "peer", None)
         print(f"RAISED {type(exc).__name__} peer={peer} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
         if mode == "stop" and r == 0:
-            time.sleep(4)  # keep the store up while the test resumes rank 2
+            # keep the store up until rank 2, resumed by the test, has ended: its explanation reads
+            # the others' records there (a fixed sleep raced rank 2's own MLX_TIMEOUT wait)
+            _wait_ended(g.transport._peers[2].pid, limit=60)
+
+
+def _wait_ended(pid: int, limit: float) -> None:
+    """Wait up to ``limit`` seconds until process ``pid`` has exited (gone, or a zombie)."""
+    from meshcomm_gloo.liveness import _state
+
+    deadline = time.monotonic() + limit
+    while _state(pid) not in ("gone", "exited (zombie)") and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _w_p2p() -> None:
