@@ -25,7 +25,7 @@ if [ ! -x "$VPY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "*" > "$VENV/.gitignore"  # git ignores the whole venv (as Python >= 3.13's venv does)
   quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
   quiet "$VPY" -m pip install -q -e . -e "plugins/mpi[mpich]" \
-    "pytest>=7" "pytest-timeout>=2" "pytest-xdist>=3.5" "hatchling>=1.21" "ml_dtypes>=0.3"
+    "pytest>=7" "pytest-timeout>=2" "pytest-xdist>=3.5" "hatchling>=1.21" "ml_dtypes>=0.3,<0.7"
   echo "$want" > "$STAMP"
 fi
 

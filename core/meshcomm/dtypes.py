@@ -20,10 +20,10 @@ BFLOAT16_CODE = len(_BASE) + 1
 #: every dtype meshcomm moves without importing anything (bfloat16 is admitted on first sight)
 BASE_SUPPORTED: tuple[np.dtype, ...] = tuple(_CODES)
 
-# ml_dtypes is optional and costs ~0.9 s to import (its ufunc registrations): it is imported
-# only when ``bfloat16``/``SUPPORTED`` is read or a bfloat16 code arrives. A user's bfloat16
-# array exists only once ml_dtypes is imported anyway, so check_dtype admits that dtype
-# when it first sees it, without importing anything.
+# ml_dtypes is optional and slow to import (its ufunc registrations: 0.15 s for 0.6, 0.9 s for
+# 0.7 with NumPy 2.4): it is imported only when ``bfloat16``/``SUPPORTED`` is read or a
+# bfloat16 code arrives. A user's bfloat16 array exists only once ml_dtypes is imported anyway,
+# so check_dtype admits that dtype when it first sees it, without importing anything.
 _UNLOADED = object()
 _bf16: object = _UNLOADED
 

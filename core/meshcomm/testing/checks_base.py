@@ -22,22 +22,42 @@ LARGE = (1 << 18) + 13  # elements: past every chunk size, not a multiple of any
 
 
 def rank_input(rank: int, shape: tuple[int, ...], dtype: np.typing.DTypeLike, salt: int = 0) -> np.ndarray:
-    """Deterministic input of ``rank``: small integers, so float sums are exact."""
+    """Deterministic input of ``rank``: small integers, so float sums are exact.
+
+    Element ``i`` is ``v(i) = (i * (rank + 3) + 7 * rank + salt) % 17 - 8``, made into the
+    dtype's kind below. ``v`` repeats every 17 elements (and the signed kind's factor every 31),
+    so one period is computed and tiled: each rank builds every rank's input, and the large
+    shapes made this a third of a contract run's time.
+    """
     n = int(np.prod(shape, dtype=np.int64))
-    i = np.arange(n, dtype=np.int64)
-    v = (i * (rank + 3) + 7 * rank + salt) % 17 - 8
     dt = np.dtype(dtype)
+    period = 17 * 31 if dt.kind == "i" else 17
+    i = np.arange(min(n, period), dtype=np.int64)
+    v = (i * (rank + 3) + 7 * rank + salt) % 17 - 8
     if dt == np.bool_:
-        out = (v % 3) == 0
+        one = (v % 3) == 0
     elif dt.kind == "u":
-        out = (v + 8 + i * 37 * (rank + 1)).astype(dt)  # large values so sums wrap
+        # not periodic: the index itself makes large values, so that sums wrap
+        i = np.arange(n, dtype=np.int64)
+        return (_tiled(v + 8, n) + i * 37 * (rank + 1)).astype(dt).reshape(shape)
     elif dt.kind == "i":
-        out = (v * (1 + i % 31) * 4).astype(dt)
+        one = (v * (1 + i % 31) * 4).astype(dt)
     elif dt.kind == "c":
-        out = (v + 1j * ((v * 5 + rank) % 7 - 3)).astype(dt)
+        one = (v + 1j * ((v * 5 + rank) % 7 - 3)).astype(dt)
     else:
-        out = v.astype(dt)
-    return out.reshape(shape)
+        one = v.astype(dt)
+    return _tiled(one, n).reshape(shape)
+
+
+def _tiled(period: np.ndarray, n: int) -> np.ndarray:
+    """``period`` repeated to ``n`` elements, written in one broadcast copy."""
+    out = np.empty(n, period.dtype)
+    if n == 0:
+        return out
+    whole = n - n % len(period)
+    out[:whole].reshape(-1, len(period))[:] = period
+    out[whole:] = period[: n - whole]
+    return out
 
 
 def _expect(op: str, inputs: list[np.ndarray]) -> np.ndarray:
