@@ -37,6 +37,7 @@ if [ "$MPICH" != 0 ]; then
   fi
   cat "$mpich_log"
 fi
+echo "== set-up took $SECONDS s"
 VPY=.venv/bin/python
 WORKERS=${MESHCOMM_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 export MESHCOMM_TEST_WORKERS=$WORKERS
@@ -74,6 +75,7 @@ echo "== pytest ($WORKERS processes; the Slurm cluster's tests in one more)"
 "$VPY" -m pytest -p no:cacheprovider -q --durations=25 -n "$WORKERS" --dist worksteal \
   -m "not exclusive and not slurm_cluster" "$@"
 rc=$(none_ok $? $#)
+echo "== main pytest ended at $SECONDS s"
 wait "$slurm"
 slurm_rc=$(none_ok $? $#)
 echo "== pytest (the Slurm cluster's tests)"
@@ -83,6 +85,7 @@ echo "== pytest (tests that need the machine to themselves, one at a time)"
 exclusive_rc=$(none_ok $? $#)
 mpich_rc=0
 if [ "$MPICH" != 0 ]; then
+  echo "== MPICH set starts at $SECONDS s"
   bash scripts/test-mpich.sh
   mpich_rc=$?
 fi
@@ -90,6 +93,7 @@ wait "$checks"
 checks_rc=$?
 set -e
 cat "$checks_log"
+echo "== the whole run took $SECONDS s"
 if [ "$rc" != 0 ] || [ "$slurm_rc" != 0 ] || [ "$exclusive_rc" != 0 ] || [ "$mpich_rc" != 0 ] \
    || [ "$checks_rc" != 0 ]; then
   echo "FAILED: main pytest (Open MPI) exit $rc, Slurm cluster tests exit $slurm_rc, exclusive tests" \

@@ -28,6 +28,8 @@ from test_launch import (
     SHOW_ENV,
     assert_no_leftovers,
     check_results,
+    job_env,
+    launch_cmd,
     parse_infos,
     prefixed_lines,
     recorded_pids,
@@ -314,3 +316,26 @@ def test_only_this_very_interpreter_is_run_through_the_rank_runner(tmp_path: Pat
     assert own_python_program([str(other), "x.py"], str(mine)) == [str(other), "x.py"]  # another version
     assert own_python_program([str(mine), "x.py"], str(here)) == [str(mine), "x.py"]  # same binary elsewhere
     assert own_python_program(["bash", "x.py"], str(here)) == ["bash", "x.py"]
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@pytest.mark.parametrize(("nranks", "user"), [(2, {}), (2, {"OMP_NUM_THREADS": "3"}), (1, {})],
+                         ids=["shared-host", "user-set", "one-rank"])
+def test_ranks_sharing_a_host_split_its_cores_between_their_thread_pools(
+        tmp_path: Path, nranks: int, user: dict[str, str]) -> None:
+    """As torchrun does: R ranks on one host get cores // R BLAS/OpenMP threads each (at least
+    one), a variable the user set is passed as it is, and a rank alone on its host is left alone."""
+    import subprocess
+
+    prog = tmp_path / "threads.sh"
+    prog.write_text('printf "THREADS %s %s %s\\n" "${OMP_NUM_THREADS-unset}" "${OPENBLAS_NUM_THREADS-unset}" '
+                    '"${MKL_NUM_THREADS-unset}"\n')
+    env = {k: v for k, v in job_env().items() if k not in THREAD_VARS} | user
+    p = subprocess.run(launch_cmd("-n", str(nranks), "bash", str(prog)), capture_output=True, timeout=60,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, show(p)
+    split = str(max(1, (os.cpu_count() or 1) // nranks)) if nranks > 1 else "unset"
+    want = [user.get(k, split) for k in THREAD_VARS]
+    assert [rest.split()[1:] for _, rest in prefixed_lines(p.stdout)] == [[w.encode() for w in want]] * nranks, show(p)
