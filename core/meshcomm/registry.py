@@ -74,6 +74,8 @@ class Registry:
     pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager(hookspecs.PROJECT))
     specs: dict[str, BackendSpec] = field(default_factory=dict)
     broken: list[_Broken] = field(default_factory=list)
+    #: the distribution each entry-point plugin came from (by the plugin's id)
+    _plugin_dists: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pm.add_hookspecs(hookspecs)
@@ -86,7 +88,7 @@ class Registry:
         if entry_points:
             self._load_entry_points(environ)
         registrar = BackendRegistrar(self)
-        dists = {id(p): d for p, d in self.pm.list_plugin_distinfo()}
+        dists = self._plugin_dists
         for impl in self.pm.hook.meshcomm_register_backends.get_hookimpls():
             name = self.pm.get_name(impl.plugin) or repr(impl.plugin)
             dist = dists.get(id(impl.plugin))
@@ -102,13 +104,16 @@ class Registry:
         allow = environ.get("MESHCOMM_PLUGINS")
         allowed = None if allow is None else {x.strip() for x in allow.split(",") if x.strip()}
         blocked = {x.strip() for x in environ.get("MESHCOMM_DISABLE_PLUGINS", "").split(",") if x.strip()}
-        seen: set[str] = set()
+        # one pass over the installed distributions' entry points (pluggy's loader makes one
+        # per plugin: 4 scans of every distribution in the environment, in every rank's start)
         for ep in md.entry_points(group=hookspecs.PROJECT):
-            if ep.name in seen or ep.name in blocked or (allowed is not None and ep.name not in allowed):
+            if (self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name) or ep.name in blocked
+                    or (allowed is not None and ep.name not in allowed)):
                 continue
-            seen.add(ep.name)
             try:
-                self.pm.load_setuptools_entrypoints(hookspecs.PROJECT, name=ep.name)
+                plugin = ep.load()
+                self.pm.register(plugin, name=ep.name)
+                self._plugin_dists[id(plugin)] = ep.dist
             except Exception as exc:
                 dist = getattr(ep, "dist", None)
                 dname, ver = _dist_info(dist) if dist is not None else (None, None)
