@@ -156,11 +156,14 @@ def test_a_stranger_connecting_first_is_rejected_learns_nothing_and_the_real_ran
 
 def test_a_rank_with_another_secret_is_told_its_secret_was_refused(tmp_path):
     """Rank 1 was given a different MESHCOMM_JOB_SECRET: it does not report 'connection
-    refused' or a timeout of an unreachable rank, but that rank 0 refused its secret."""
+    refused' or a timeout of an unreachable rank, but that rank 0 refused its secret -- also
+    when rank 0 gave up first (its timeout is shorter here), so that rank 1's last attempts
+    found nobody listening."""
     ports = free_ports(2)
     hf = write_hostfile(tmp_path / "h.json", ports)
-    procs = start_ranks(2, [_prog(tmp_path)], hf, env={"MLX_TIMEOUT": "3", "SIZE": "8"},
-                        rank_env={0: {"MESHCOMM_JOB_SECRET": "one"}, 1: {"MESHCOMM_JOB_SECRET": "another"}})
+    procs = start_ranks(2, [_prog(tmp_path)], hf, env={"SIZE": "8"},
+                        rank_env={0: {"MESHCOMM_JOB_SECRET": "one", "MLX_TIMEOUT": "1"},
+                                  1: {"MESHCOMM_JOB_SECRET": "another", "MLX_TIMEOUT": "4"}})
     results = finish(procs, timeout=60)
     rc, out, err = results[1]
     assert _last(results, 1)["error"] == "DistributedError", (rc, out[-2000:], err[-3000:])

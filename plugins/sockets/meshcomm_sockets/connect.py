@@ -153,7 +153,7 @@ def _connect_once(peer: Peer, deadline: float) -> socket.socket:
 
 def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str,
              deadline: float, timeout: float) -> Connection:
-    delay, last, refused = 0.02, "no attempt", 0
+    delay, last, refused, refusal = 0.02, "no attempt", 0, ""
     while True:
         try:
             sock = _connect_once(peer, deadline)
@@ -183,8 +183,10 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                 if said_hello and isinstance(exc, ConnectionError):
                     # a listener closes only a HELLO whose proof of the secret fails
                     refused += 1
-                    last = (f"rank {q} closed the connection right after this rank's HELLO, {refused} time(s): it "
-                            "did not accept this rank's proof of MESHCOMM_JOB_SECRET")
+                    # kept apart from `last`: a later attempt's error (rank q gave up and stopped
+                    # listening: "Connection refused") must not hide why this rank was turned away
+                    refusal = (f"rank {q} closed the connection right after this rank's HELLO, {refused} time(s): "
+                               "it did not accept this rank's proof of MESHCOMM_JOB_SECRET")
             else:
                 if w.status != wire.STATUS_OK:
                     sock.close()
@@ -207,7 +209,7 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
         if time.monotonic() + delay > deadline:
             if refused:
                 raise DistributedError(
-                    f"rank {rank}: rank {q} at {peer} refused this rank's MESHCOMM_JOB_SECRET ({last}): the "
+                    f"rank {rank}: rank {q} at {peer} refused this rank's MESHCOMM_JOB_SECRET ({refusal}): the "
                     "two ranks were given different secrets, or this process is not part of that job. Give "
                     "every rank of a job the same MESHCOMM_JOB_SECRET (meshcomm launch does it for you)."
                 )
