@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from meshcomm.launch.run import THREAD_VARS
 
 # One BLAS/OpenMP thread in every process the tests start (unless the developer chose): the
 # suite runs several jobs at once on few cores, and each NumPy or torch import otherwise starts
 # a pool per core whose spinning costs ~0.1 s of CPU in each of ~1700 processes. Jobs through
 # `meshcomm launch` split the cores themselves (test_launch_options checks that, without these).
-for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+for _name in THREAD_VARS:
     os.environ.setdefault(_name, "1")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from meshcomm.errors import ConfigError
 from meshcomm.launch.hosts import Host, job_size, parse_hosts_arg, place_ranks
+from meshcomm.launch.run import THREAD_VARS
 from meshcomm.launch.starters import STARTERS, choose, starter_name
 from test_launch import (
     RANK_PROG,
@@ -317,8 +318,6 @@ def test_only_this_very_interpreter_is_run_through_the_rank_runner(tmp_path: Pat
     assert own_python_program([str(mine), "x.py"], str(here)) == [str(mine), "x.py"]  # same binary elsewhere
     assert own_python_program(["bash", "x.py"], str(here)) == ["bash", "x.py"]
 
-
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @pytest.mark.parametrize(("nranks", "user"), [(2, {}), (2, {"OMP_NUM_THREADS": "3"}), (1, {})],

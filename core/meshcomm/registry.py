@@ -88,10 +88,9 @@ class Registry:
         if entry_points:
             self._load_entry_points(environ)
         registrar = BackendRegistrar(self)
-        dists = self._plugin_dists
         for impl in self.pm.hook.meshcomm_register_backends.get_hookimpls():
             name = self.pm.get_name(impl.plugin) or repr(impl.plugin)
-            dist = dists.get(id(impl.plugin))
+            dist = self._plugin_dists.get(id(impl.plugin))
             dist_name, version = _dist_info(dist) if dist is not None else ("meshcomm", _own_version())
             registrar._plugin, registrar._dist = name, (dist_name, version)
             try:

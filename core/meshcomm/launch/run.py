@@ -82,6 +82,10 @@ def own_python_program(argv: Sequence[str], interpreter: str) -> list[str]:
     return list(argv[1:]) if same else list(argv)
 
 
+#: the variables that size a rank's BLAS/OpenMP thread pools
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _thread_limits(places: list) -> dict[str, str]:
     """Like torchrun: ranks sharing a host split its cores between their BLAS/OpenMP pools,
     unless the user set the variables (oversubscribed thread pools slow NumPy down a lot)."""
@@ -92,8 +96,7 @@ def _thread_limits(places: list) -> dict[str, str]:
     if busiest == 1:
         return {}
     threads = str(max(1, (os.cpu_count() or 1) // busiest))
-    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-    return {k: threads for k in names if k not in os.environ}
+    return {k: threads for k in THREAD_VARS if k not in os.environ}
 
 
 class _Interrupt:
