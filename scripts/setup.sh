@@ -13,7 +13,7 @@ VPY=.venv/bin/python
 STAMP=.venv/.meshcomm-setup-stamp
 # the compiled hot loop is installed as a copy (not editable): its sources are in the stamp
 want=$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml plugins/sockets-native/setup.py \
-  plugins/sockets-native/meshcomm_sockets_native/* | sha256sum | cut -d' ' -f1)
+  $(find plugins/sockets-native/meshcomm_sockets_native -maxdepth 1 -type f | sort) | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The mpi backend's test set on MPICH, in .venv-mpich (made by scripts/setup-mpich.sh).
-# scripts/test.sh runs it beside the main pytest, which runs the same tests on Open MPI.
+# scripts/test.sh runs it after the main pytest, which runs the same tests on Open MPI.
 #
 # The set: every tests/test_mpi_*.py (the backend's own tests, its failure tests), and the
 # items of the launcher, failure-matrix, launch-security and conformance-kit tests that
