@@ -10,7 +10,7 @@
 #
 # Safe to run again: when the venv already holds what the current pyproject files ask
 # for (a stamp of their hash and this script's), it only checks that mpi4py loads MPICH;
-# pip is not run and nothing is downloaded.
+# nothing is installed or downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,12 +19,13 @@ VPY=$VENV/bin/python
 STAMP=$VENV/.meshcomm-setup-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-want=$(cat scripts/setup-mpich.sh pyproject.toml plugins/mpi/pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/setup-mpich.sh scripts/uv-install.py pyproject.toml plugins/mpi/pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -x "$VPY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   [ -x "$VPY" ] || "$PY" -m venv "$VENV"
   echo "*" > "$VENV/.gitignore"  # git ignores the whole venv (as Python >= 3.13's venv does)
   quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-  quiet "$VPY" -m pip install -q -e . -e "plugins/mpi[mpich]" \
+  quiet "$VPY" -m pip install -q "uv==0.13.9"  # the installer scripts/setup.sh uses
+  "$VPY" scripts/uv-install.py --python "$VPY" -e . -e "plugins/mpi[mpich]" \
     "pytest>=7" "pytest-timeout>=2" "pytest-xdist>=3.5" "hatchling>=1.21" "ml_dtypes>=0.3,<0.7"
   echo "$want" > "$STAMP"
 fi

