@@ -55,7 +55,10 @@ mkdir "$site"
   echo "== ruff"
   "$VPY" -m ruff check core plugins tests examples bench
   echo "== mypy (core)"
-  "$VPY" -m mypy
+  # its cache outside the checkout, kept between runs and clones like pip's: mypy checks each
+  # cached module against its source's hash, so a fresh clone re-checks only what changed
+  # (20 s of CPU -> 1 s on this machine)
+  "$VPY" -m mypy --cache-dir "${XDG_CACHE_HOME:-$HOME/.cache}/meshcomm/mypy"
   echo "== docs site (mkdocs build --strict: any warning, e.g. a broken link, fails the run)"
   # no --quiet: with it mkdocs drops the warnings before strict mode counts them, and passes
   if ! "$VPY" -m mkdocs build --strict --site-dir "$site/html" > "$site/log" 2>&1; then
