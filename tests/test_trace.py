@@ -250,6 +250,17 @@ def test_summary_table_and_straggler(tmp_path: Path) -> None:
     assert any(ln.startswith("send/recv") for ln in lines)
 
 
+def test_summary_rows_take_bus_bandwidth_from_the_operation_table() -> None:
+    from meshcomm.trace.summary import Instance, table
+
+    def inst(op: str) -> Instance:
+        return Instance(op, "world", 1, 1024, {r: (0.0, 1e-3, 0.0) for r in range(4)}, 4)
+
+    rows = {row.op: row for row in table([inst("all_sum"), inst("barrier"), inst("an_op_of_a_newer_version")])}
+    assert rows["all_sum"].busbw == pytest.approx(1024 * 1.5 / 1e-3 / 1e9)  # 2(n-1)/n on 4 ranks
+    assert rows["barrier"].busbw is None and rows["an_op_of_a_newer_version"].busbw is None
+
+
 def test_summary_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _made_up(tmp_path)

@@ -2,9 +2,10 @@
 
 Every part of the core that lists operations reads it from here: the cross-rank call
 checks (:mod:`meshcomm.debug`) put :attr:`Operation.code` in their fingerprints, the
-reductions a backend may be asked for are :data:`REDUCTIONS`, and a transport that tags
-its frames with an operation code should use :func:`wire_names` (index = code), whose
-first ten entries are the codes the sockets wire protocol has always used.
+reductions a backend may be asked for are :data:`REDUCTIONS`, the benchmarks' and the
+trace summary's bus bandwidth is :func:`bus_factor` of :attr:`Operation.traffic`, and a
+transport that tags its frames with an operation code should use :func:`wire_names`
+(index = code), whose first ten entries are the codes the sockets wire protocol has always used.
 
 Adding an operation touches: this table (a new, never reused code), the ``Group`` method
 and the function in :mod:`meshcomm.ops` (exported from ``meshcomm``), a default in
@@ -33,35 +34,35 @@ class Operation:
     #: "collective" (every rank of the group), "p2p" (two ranks), "object" (pickled
     #: Python objects, built by the core from array collectives) or "group" (split)
     kind: str
-    #: the :class:`~meshcomm.backend.Backend` method that carries it (None: composed by the core)
-    backend_method: str | None
+    #: how much each rank's link carries per byte of the operation's size, as nccl-tests
+    #: counts it (:func:`bus_factor`): "reduce" 2(n-1)/n, "share" (n-1)/n, "whole" 1,
+    #: "none" 0 (bandwidth means nothing: barrier, split, the object collectives)
+    traffic: str
     #: takes a ``root`` (broadcast, gather, scatter, reduce, broadcast_object)
     rooted: bool = False
     #: the reduction it applies (all_sum: "sum"); "any" when the caller chooses (reduce)
     reduction: str | None = None
-    #: returns an array, so it takes ``out=``
-    returns_array: bool = True
 
 
 OPERATIONS: tuple[Operation, ...] = (
     # codes 1-9: the sockets wire protocol's op codes since protocol 1 (keep them)
-    Operation("all_sum", 1, "collective", "all_reduce", reduction="sum"),
-    Operation("all_max", 2, "collective", "all_reduce", reduction="max"),
-    Operation("all_min", 3, "collective", "all_reduce", reduction="min"),
-    Operation("all_gather", 4, "collective", "all_gather"),
-    Operation("sum_scatter", 5, "collective", "reduce_scatter", reduction="sum"),
-    Operation("broadcast", 6, "collective", "broadcast", rooted=True),
-    Operation("send", 7, "p2p", "send", returns_array=False),
-    Operation("barrier", 8, "collective", "barrier", returns_array=False),
-    Operation("split", 9, "group", "split", returns_array=False),
+    Operation("all_sum", 1, "collective", "reduce", reduction="sum"),
+    Operation("all_max", 2, "collective", "reduce", reduction="max"),
+    Operation("all_min", 3, "collective", "reduce", reduction="min"),
+    Operation("all_gather", 4, "collective", "share"),
+    Operation("sum_scatter", 5, "collective", "share", reduction="sum"),
+    Operation("broadcast", 6, "collective", "whole", rooted=True),
+    Operation("send", 7, "p2p", "whole"),
+    Operation("barrier", 8, "collective", "none"),
+    Operation("split", 9, "group", "none"),
     # added later: new codes only
-    Operation("recv", 10, "p2p", "recv"),
-    Operation("all_to_all", 11, "collective", "all_to_all"),
-    Operation("gather", 12, "collective", "gather", rooted=True),
-    Operation("scatter", 13, "collective", "scatter", rooted=True),
-    Operation("reduce", 14, "collective", "reduce", rooted=True, reduction="any"),
-    Operation("all_gather_object", 15, "object", None, returns_array=False),
-    Operation("broadcast_object", 16, "object", None, rooted=True, returns_array=False),
+    Operation("recv", 10, "p2p", "whole"),
+    Operation("all_to_all", 11, "collective", "share"),
+    Operation("gather", 12, "collective", "share", rooted=True),
+    Operation("scatter", 13, "collective", "share", rooted=True),
+    Operation("reduce", 14, "collective", "whole", rooted=True, reduction="any"),
+    Operation("all_gather_object", 15, "object", "none"),
+    Operation("broadcast_object", 16, "object", "none", rooted=True),
 )
 
 _BY_NAME = {o.name: o for o in OPERATIONS}
@@ -96,16 +97,23 @@ def wire_names() -> tuple[str, ...]:
 def bus_factor(op: str, n: int) -> float:
     """Bus bandwidth over algorithm bandwidth of ``op`` on ``n`` ranks, as nccl-tests defines
     it (algbw = the operation's size in bytes / time; for ``all_gather`` and ``gather`` the
-    size is the gathered result): 2(n-1)/n for the all-reductions; (n-1)/n for
-    ``all_gather``, ``sum_scatter``, ``all_to_all``, ``gather`` and ``scatter``; 1 for
-    ``broadcast``, ``reduce`` and point-to-point; 0 where bandwidth means nothing (barrier,
-    split, object collectives). Used by ``meshcomm bench`` and ``meshcomm trace summary``."""
+    size is the gathered result), from the operation's :attr:`Operation.traffic`. ``op`` is a
+    name of the table or a pairing of its point-to-point operations (``sendrecv``, the
+    benchmark's exchange; ``send/recv``, a matched pair in a trace). Used by ``meshcomm
+    bench`` and ``meshcomm trace summary``."""
     if n < 1:
         raise ValueError(f"rank count must be >= 1, got {n}")
-    if op in ("all_sum", "all_max", "all_min"):
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "sum_scatter", "all_to_all", "gather", "scatter"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce", "send", "recv", "sendrecv", "send/recv"):
-        return 1.0
-    return 0.0
+    traffic = get(_P2P_PAIRS.get(op, op)).traffic
+    return _TRAFFIC[traffic](n)
+
+
+#: pairings of point-to-point operations that benchmarks and traces name as one
+_P2P_PAIRS = {"sendrecv": "send", "send/recv": "send"}
+#: bus bandwidth over algorithm bandwidth for each kind of :attr:`Operation.traffic`
+_TRAFFIC = {
+    "reduce": lambda n: 2 * (n - 1) / n,
+    "share": lambda n: (n - 1) / n,
+    "whole": lambda n: 1.0,
+    "none": lambda n: 0.0,
+}
+assert {o.traffic for o in OPERATIONS} <= set(_TRAFFIC), "an operation with an unknown traffic"

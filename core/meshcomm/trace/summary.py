@@ -124,7 +124,10 @@ def table(insts: Iterable[Instance]) -> list[Row]:
         groups.setdefault((inst.op, bucket(inst.nbytes)), []).append(inst)
     rows = []
     for (op, b), items in groups.items():
-        factor = bus_factor(op, items[0].size)
+        try:
+            factor = bus_factor(op, items[0].size)
+        except ValueError:  # an operation this version does not know (a newer version's trace)
+            factor = 0.0
         moved = statistics.median(i.nbytes * (i.size if op in ("all_gather", "gather") else 1) for i in items)
         transfer = statistics.median(i.transfer for i in items)
         busbw = moved * factor / transfer / 1e9 if factor and transfer > 0 else None
