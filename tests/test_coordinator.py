@@ -1,4 +1,4 @@
-"""Issue 15: the coordinator rendezvous (meshcomm.coordinator) on its own, with real processes.
+"""Issue 15: the coordinator rendezvous (meshcomm_sockets.coordinator) on its own, with real processes.
 
 * 1-4 hand-started ranks all get the same table, in rank order;
 * a stranger without the secret is rejected (and learns nothing) while the job completes;
@@ -30,9 +30,9 @@ import time
 import pytest
 from jobs import ROOT, finish, free_ports
 from meshcomm import BackendUnavailableError, CommTimeoutError, Config
-from meshcomm import coordinator as rdv
 from meshcomm.placement import parse_coordinator
 from meshcomm.registry import Registry
+from meshcomm_sockets import coordinator as rdv
 
 PROG = ROOT / "tests" / "programs" / "coordinator_rank.py"
 SECRET = "test-coordinator-secret"

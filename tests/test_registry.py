@@ -111,3 +111,25 @@ def test_factory_must_return_a_backend():
     reg = _registry(Bad())
     with pytest.raises(TypeError, match="not a meshcomm.backend.Backend"):
         reg.start("bad", Config(), strict=True)
+
+
+def test_tools_load_whichever_backend_plugins_are_chosen():
+    """The tracer is a tool of the group meshcomm.tools: MESHCOMM_PLUGINS (backend plugins)
+    leaves it in place; MESHCOMM_DISABLE_PLUGINS can turn it off like any plugin."""
+    chosen = Registry().load(environ={"MESHCOMM_PLUGINS": "sockets"})
+    assert chosen.names() == ["single", "sockets"] and chosen.pm.get_plugin("trace") is not None
+    assert Registry().load(environ={"MESHCOMM_DISABLE_PLUGINS": "trace"}).pm.get_plugin("trace") is None
+
+
+def test_a_world_start_reaches_every_tool():
+    seen = []
+
+    class _Tool:
+        @hookimpl
+        def meshcomm_world_started(self, config, world):
+            seen.append((config.backend, world))
+
+    reg = _registry()
+    reg.pm.register(_Tool())
+    reg.world_started(Config(backend="single"), "the world")
+    assert seen == [("single", "the world")]

@@ -6,7 +6,10 @@ A plugin is a module (or object) listed in the entry-point group ``meshcomm``::
     [project.entry-points.meshcomm]
     mybackend = "meshcomm_mybackend.plugin"
 
-whose hook implementations are marked with :data:`hookimpl`. Plugins import ``hookimpl``
+whose hook implementations are marked with :data:`hookimpl`. A tool that watches a job
+(meshcomm's tracer and stall inspector are one) is listed in the group ``meshcomm.tools``
+and implements :func:`meshcomm_world_started`; ``MESHCOMM_PLUGINS`` chooses among the
+backend plugins only. Plugins import ``hookimpl``
 and everything else they use from :mod:`meshcomm.plugin`, not from here.
 
 This module sits below the plugin manager (:mod:`meshcomm.registry`) and the built-in
@@ -35,6 +38,8 @@ __all__ = [
     "hookimpl",
     "PROJECT",
     "meshcomm_register_backends",
+    "meshcomm_world_started",
+    "TOOLS",
     "Factory",
     "Availability",
     "EnvironmentCheck",
@@ -45,6 +50,8 @@ __all__ = [
 
 PROJECT = "meshcomm"
 hookspec = pluggy.HookspecMarker(PROJECT)
+#: the entry-point group of tools (plugins that watch a job rather than carry it)
+TOOLS = f"{PROJECT}.tools"
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
@@ -176,4 +183,14 @@ def meshcomm_register_backends(register: BackendRegistrar) -> None:
         keyword arguments: factory, availability check, environment check, settings model,
         launcher support (:data:`meshcomm.plugin.LauncherSupport`), priority, multiprocess,
         description.
+    """
+
+
+@hookspec
+def meshcomm_world_started(config: Config, world: Any) -> None:
+    """A world group has started on this rank (``init()``; not the size-1 fallback): a tool
+    attaches to it here, e.g. through :mod:`meshcomm.observer`.
+
+    :param config: the settings the world started with (:class:`meshcomm.Config`).
+    :param world: the world :class:`meshcomm.Group`.
     """

@@ -29,9 +29,7 @@ What is here, by job:
   :data:`SECRET_HINT` (how to set the secret, for messages);
 * where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
   rendezvous address from any launcher family; :data:`FAMILIES` names each family's
-  variables, :data:`MPI_FAMILIES` the MPI launchers among them), :func:`exchange` and
-  :func:`local_address` (the coordinator's address exchange), :func:`recv_exact` (bytes
-  from a socket by a deadline, for start-up handshakes);
+  variables, :data:`MPI_FAMILIES` the MPI launchers among them);
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
   :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
   :class:`RankPlace`, and :func:`check_env_name` / :func:`secret_names` for commands
@@ -56,7 +54,6 @@ from . import dtypes as _dtypes
 from .algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
 from .backend import DEFAULT_TIMEOUT, Backend, in_place
 from .config import Config, Settings, load_settings, setting
-from .coordinator import exchange, local_address
 from .dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
 from .errors import (
     BackendUnavailableError,
@@ -81,7 +78,6 @@ from .launch.spec import (
 from .launchvars import FAMILIES, MPI_FAMILIES, Family
 from .operations import wire_names
 from .placement import Coordinator, Placement, coordinator, placement
-from .sockio import recv_exact
 
 if TYPE_CHECKING:  # resolved by __getattr__ at run time
     from .dtypes import SUPPORTED, bfloat16
@@ -96,7 +92,7 @@ __all__ = [
     "Config", "Settings", "setting", "load_settings", "JobSecretSettings", "check_job_secret",
     "SECRET_HINT",
     # where the rank runs
-    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "MPI_FAMILIES", "Family", "exchange", "local_address", "recv_exact",
+    "placement", "coordinator", "Placement", "Coordinator", "FAMILIES", "MPI_FAMILIES", "Family",
     # meshcomm launch
     "LauncherSupport", "RankEnvLauncher", "ExternalLauncher", "CleanupLauncher", "JobSpec", "RankPlace",
     "check_env_name", "secret_names", "die_with_parent",

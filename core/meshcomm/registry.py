@@ -9,8 +9,11 @@ The hook and what it deals in (:class:`BackendRegistrar`, :class:`BackendSpec`, 
 :mod:`meshcomm.hookspecs`, below this module, and re-exported here; the built-in size-1
 plugin :mod:`meshcomm.single` imports only that vocabulary, so this module can import it.
 
-Environment switches: ``MESHCOMM_PLUGINS`` (comma list of entry-point names to load;
-empty = load none) and ``MESHCOMM_DISABLE_PLUGINS`` (comma list to skip).
+It also loads the tools of the entry-point group ``meshcomm.tools`` (the core's tracer is
+one) and tells them when a world starts (:meth:`Registry.world_started`).
+
+Environment switches: ``MESHCOMM_PLUGINS`` (comma list of backend plugins' entry-point names
+to load; empty = load none) and ``MESHCOMM_DISABLE_PLUGINS`` (comma list to skip, tools too).
 """
 
 from __future__ import annotations
@@ -104,10 +107,13 @@ class Registry:
         allowed = None if allow is None else {x.strip() for x in allow.split(",") if x.strip()}
         blocked = {x.strip() for x in environ.get("MESHCOMM_DISABLE_PLUGINS", "").split(",") if x.strip()}
         # one pass over the installed distributions' entry points (pluggy's loader makes one
-        # per plugin: 4 scans of every distribution in the environment, in every rank's start)
-        for ep in md.entry_points(group=hookspecs.PROJECT):
+        # per plugin: 4 scans of every distribution in the environment, in every rank's start);
+        # MESHCOMM_PLUGINS chooses among the backend plugins, not among the tools
+        found = md.entry_points()
+        for ep in (*found.select(group=hookspecs.PROJECT), *found.select(group=hookspecs.TOOLS)):
+            backend_plugin = ep.group == hookspecs.PROJECT
             if (self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name) or ep.name in blocked
-                    or (allowed is not None and ep.name not in allowed)):
+                    or (backend_plugin and allowed is not None and ep.name not in allowed)):
                 continue
             try:
                 plugin = ep.load()
@@ -118,6 +124,10 @@ class Registry:
                 dname, ver = _dist_info(dist) if dist is not None else (None, None)
                 last = traceback.format_exception_only(type(exc), exc)[-1].strip()
                 self.broken.append(_Broken(ep.name, dname, ver, f"plugin failed to load: {last}"))
+
+    def world_started(self, config: Config, world: Any) -> None:
+        """Tell the tools (``meshcomm_world_started``) that ``world`` has started on this rank."""
+        self.pm.hook.meshcomm_world_started(config=config, world=world)
 
     # -- queries ----------------------------------------------------------------------
     def info(self, config: Config | None = None) -> list[BackendInfo]:

@@ -11,7 +11,6 @@ from .backend import Backend
 from .group import Group
 from .memory import keep_freed_memory
 from .registry import BackendInfo, get_registry
-from .trace import recorder
 
 if TYPE_CHECKING:
     from .config import Config
@@ -66,7 +65,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         group = Group(transport, started, debug=config.debug, check_calls=config.check_calls,
                       max_object_bytes=config.max_object_bytes, _ident=f"{started}/world{_started}")
         if started != "single":
-            recorder.start(config, group)  # tracing, stall inspector: nothing when both are off
+            registry.world_started(config, group)  # the tracer and the stall inspector attach here
         _worlds[name] = group
         if started not in _worlds or _worlds[started].closed:
             _worlds[started] = group

@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 
-from meshcomm.coordinator import exchange
 from meshcomm.errors import DistributedError
 from meshcomm.placement import parse_coordinator
+from meshcomm_sockets.coordinator import exchange
 
 
 def main(argv: list[str]) -> int:

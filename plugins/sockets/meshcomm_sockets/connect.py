@@ -29,10 +29,11 @@ import threading
 import time
 from typing import NamedTuple
 
-from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError, recv_exact
+from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError
 
 from . import wire
 from .hostfile import Peer
+from .sockio import recv_exact
 
 __all__ = ["establish", "open_listener", "tune", "Connection", "MAX_PENDING"]
 

@@ -3,7 +3,7 @@
 Each rank opens its listener on an ephemeral port of the local address it uses to reach
 the coordinator (so ranks on one host reach each other over loopback when the coordinator
 is local, and over the network otherwise), registers ``{"ip", "port", "host_id"}`` through
-:func:`meshcomm.coordinator.exchange`, and gets the peer list a hostfile would have given;
+:func:`.coordinator.exchange`, and gets the peer list a hostfile would have given;
 start-up then goes on exactly as from a hostfile (the same handshake, the same shared
 memory between ranks of one host: topology.py decides hosts from the same host key).
 """
@@ -14,8 +14,9 @@ import errno
 import socket
 import time
 
-from meshcomm.plugin import Config, ConfigError, DistributedError, exchange, local_address
+from meshcomm.plugin import Config, ConfigError, DistributedError
 
+from .coordinator import exchange, local_address
 from .hostfile import Peer, parse_hostfile
 from .shm import host_key
 

@@ -1,7 +1,7 @@
 """Reading an exact number of bytes from a TCP socket before a deadline (start-up exchanges).
 
-Used by the coordinator's rendezvous and by transports' handshakes, so that every one of
-them waits the same way: in slices (any ``MLX_TIMEOUT``, even one beyond what a single
+Used by the coordinator's rendezvous and by the connections' handshakes, so that both
+wait the same way: in slices (any ``MLX_TIMEOUT``, even one beyond what a single
 ``settimeout`` takes), checking the deadline between them.
 """
 

@@ -24,9 +24,9 @@ once that one had :data:`MIN_HANDSHAKE` seconds (a real rank answers within one 
 trip), newcomers wait their turn in the kernel's accept queue, first come first served,
 and past half the table each handshake gets :data:`PRESSURE_LIMIT` instead of
 :data:`HANDSHAKE_LIMIT`. Connections that never complete a handshake are counted by source
-address, and rank 0's timeout error names such a flood. Standard library only; the
-sockets backend uses it and any other backend can (:func:`exchange` takes and returns
-plain JSON objects).
+address, and rank 0's timeout error names such a flood. The sockets backend starts with it
+when no hostfile gives the peers (:mod:`.rendezvous`); :func:`exchange` takes and returns
+plain JSON objects.
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CommTimeoutError, DistributedError
-from .jobsecret import SECRET_HINT
-from .placement import Coordinator
+from meshcomm.plugin import SECRET_HINT, CommTimeoutError, Coordinator, DistributedError
+
 from .sockio import recv_exact
 
 __all__ = ["exchange", "local_address", "RendezvousError", "MAX_PENDING", "NO_SECRET_WARNING"]

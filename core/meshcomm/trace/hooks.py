@@ -1,0 +1,20 @@
+"""The tracer and the stall inspector as a tool plugin (entry-point group ``meshcomm.tools``):
+they attach when a world starts (``meshcomm_world_started``), so the API never imports them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..hookspecs import hookimpl
+from . import recorder
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+__all__ = ["meshcomm_world_started"]
+
+
+@hookimpl
+def meshcomm_world_started(config: Config, world: Any) -> None:
+    """Start tracing and the stall inspector on ``world`` when ``config`` turns them on."""
+    recorder.start(config, world)

@@ -1,0 +1,95 @@
+"""The walls inside the core: every module of ``core/meshcomm`` belongs to one layer and
+imports only from its own layer or the layers below it, counting every import
+(tests/import_graph.py: in functions and under ``if TYPE_CHECKING:`` too), so the core
+reads from the bottom up one layer at a time. docs/layout.md is the map in words.
+
+The shipped plugins have their own wall: they import only :mod:`meshcomm.plugin`
+(test_plugin_api.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from import_graph import ROOT, graph, imports, modules
+
+#: bottom to top: layer -> the modules in it, by dotted prefix under ``meshcomm``
+#: (``launch.spec`` claims the module ``meshcomm.launch.spec`` from the ``launch`` tool)
+LAYERS: dict[str, tuple[str, ...]] = {
+    # what a transport is and does: the Backend protocol, the generic algorithms over
+    # send/recv, the operation table, dtypes, errors
+    "protocol": ("errors", "operations", "dtypes", "backend", "algorithms", "memory"),
+    # the plugin runtime: hooks and registry, settings, placement, job secret, how a rank
+    # ends, the launchers' protocols and rank variables, the size-1 built-in backend
+    "runtime": ("hookspecs", "registry", "single", "config", "placement", "jobsecret", "userkey", "exits",
+                "private_files", "launchvars", "launch.spec", "launch.lifetime", "launch.safety"),
+    # what users call: groups, operations, init, handles, the one-thread guard, call checks,
+    # the observer slot tools attach to
+    "api": ("group", "ops", "world", "work", "guard", "debug", "objects", "frameworks", "observer"),
+    # the two public faces: `meshcomm` for users, `meshcomm.plugin` for backend authors
+    "faces": ("__init__", "plugin"),
+    # tools built on the faces: launcher, tracer, benchmarks, conformance kit, layers
+    "tools": ("launch", "trace", "bench", "testing", "nn"),
+    # the `meshcomm` command
+    "commands": ("cli", "__main__"),
+}
+ORDER = list(LAYERS)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of ``module`` (a dotted name under ``meshcomm``): its longest prefix in
+    :data:`LAYERS`; None when no layer claims it."""
+    rel = "__init__" if module == "meshcomm" else module.removeprefix("meshcomm.")
+    best: tuple[int, str] | None = None
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            if (rel == prefix or rel.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), layer)
+    return best[1] if best else None
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    """Every import of ``edges`` (module -> modules it imports) into a higher layer."""
+    found = []
+    for module, targets in sorted(edges.items()):
+        mine = layer_of(module)
+        for target in sorted(targets):
+            theirs = layer_of(target)
+            if mine and theirs and ORDER.index(theirs) > ORDER.index(mine):
+                found.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return found
+
+
+def _core() -> dict[str, set[str]]:
+    return {m: t for m, t in graph().items() if m == "meshcomm" or m.startswith("meshcomm.")}
+
+
+def test_every_module_of_the_core_has_a_layer() -> None:
+    homeless = sorted(m for m in _core() if layer_of(m) is None)
+    assert not homeless, f"modules in no layer: {homeless}; add each to LAYERS (tests/test_layers.py) and docs/layout.md"
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    assert not upward(_core()), (
+        "imports that run up through the layers (protocol < runtime < api < faces < tools < commands): "
+        f"{upward(_core())}; move what the lower module needs down, or hand it over from above "
+        "(a parameter, a Protocol, a hook such as meshcomm_world_started)"
+    )
+
+
+@pytest.mark.parametrize("source", [
+    "from .group import Group\n",                                        # at module level
+    "def f():\n    from . import world\n    return world\n",             # hidden in a function
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trace import recorder\n",  # for types
+])
+def test_an_upward_import_is_caught_wherever_it_hides(source: str) -> None:
+    found = modules()
+    backend = ROOT / "core" / "meshcomm" / "backend.py"
+    edges = {"meshcomm.backend": imports("meshcomm.backend", backend, found, source=source)}
+    assert len(upward(edges)) == 1 and upward(edges)[0].startswith("meshcomm.backend (protocol) imports "), upward(edges)
+
+
+def test_the_api_knows_no_tool() -> None:
+    """The tracer and the stall inspector attach through a hook (meshcomm_world_started) and the
+    observer slot: nothing of the API or the runtime names them."""
+    below_tools = {m: t for m, t in _core().items() if ORDER.index(layer_of(m) or "commands") < ORDER.index("tools")}
+    assert not [m for m, t in below_tools.items() if any(x.startswith("meshcomm.trace") for x in t)]
