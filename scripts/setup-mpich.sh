@@ -23,8 +23,7 @@ want=$(cat scripts/setup-mpich.sh scripts/uv-install.py pyproject.toml plugins/m
 if [ ! -x "$VPY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   [ -x "$VPY" ] || "$PY" -m venv "$VENV"
   echo "*" > "$VENV/.gitignore"  # git ignores the whole venv (as Python >= 3.13's venv does)
-  quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-  quiet "$VPY" -m pip install -q "uv==0.13.9"  # the installer scripts/setup.sh uses
+  # with uv, as scripts/setup.sh installs
   "$VPY" scripts/uv-install.py --python "$VPY" -e . -e "plugins/mpi[mpich]" \
     "pytest>=7" "pytest-timeout>=2" "pytest-xdist>=3.5" "hatchling>=1.21" "ml_dtypes>=0.3,<0.7"
   echo "$want" > "$STAMP"

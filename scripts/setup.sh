@@ -18,11 +18,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-# uv installs the rest, from the sources pip is configured with (scripts/uv-install.py): the
-# same packages as pip in a tenth of the time. Modules are compiled to bytecode when first
-# imported, not here (compiling all of torch's would take longer than installing it).
-quiet "$VPY" -m pip install -q "uv==0.13.9"
+# uv installs everything, from the sources pip is configured with (scripts/uv-install.py,
+# which first puts its pinned uv into .venv): the same packages as pip in a tenth of the
+# time. Modules are compiled to bytecode when first imported, not here (compiling all of
+# torch's would take longer than installing it).
 # torch pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
 # sockets-native is optional for users, built from source here (needs a C compiler:
 # scripts/ci-system-deps.sh) and installed as a copy, not editable.

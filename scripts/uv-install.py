@@ -7,15 +7,22 @@ reports them, environment variables included) to uv, and lets uv choose among th
 does: the best version across all of them, not the first index that has the name.
 
 usage: VENV/bin/python scripts/uv-install.py --python TARGET/bin/python [uv pip install args...]
-The running Python must have uv installed (scripts/setup.sh puts it into .venv).
+The running Python gets uv (:data:`UV_VERSION`, by pip) first if it has another or none.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata as md
 import os
 import subprocess
 import sys
+
+#: the uv every set-up installs with (scripts/setup.sh, setup-mpich.sh, tests/test_packaging.py)
+UV_VERSION = "0.13.9"
+#: what pip says of a find-links or index path without the package (this machine's extra
+#: indexes lack most names): noise, not a problem
+_PIP_NOISE = "is ignored: it is neither a file nor a directory"
 
 # pip's settings that say where packages come from, and uv's flag for each
 _LIST_FLAGS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links",
@@ -50,7 +57,22 @@ def uv_arguments(settings: dict[str, str]) -> list[str]:
     return args
 
 
+def ensure_uv() -> None:
+    """Install uv :data:`UV_VERSION` into the running Python unless it has exactly that one."""
+    try:
+        if md.version("uv") == UV_VERSION:
+            return
+    except md.PackageNotFoundError:
+        pass
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"uv=={UV_VERSION}"],
+                         capture_output=True, text=True)
+    sys.stderr.write("".join(ln for ln in res.stderr.splitlines(keepends=True) if _PIP_NOISE not in ln))
+    if res.returncode != 0:
+        raise SystemExit(f"uv-install: pip could not install uv=={UV_VERSION} (exit {res.returncode})")
+
+
 def main(argv: list[str]) -> int:
+    ensure_uv()
     from uv import find_uv_bin
 
     settings = pip_settings()

@@ -6,11 +6,11 @@ A plugin is a module (or object) listed in the entry-point group ``meshcomm``::
     [project.entry-points.meshcomm]
     mybackend = "meshcomm_mybackend.plugin"
 
-whose hook implementations are marked with :data:`hookimpl`. A tool that watches a job
-(meshcomm's tracer and stall inspector are one) is listed in the group ``meshcomm.tools``
-and implements :func:`meshcomm_world_started`; ``MESHCOMM_PLUGINS`` chooses among the
-backend plugins only. Plugins import ``hookimpl``
-and everything else they use from :mod:`meshcomm.plugin`, not from here.
+whose hook implementations are marked with :data:`hookimpl`. Plugins import ``hookimpl``
+and everything else they use from :mod:`meshcomm.plugin`, not from here. A tool that
+watches a job (meshcomm's tracer and stall inspector are one) is listed in the group
+``meshcomm.tools`` and implements :func:`meshcomm_world_started`; ``MESHCOMM_PLUGINS``
+chooses among the backend plugins only.
 
 This module sits below the plugin manager (:mod:`meshcomm.registry`) and the built-in
 plugin (:mod:`meshcomm.single`): both import it, it imports neither, so the imports among
