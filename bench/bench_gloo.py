@@ -62,8 +62,11 @@ def worker(max_bytes: int) -> None:
     g = mc.init(strict=True, backend="gloo")
     rank, size = g.rank(), g.size()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_TORCH_PORT']}", rank=rank,
-        world_size=size, timeout=datetime.timedelta(seconds=120),
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['BENCH_TORCH_PORT']}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=120),
     )
     results = []
     for nbytes in [s for s in SIZES if s <= max_bytes]:
@@ -74,11 +77,14 @@ def worker(max_bytes: int) -> None:
             mc.all_sum(x, group=g, out=x)
             dist.all_reduce(t)
         times: dict[str, list[float]] = {"meshcomm": [], "out": [], "torch": []}
-        sides = {"meshcomm": lambda x=x: mc.all_sum(x, group=g), "out": lambda x=x: mc.all_sum(x, group=g, out=x),
-                 "torch": lambda t=t: dist.all_reduce(t)}
+        sides = {
+            "meshcomm": lambda x=x: mc.all_sum(x, group=g),
+            "out": lambda x=x: mc.all_sum(x, group=g, out=x),
+            "torch": lambda t=t: dist.all_reduce(t),
+        }
         rounds, calls = _plan(nbytes)
         for i in range(rounds):  # alternate which side goes first, so drift hits both alike
-            for name in (("meshcomm", "out", "torch") if i % 2 == 0 else ("torch", "out", "meshcomm")):
+            for name in ("meshcomm", "out", "torch") if i % 2 == 0 else ("torch", "out", "meshcomm"):
                 fn = sides[name]
                 g.barrier()
                 t0 = time.perf_counter()
@@ -88,8 +94,7 @@ def worker(max_bytes: int) -> None:
         # each rank's median; the slowest rank's median is what the job sees
         med = np.array([statistics.median(times[k]) for k in ("meshcomm", "out", "torch")])
         worst = mc.all_max(med, group=g)
-        results.append({"bytes": nbytes, "meshcomm": float(worst[0]), "out": float(worst[1]),
-                        "torch": float(worst[2])})
+        results.append({"bytes": nbytes, "meshcomm": float(worst[0]), "out": float(worst[1]), "torch": float(worst[2])})
     dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps({"ranks": size, "rows": results}), flush=True)
@@ -99,10 +104,24 @@ def _run(nranks: int, max_bytes: int, timeout: float) -> dict:
     port, tport = _free_port(), _free_port()
     procs = []
     for r in range(nranks):
-        env = dict(os.environ, MLX_RANK=str(r), MLX_WORLD_SIZE=str(nranks), MESHCOMM_GLOO_PORT=str(port),
-                   MESHCOMM_GLOO_ADDR="127.0.0.1", BENCH_TORCH_PORT=str(tport), MLX_BACKEND="gloo")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--max-bytes", str(max_bytes)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            MLX_RANK=str(r),
+            MLX_WORLD_SIZE=str(nranks),
+            MESHCOMM_GLOO_PORT=str(port),
+            MESHCOMM_GLOO_ADDR="127.0.0.1",
+            BENCH_TORCH_PORT=str(tport),
+            MLX_BACKEND="gloo",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--max-bytes", str(max_bytes)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     for r, p in enumerate(procs):
         try:
@@ -116,19 +135,23 @@ def _run(nranks: int, max_bytes: int, timeout: float) -> dict:
         outs.append(out)
     for line in outs[0].splitlines():
         if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT "):]))
+            return dict(json.loads(line[len("RESULT ") :]))
     raise SystemExit(f"bench: rank 0 printed no result:\n{outs[0][-2000:]}")
 
 
 def _table(runs: list[dict]) -> str:
-    lines = ["| ranks | size | meshcomm all_sum (µs) | all_sum(x, out=x) (µs) | torch all_reduce (µs) | ratio "
-             "| ratio out=x |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| ranks | size | meshcomm all_sum (µs) | all_sum(x, out=x) (µs) | torch all_reduce (µs) | ratio "
+        "| ratio out=x |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for run in runs:
         for row in run["rows"]:
-            lines.append(f"| {run['ranks']} | {format_size(row['bytes'])} | {row['meshcomm'] * 1e6:,.0f} | "
-                         f"{row['out'] * 1e6:,.0f} | {row['torch'] * 1e6:,.0f} | "
-                         f"{row['meshcomm'] / row['torch']:.3f} | {row['out'] / row['torch']:.3f} |")
+            lines.append(
+                f"| {run['ranks']} | {format_size(row['bytes'])} | {row['meshcomm'] * 1e6:,.0f} | "
+                f"{row['out'] * 1e6:,.0f} | {row['torch'] * 1e6:,.0f} | "
+                f"{row['meshcomm'] / row['torch']:.3f} | {row['out'] / row['torch']:.3f} |"
+            )
     return "\n".join(lines)
 
 

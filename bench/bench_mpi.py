@@ -35,8 +35,7 @@ from meshcomm.bench.sizes import format_size
 
 __all__ = ["main"]
 
-SIZES = [8, 32, 128, 512, 2 << 10, 8 << 10, 32 << 10, 128 << 10, 512 << 10,
-         1 << 20, 4 << 20, 16 << 20, 64 << 20]
+SIZES = [8, 32, 128, 512, 2 << 10, 8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def _plan(nbytes: int, quick: bool) -> tuple[int, int]:
@@ -69,8 +68,12 @@ def _measure(g: Any, comm: Any, nbytes: int, quick: bool) -> dict[str, float]:
     def meshcomm_out() -> None:
         mc.all_sum(x, group=g, out=out)
 
-    kinds: list[tuple[str, Callable[[], None]]] = [("raw", raw), ("raw+alloc", raw_alloc), ("meshcomm", meshcomm),
-                                                   ("out", meshcomm_out)]
+    kinds: list[tuple[str, Callable[[], None]]] = [
+        ("raw", raw),
+        ("raw+alloc", raw_alloc),
+        ("meshcomm", meshcomm),
+        ("out", meshcomm_out),
+    ]
     times: dict[str, list[float]] = {k: [] for k, _ in kinds}
     for _, fn in kinds:  # warm up (connections, page faults, op selection)
         for _ in range(min(calls, 20)):
@@ -105,16 +108,30 @@ def _worker(quick: bool, sizes: list[int]) -> int:
     rows = []
     for nbytes in sizes:
         med = _measure(g, comm, nbytes, quick)
-        rows.append((nbytes, med["raw"], med["raw+alloc"], med["meshcomm"], med["ratio"], med["added"], med["out"],
-                     med["ratio_out"]))
+        rows.append(
+            (
+                nbytes,
+                med["raw"],
+                med["raw+alloc"],
+                med["meshcomm"],
+                med["ratio"],
+                med["added"],
+                med["out"],
+                med["ratio_out"],
+            )
+        )
     if r == 0:
         print(f"\n{n} ranks, float32 all_sum, median µs per call (rank 0), {os.cpu_count()} cores")
-        print(f"| {'size':>8} | {'raw mpi4py':>11} | {'raw+alloc':>10} | {'meshcomm':>10} | {'ratio':>6} | "
-              f"{'added µs':>9} | {'out=':>10} | {'ratio out=':>10} |")
+        print(
+            f"| {'size':>8} | {'raw mpi4py':>11} | {'raw+alloc':>10} | {'meshcomm':>10} | {'ratio':>6} | "
+            f"{'added µs':>9} | {'out=':>10} | {'ratio out=':>10} |"
+        )
         print(f"|{'-' * 10}|{'-' * 13}|{'-' * 12}|{'-' * 12}|{'-' * 8}|{'-' * 11}|{'-' * 12}|{'-' * 12}|")
         for nbytes, t_raw, t_alloc, t_mc, ratio, added, t_out, ratio_out in rows:
-            print(f"| {format_size(nbytes):>8} | {t_raw:11.1f} | {t_alloc:10.1f} | {t_mc:10.1f} | "
-                  f"{ratio:6.3f} | {added:9.1f} | {t_out:10.1f} | {ratio_out:10.3f} |")
+            print(
+                f"| {format_size(nbytes):>8} | {t_raw:11.1f} | {t_alloc:10.1f} | {t_mc:10.1f} | "
+                f"{ratio:6.3f} | {added:9.1f} | {t_out:10.1f} | {ratio_out:10.3f} |"
+            )
         sys.stdout.flush()
     return 0
 
@@ -134,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for n in args.ranks:
         extra = ["--quick"] if args.quick else []
-        cmd = mpiexec_command(n, [sys.executable, os.path.abspath(__file__), "--worker",
-                                  "--max-bytes", str(args.max_bytes), *extra])
+        cmd = mpiexec_command(
+            n, [sys.executable, os.path.abspath(__file__), "--worker", "--max-bytes", str(args.max_bytes), *extra]
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "OMPI_COMM", "PMI"))}
         status |= subprocess.call(cmd, env=env)
     return status

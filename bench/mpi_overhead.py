@@ -90,6 +90,7 @@ def _sides(kind: str) -> tuple[int, int, dict[str, Callable[[np.ndarray], Callab
         def make_raw(x: np.ndarray) -> Callable[[], Any]:
             out = np.empty_like(x)
             return lambda: (comm.Allreduce(x, out, MPI.SUM), out)[1]
+
         return comm.Get_rank(), comm.Get_size(), {"raw": make_raw}
     import meshcomm as mc
     from mpi4py import MPI
@@ -107,12 +108,14 @@ def _sides(kind: str) -> tuple[int, int, dict[str, Callable[[np.ndarray], Callab
 
     def with_spin(call: Callable[[], Any]) -> Callable[[], Any]:
         """``call`` with the backend's wait loop spinning (never sleeping) for up to 1 s."""
+
         def run() -> Any:
             saved, ctl.spin = ctl.spin, 1.0
             try:
                 return call()
             finally:
                 ctl.spin = saved
+
         return run
 
     def world(x: np.ndarray) -> Callable[[], Any]:
@@ -132,7 +135,10 @@ def _sides(kind: str) -> tuple[int, int, dict[str, Callable[[np.ndarray], Callab
         return lambda: (b.all_reduce(x, out, "sum"), out)[1]
 
     sides: dict[str, Callable[[np.ndarray], Callable[[], Any]]] = {
-        "raw-world": world, "raw-dup": dup, "Iallreduce+Wait": iwait, "backend": backend,
+        "raw-world": world,
+        "raw-dup": dup,
+        "Iallreduce+Wait": iwait,
+        "backend": backend,
         "all_sum-nocheck": lambda x: lambda: mc.all_sum(x, group=plain),
         "all_sum": lambda x: lambda: mc.all_sum(x, group=g),
     }
@@ -167,10 +173,17 @@ def worker(kind: str, sizes: list[int], min_time: float, blocks: int, out_path: 
         with open(out_path, "w") as f:
             import meshcomm
 
-            json.dump({"kind": kind, "ranks": size, "library": _library(), "rows": rows,
-                       "meshcomm": os.path.dirname(meshcomm.__file__),
-                       "env": {k: v for k, v in os.environ.items() if k.startswith(("MPIR_", "MPI4PY_", "MESHCOMM_"))}},
-                      f)
+            json.dump(
+                {
+                    "kind": kind,
+                    "ranks": size,
+                    "library": _library(),
+                    "rows": rows,
+                    "meshcomm": os.path.dirname(meshcomm.__file__),
+                    "env": {k: v for k, v in os.environ.items() if k.startswith(("MPIR_", "MPI4PY_", "MESHCOMM_"))},
+                },
+                f,
+            )
     return 0
 
 
@@ -187,15 +200,38 @@ def _job(python: str, n: int, kind: str, args: argparse.Namespace, env: dict[str
     """Run one worker job under ``meshcomm launch --backend mpi``; its JSON, or an ``error``."""
     with tempfile.TemporaryDirectory(prefix="meshcomm-mpi-overhead-") as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [python, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "mpi", "--",
-               str(HERE), "--worker", kind, "--sizes", args.sizes, "--min-time", str(args.min_time),
-               "--blocks", str(args.blocks), "--json", str(out)]
-        clean = {k: v for k, v in os.environ.items()
-                 if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMI", "PMIX_", "HYDRA_"))}
+        cmd = [
+            python,
+            "-m",
+            "meshcomm",
+            "launch",
+            "-n",
+            str(n),
+            "--backend",
+            "mpi",
+            "--",
+            str(HERE),
+            "--worker",
+            kind,
+            "--sizes",
+            args.sizes,
+            "--min-time",
+            str(args.min_time),
+            "--blocks",
+            str(args.blocks),
+            "--json",
+            str(out),
+        ]
+        clean = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMI", "PMIX_", "HYDRA_"))
+        }
         t0 = time.monotonic()
         try:
-            p = subprocess.run(cmd, env={**clean, **env}, capture_output=True, text=True, timeout=args.timeout,
-                               cwd=ROOT)
+            p = subprocess.run(
+                cmd, env={**clean, **env}, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {args.timeout:.0f} s"}
         if p.returncode != 0 or not out.exists():
@@ -240,27 +276,38 @@ def paired(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
 
 def _summarise(jobs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     ok = [(r, m) for r, m in zip(jobs["raw"], jobs["meshcomm"], strict=True) if "rows" in r and "rows" in m]
-    out: dict[str, Any] = {"rounds": len(ok), "errors": [j["error"] for js in jobs.values() for j in js if "error" in j],
-                           "sizes": {}}
+    out: dict[str, Any] = {
+        "rounds": len(ok),
+        "errors": [j["error"] for js in jobs.values() for j in js if "error" in j],
+        "sizes": {},
+    }
     if not ok:
         return out
     for size in ok[0][0]["rows"]["raw"]:
         raw = [statistics.median(r["rows"]["raw"][size]) for r, _ in ok]
         ours = [statistics.median(m["rows"]["meshcomm"][size]) for _, m in ok]
-        out["sizes"][size] = {"raw": statistics.median(raw), "meshcomm": statistics.median(ours),
-                              "ratio": statistics.median(o / r for o, r in zip(ours, raw, strict=True)),
-                              "raw_rounds": raw, "meshcomm_rounds": ours}
+        out["sizes"][size] = {
+            "raw": statistics.median(raw),
+            "meshcomm": statistics.median(ours),
+            "ratio": statistics.median(o / r for o, r in zip(ours, raw, strict=True)),
+            "raw_rounds": raw,
+            "meshcomm_rounds": ours,
+        }
     return out
 
 
 def paired_table(runs: dict[str, Any]) -> str:
-    lines = ["| MPI | ranks | size | raw mpi4py (µs) | meshcomm-mpi (µs) | ratio | rounds |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| MPI | ranks | size | raw mpi4py (µs) | meshcomm-mpi (µs) | ratio | rounds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for key, res in runs.items():
         lib, n = key.split(" | ")
         for size, cell in res["sizes"].items():
-            lines.append(f"| {lib} | {n.split()[0]} | {_fmt_size(int(size))} | {cell['raw'] * 1e6:.1f} | "
-                         f"{cell['meshcomm'] * 1e6:.1f} | {cell['ratio']:.2f} | {res['rounds']} |")
+            lines.append(
+                f"| {lib} | {n.split()[0]} | {_fmt_size(int(size))} | {cell['raw'] * 1e6:.1f} | "
+                f"{cell['meshcomm'] * 1e6:.1f} | {cell['ratio']:.2f} | {res['rounds']} |"
+            )
         lines += [f"| {lib} | {n.split()[0]} | error: {e} |" for e in res["errors"]]
     return "\n".join(lines)
 
@@ -279,18 +326,30 @@ def layers(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
 
 
 def layers_table(runs: dict[str, Any]) -> str:
-    names = ["raw-world", "raw-dup", "Iallreduce+Wait", "backend", "backend-spin", "all_sum-nocheck", "all_sum",
-             "all_sum-spin"]
-    lines = ["| MPI | ranks | size | " + " | ".join(f"{n} (µs)" for n in names) + " |",
-             "|---|---:|---:|" + "---:|" * len(names)]
+    names = [
+        "raw-world",
+        "raw-dup",
+        "Iallreduce+Wait",
+        "backend",
+        "backend-spin",
+        "all_sum-nocheck",
+        "all_sum",
+        "all_sum-spin",
+    ]
+    lines = [
+        "| MPI | ranks | size | " + " | ".join(f"{n} (µs)" for n in names) + " |",
+        "|---|---:|---:|" + "---:|" * len(names),
+    ]
     for key, res in runs.items():
         lib, n = key.split(" | ")
         if "rows" not in res:
             lines.append(f"| {lib} | {n.split()[0]} | error: {res.get('error')} |")
             continue
         for size in res["rows"]["raw-world"]:
-            cells = [f"{statistics.median(res['rows'][name][size]) * 1e6:.1f}" if name in res["rows"] else "-"
-                     for name in names]
+            cells = [
+                f"{statistics.median(res['rows'][name][size]) * 1e6:.1f}" if name in res["rows"] else "-"
+                for name in names
+            ]
             lines.append(f"| {lib} | {n.split()[0]} | {_fmt_size(int(size))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -299,8 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", choices=["raw", "meshcomm", "layers"], help=argparse.SUPPRESS)
     p.add_argument("--json", help="worker: where rank 0 writes its rows; driver: where the summary goes")
-    p.add_argument("--pythons", nargs="+", default=[str(ROOT / ".venv/bin/python"), str(ROOT / ".venv-mpich/bin/python")],
-                   help="one interpreter per MPI flavour (default: .venv and .venv-mpich)")
+    p.add_argument(
+        "--pythons",
+        nargs="+",
+        default=[str(ROOT / ".venv/bin/python"), str(ROOT / ".venv-mpich/bin/python")],
+        help="one interpreter per MPI flavour (default: .venv and .venv-mpich)",
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (default {DEFAULT_SIZES})")
     p.add_argument("--rounds", type=int, default=4, help="paired rounds per flavour and rank count (default 4)")
@@ -323,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = paired(args, env)
         text = paired_table(runs)
-    head = (f"float32 all_sum, {os.cpu_count()} cores, started {started}, load {os.getloadavg()[0]:.1f} at the end, "
-            f"env {env or '-'}")
+    head = (
+        f"float32 all_sum, {os.cpu_count()} cores, started {started}, load {os.getloadavg()[0]:.1f} at the end, "
+        f"env {env or '-'}"
+    )
     sys.stdout.write(head + "\n\n" + text + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({"started": started, "env": env, "argv": sys.argv[1:], "runs": runs},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"started": started, "env": env, "argv": sys.argv[1:], "runs": runs}, indent=1) + "\n"
+        )
     ok = all(not r.get("errors") and "error" not in r for r in runs.values())
     return 0 if ok else 1
 

@@ -13,9 +13,10 @@ run about as long: T. Then, ``--reps`` times, after a barrier::
 
 (``--kernel sleep`` replaces the products by ``time.sleep(C)``: work that needs no core
 of this machine, like waiting for an accelerator, which shows what the async machinery
-itself can hide when the cores are free) and reports the medians of ``elapsed / T`` (1.0: the all_sum hid completely behind the
-computation; ``(T + C) / T``, about 2 when C equals T: no overlap at all) and of
-``elapsed / (T + C)`` (below 1: time saved against doing the two one after the other).
+itself can hide when the cores are free) and reports the medians of ``elapsed / T``
+(1.0: the all_sum hid completely behind the computation; ``(T + C) / T``, about 2 when C
+equals T: no overlap at all) and of ``elapsed / (T + C)`` (below 1: time saved against
+doing the two one after the other).
 Every result is checked against the blocking all_sum, bit for bit. Rank 0 prints one
 JSON line prefixed ``OVERLAP``.
 """
@@ -69,11 +70,14 @@ def run(mib: float, reps: int, matrix: int = 256, kernel: str = "matmul") -> dic
     # every rank runs the same number of products (the slowest rank's calibration)
     k = int(mc.all_max(np.array([_kernel_reps(c, a)]))[0])
     if kernel == "sleep":
+
         def work() -> None:
             time.sleep(c)
     else:
+
         def work() -> None:
             _compute(k, a)
+
     compute = []
     for _ in range(reps):
         g.barrier()
@@ -95,10 +99,21 @@ def run(mib: float, reps: int, matrix: int = 256, kernel: str = "matmul") -> dic
         e = float(mc.all_max(np.array([elapsed]))[0])  # the slowest rank's time
         ratios.append(e / t)
         saved.append(e / (t + c))
-    return {"backend": g.backend, "kernel": kernel, "ranks": n, "mib": mib, "reps": reps, "allsum_s": round(c, 5),
-            "compute_s": round(t, 5), "products": k, "matrix": matrix, "elapsed_over_T": round(statistics.median(ratios), 3),
-            "elapsed_over_T_plus_C": round(statistics.median(saved), 3),
-            "no_overlap_would_be": round((t + c) / t, 3), "cores": os.cpu_count()}
+    return {
+        "backend": g.backend,
+        "kernel": kernel,
+        "ranks": n,
+        "mib": mib,
+        "reps": reps,
+        "allsum_s": round(c, 5),
+        "compute_s": round(t, 5),
+        "products": k,
+        "matrix": matrix,
+        "elapsed_over_T": round(statistics.median(ratios), 3),
+        "elapsed_over_T_plus_C": round(statistics.median(saved), 3),
+        "no_overlap_would_be": round((t + c) / t, 3),
+        "cores": os.cpu_count(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=float, default=16.0, help="all_sum size in MiB (default 16)")
     p.add_argument("--reps", type=int, default=7, help="repetitions of each measurement (default 7)")
     p.add_argument("--matrix", type=int, default=256, help="side of the compute kernel's matrices (default 256)")
-    p.add_argument("--kernel", choices=("matmul", "sleep"), default="matmul",
-                   help="what overlaps the all_sum: matrix products (default) or a sleep that needs no core")
+    p.add_argument(
+        "--kernel",
+        choices=("matmul", "sleep"),
+        default="matmul",
+        help="what overlaps the all_sum: matrix products (default) or a sleep that needs no core",
+    )
     p.add_argument("--driver", action="store_true", help="launch 2-rank jobs on sockets and mpi and print a table")
     p.add_argument("--backends", default="sockets,mpi", help="backends for --driver (default sockets,mpi)")
     args = p.parse_args(argv)
@@ -125,21 +144,43 @@ def driver(backends: list[str], mib: float, reps: int, matrix: int = 256, kernel
     """Run one 2-rank job per backend and print a Markdown table of the results."""
     rows = []
     for b in backends:
-        cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", b, "--",
-               os.path.abspath(__file__), "--mib", str(mib), "--reps", str(reps), "--matrix", str(matrix),
-               "--kernel", kernel]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshcomm",
+            "launch",
+            "-n",
+            "2",
+            "--backend",
+            b,
+            "--",
+            os.path.abspath(__file__),
+            "--mib",
+            str(mib),
+            "--reps",
+            str(reps),
+            "--matrix",
+            str(matrix),
+            "--kernel",
+            kernel,
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         line = next((ln for ln in p.stdout.splitlines() if "OVERLAP " in ln), None)
         if p.returncode or line is None:
             print(f"{b}: failed (exit {p.returncode})\n{p.stdout[-2000:]}{p.stderr[-2000:]}", file=sys.stderr)
             return 1
         rows.append(json.loads(line.split("OVERLAP ", 1)[1]))
-    print("| backend | kernel | ranks | all_sum MiB | C: blocking all_sum (ms) | T: compute (ms) | elapsed / T "
-          "| no overlap would be (T+C)/T | elapsed / (T+C) |")
+    print(
+        "| backend | kernel | ranks | all_sum MiB | C: blocking all_sum (ms) | T: compute (ms) | elapsed / T "
+        "| no overlap would be (T+C)/T | elapsed / (T+C) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['backend']} | {r['kernel']} | {r['ranks']} | {r['mib']:g} | {1000 * r['allsum_s']:.1f} | {1000 * r['compute_s']:.1f} "
-              f"| {r['elapsed_over_T']:.2f} | {r['no_overlap_would_be']:.2f} | {r['elapsed_over_T_plus_C']:.2f} |")
+        print(
+            f"| {r['backend']} | {r['kernel']} | {r['ranks']} | {r['mib']:g} | {1000 * r['allsum_s']:.1f} "
+            f"| {1000 * r['compute_s']:.1f} | {r['elapsed_over_T']:.2f} | {r['no_overlap_would_be']:.2f} "
+            f"| {r['elapsed_over_T_plus_C']:.2f} |"
+        )
     print(json.dumps(rows))
     return 0
 

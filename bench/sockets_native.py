@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     shm = getattr(getattr(g.transport, "path", None), "shm", None)
     if shm is None or shm.native is None:
         if g.rank() == 0:
-            print("sockets_native: this job has no shared-memory path with the C loop attached "
-                  "(run it on one host with --backend sockets and meshcomm-sockets-native installed)",
-                  file=sys.stderr)
+            print(
+                "sockets_native: this job has no shared-memory path with the C loop attached "
+                "(run it on one host with --backend sockets and meshcomm-sockets-native installed)",
+                file=sys.stderr,
+            )
         return 2
     native, sums = shm.native, shm.native_sums
     modes = {"C sum": (native, sums), "C loop, NumPy sum": (native, {}), "Python": (None, {})}
@@ -60,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         shm.native, shm.native_sums = native, sums
         if g.rank() == 0:
             med = {m: statistics.median(t) * 1e6 for m, t in times.items()}
-            print(f"{g.size()} ranks, {x.nbytes} B: " + ", ".join(f"{m} {v:.2f} us" for m, v in med.items())
-                  + f"; C sum / NumPy sum {med['C sum'] / med['C loop, NumPy sum']:.2f}, "
-                  f"C sum / Python {med['C sum'] / med['Python']:.2f}", flush=True)
+            print(
+                f"{g.size()} ranks, {x.nbytes} B: "
+                + ", ".join(f"{m} {v:.2f} us" for m, v in med.items())
+                + f"; C sum / NumPy sum {med['C sum'] / med['C loop, NumPy sum']:.2f}, "
+                f"C sum / Python {med['C sum'] / med['Python']:.2f}",
+                flush=True,
+            )
     return 0
 
 

@@ -44,8 +44,20 @@ def rank_main() -> None:
     x = mc.all_sum(np.ones(4, np.float32))
     assert np.array_equal(x, np.full(4, g.size(), np.float32)), x
     t_done = time.time()
-    print("STARTUP " + json.dumps({"rank": g.rank(), "size": g.size(), "start": T_START, "imported": T_IMPORTED,
-                                   "init": t_init, "done": t_done}), flush=True)
+    print(
+        "STARTUP "
+        + json.dumps(
+            {
+                "rank": g.rank(),
+                "size": g.size(),
+                "start": T_START,
+                "imported": T_IMPORTED,
+                "init": t_init,
+                "done": t_done,
+            }
+        ),
+        flush=True,
+    )
 
 
 def run_once(backend: str, n: int) -> dict[str, float]:
@@ -67,7 +79,7 @@ def run_once(backend: str, n: int) -> dict[str, float]:
     for line in p.stdout.splitlines():
         i = line.find("STARTUP ")
         if i >= 0:
-            recs.append(json.loads(line[i + 8:]))
+            recs.append(json.loads(line[i + 8 :]))
     if len(recs) != n:
         raise RuntimeError(f"{n} ranks but {len(recs)} STARTUP lines:\n{p.stdout[-3000:]}")
     total = max(r["done"] for r in recs) - t0
@@ -82,16 +94,24 @@ def driver(args: argparse.Namespace) -> None:
             runs = [run_once(backend, n) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append((backend, n, med, [r["total"] for r in runs]))
-            print(f"{backend:8s} n={n:3d} total {med['total']:.2f} s (python {med['python']:.2f}, "
-                  f"connect {med['connect']:.2f}, job exit {med['exit']:.2f}) runs {[round(r['total'], 2) for r in runs]}",
-                  file=sys.stderr, flush=True)
-    print("| backend | ranks | launch -> first collective done (s) | of which process start + imports (s) | "
-          "init + barrier + all_sum (s) | launch -> job exit (s) |")
+            print(
+                f"{backend:8s} n={n:3d} total {med['total']:.2f} s (python {med['python']:.2f}, "
+                f"connect {med['connect']:.2f}, job exit {med['exit']:.2f}) "
+                f"runs {[round(r['total'], 2) for r in runs]}",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        "| backend | ranks | launch -> first collective done (s) | of which process start + imports (s) | "
+        "init + barrier + all_sum (s) | launch -> job exit (s) |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for backend, n, med, _ in rows:
         starter = "meshcomm launch" if backend != "mpi" else "mpiexec"
-        print(f"| {backend} ({starter}) | {n} | {med['total']:.2f} | {med['python']:.2f} | {med['connect']:.2f} | "
-              f"{med['exit']:.2f} |")
+        print(
+            f"| {backend} ({starter}) | {n} | {med['total']:.2f} | {med['python']:.2f} | {med['connect']:.2f} | "
+            f"{med['exit']:.2f} |"
+        )
 
 
 def main() -> None:

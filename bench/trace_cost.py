@@ -58,10 +58,18 @@ def main(argv: list[str] | None = None) -> None:
             world.all_sum(x)
         per_op.append((time.perf_counter() - t0) / (args.iters // args.rounds))
     if world.rank() == 0:
-        print("TRACECOST " + json.dumps({"us": statistics.median(per_op) * 1e6, "min_us": min(per_op) * 1e6,
-                                         "bytes": args.bytes,
-                                         "trace": bool(os.environ.get("MESHCOMM_TRACE")),
-                                         "stall_after": os.environ.get("MESHCOMM_STALL_AFTER", "")}))
+        print(
+            "TRACECOST "
+            + json.dumps(
+                {
+                    "us": statistics.median(per_op) * 1e6,
+                    "min_us": min(per_op) * 1e6,
+                    "bytes": args.bytes,
+                    "trace": bool(os.environ.get("MESHCOMM_TRACE")),
+                    "stall_after": os.environ.get("MESHCOMM_STALL_AFTER", ""),
+                }
+            )
+        )
 
 
 def _run(env: dict[str, str], extra: list[str]) -> float:
@@ -83,11 +91,16 @@ def driver(argv: list[str] | None = None) -> None:
     extra = ["--bytes", str(args.bytes), "--iters", str(args.iters)]
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        configs = {} if args.before is None else {"before": {"PYTHONPATH": args.before, "MESHCOMM_TRACE": "",
-                                                            "MESHCOMM_STALL_AFTER": "0"}}
-        configs |= {"off": {"MESHCOMM_STALL_AFTER": "0", "MESHCOMM_TRACE": ""},
-                   "stall only": {"MESHCOMM_TRACE": ""},
-                   "trace on": {"MESHCOMM_TRACE": tmp}}
+        configs = (
+            {}
+            if args.before is None
+            else {"before": {"PYTHONPATH": args.before, "MESHCOMM_TRACE": "", "MESHCOMM_STALL_AFTER": "0"}}
+        )
+        configs |= {
+            "off": {"MESHCOMM_STALL_AFTER": "0", "MESHCOMM_TRACE": ""},
+            "stall only": {"MESHCOMM_TRACE": ""},
+            "trace on": {"MESHCOMM_TRACE": tmp},
+        }
         for _ in range(args.repeats):
             for name, env in configs.items():
                 results.setdefault(name, []).append(_run(env, extra))
@@ -112,8 +125,9 @@ def inprocess() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = {"off": best()}
-        rec = recorder.Recorder(world, folder=None, capacity=100_000,
-                                progress=ProgressWriter(Path(tmp) / "progress", 0))
+        rec = recorder.Recorder(
+            world, folder=None, capacity=100_000, progress=ProgressWriter(Path(tmp) / "progress", 0)
+        )
         recorder.active = rec
         rows["stall only"] = best()
         recorder.stop()

@@ -58,11 +58,20 @@ def main() -> None:
     dt = time.perf_counter() - t0
     ok_big = bool((big_sum == n).all())
 
-    checks = {"all_sum": ok_sum, "all_gather": ok_gather, "broadcast": ok_bcast,
-              "sum_scatter": ok_scatter, "send/recv": ok_ring, "16 MiB all_sum": ok_big}
+    checks = {
+        "all_sum": ok_sum,
+        "all_gather": ok_gather,
+        "broadcast": ok_bcast,
+        "sum_scatter": ok_scatter,
+        "send/recv": ok_ring,
+        "16 MiB all_sum": ok_big,
+    }
     status = "all correct" if all(checks.values()) else "WRONG: " + ", ".join(k for k, v in checks.items() if not v)
-    print(f"rank {r}/{n} on {world.backend}: sum of ranks = {int(total[0])} (expected {expect}), "
-          f"gathered squares = {squares.tolist()}, 16 MiB all_sum in {dt * 1e3:.1f} ms (warm) -> {status}", flush=True)
+    print(
+        f"rank {r}/{n} on {world.backend}: sum of ranks = {int(total[0])} (expected {expect}), "
+        f"gathered squares = {squares.tolist()}, 16 MiB all_sum in {dt * 1e3:.1f} ms (warm) -> {status}",
+        flush=True,
+    )
     world.barrier()
     if not all(checks.values()):
         raise SystemExit(1)

@@ -32,8 +32,9 @@ def build_mlp(dims: list[int], seed: int) -> nn.Sequential:
 
 def quantized(model: nn.Sequential, group_size: int, bits: int) -> nn.Sequential:
     """A copy of ``model`` with every Linear replaced by its QuantizedLinear."""
-    return nn.Sequential(*(layer.to_quantized(group_size, bits) if isinstance(layer, nn.Linear)
-                           else layer for layer in model.layers))
+    return nn.Sequential(
+        *(layer.to_quantized(group_size, bits) if isinstance(layer, nn.Linear) else layer for layer in model.layers)
+    )
 
 
 def main() -> int:
@@ -70,8 +71,10 @@ def main() -> int:
         print(f"tensor-parallel MLP {'-'.join(map(str, dims))} over {size} rank(s), batch {args.batch}")
         print(tp)
         print(f"float32: max |y_tp - y_single| = {diff:.3g}")
-        print(f"{args.bits}-bit (group size {args.group_size}): max |y_tp - y_single| = {q_diff:.3g} "
-              f"(quantization itself changes the output by up to {q_err:.3g})")
+        print(
+            f"{args.bits}-bit (group size {args.group_size}): max |y_tp - y_single| = {q_diff:.3g} "
+            f"(quantization itself changes the output by up to {q_err:.3g})"
+        )
     ok = diff <= args.tolerance and q_diff <= args.tolerance
     if not ok and rank == 0:
         print(f"FAILED: difference above tolerance {args.tolerance}", file=sys.stderr)

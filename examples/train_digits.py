@@ -65,11 +65,13 @@ def main() -> int:
     rank, size = world.rank(), world.size()
     tp = args.tp or (2 if size % 2 == 0 else 1)
     if size % tp or args.batch % (size // tp):
-        raise SystemExit(f"--tp {tp} must divide the world size {size}, "
-                         f"and the data-parallel size {size // tp} must divide --batch {args.batch}")
+        raise SystemExit(
+            f"--tp {tp} must divide the world size {size}, "
+            f"and the data-parallel size {size // tp} must divide --batch {args.batch}"
+        )
     dp = size // tp
-    tp_group = world.split(rank // tp, key=rank)    # ranks holding shards of one model
-    dp_group = world.split(rank % tp, key=rank)     # ranks holding the same shard
+    tp_group = world.split(rank // tp, key=rank)  # ranks holding shards of one model
+    dp_group = world.split(rank % tp, key=rank)  # ranks holding the same shard
 
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -79,15 +81,20 @@ def main() -> int:
 
     h = args.hidden
     model = nn.Sequential(
-        nn.Linear(64, h, rng=args.seed), nn.ReLU(),
-        nn.Linear(h, h, rng=args.seed + 1), nn.ReLU(),
-        nn.Linear(h, h, rng=args.seed + 2), nn.ReLU(),
+        nn.Linear(64, h, rng=args.seed),
+        nn.ReLU(),
+        nn.Linear(h, h, rng=args.seed + 1),
+        nn.ReLU(),
+        nn.Linear(h, h, rng=args.seed + 2),
+        nn.ReLU(),
         nn.Linear(h, 10, rng=args.seed + 3),
     )
     nn.shard_inplace(model, group=tp_group)
     if rank == 0:
-        print(f"{size} rank(s): {dp} data-parallel x {tp} tensor-parallel; "
-              f"{len(train)} training and {len(test)} test images")
+        print(
+            f"{size} rank(s): {dp} data-parallel x {tp} tensor-parallel; "
+            f"{len(train)} training and {len(test)} test images"
+        )
         print(model)
 
     steps = len(train) // args.batch
@@ -96,8 +103,8 @@ def main() -> int:
         perm = train[np.random.default_rng(args.seed + 1000 + epoch).permutation(len(train))]
         total = 0.0
         for step in range(steps):
-            batch = perm[step * args.batch:(step + 1) * args.batch]
-            mine = batch.reshape(dp, -1)[dp_group.rank()]       # this replica's share
+            batch = perm[step * args.batch : (step + 1) * args.batch]
+            mine = batch.reshape(dp, -1)[dp_group.rank()]  # this replica's share
             loss, grad = cross_entropy(model(x[mine]), y[mine])
             model.backward(grad)
             grads = nn.average_gradients(model.grads, group=dp_group)

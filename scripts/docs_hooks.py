@@ -115,10 +115,16 @@ def settings_table() -> str:
                 continue
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
             var = envs[name]
-            row = rows.setdefault(var, {"used": [], "default": _default(field.default),
-                                        "type": _type_name(field.annotation),
-                                        "description": field.description or "",
-                                        "accepts": str(extra.get("accepts", ""))})
+            row = rows.setdefault(
+                var,
+                {
+                    "used": [],
+                    "default": _default(field.default),
+                    "type": _type_name(field.annotation),
+                    "description": field.description or "",
+                    "accepts": str(extra.get("accepts", "")),
+                },
+            )
             row["used"].append(section)
     lines = [
         "| variable | default | type | used by | meaning (and what it accepts) |",
@@ -239,8 +245,9 @@ def on_config(config: Any) -> Any:
     for page in sorted(DOCS.rglob("*.md")):
         rel = page.relative_to(DOCS).as_posix()
         if rel not in listed:
-            title = next((ln[2:].strip().strip("`") for ln in page.read_text().splitlines()
-                          if ln.startswith("# ")), page.stem)
+            title = next(
+                (ln[2:].strip().strip("`") for ln in page.read_text().splitlines() if ln.startswith("# ")), page.stem
+            )
             config.nav.append({title: rel})
     return config
 

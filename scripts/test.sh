@@ -52,8 +52,9 @@ site=$scratch/site
 mkdir "$site"
 (
   set -e
-  echo "== ruff"
-  "$VPY" -m ruff check core plugins tests examples bench
+  echo "== ruff (lint, and the one format: ruff format)"
+  "$VPY" -m ruff check core plugins tests examples bench scripts
+  "$VPY" -m ruff format --check core plugins tests examples bench scripts
   echo "== mypy (core)"
   # its cache outside the checkout, kept between runs and clones like pip's: mypy checks each
   # cached module against its source's hash, so a fresh clone re-checks only what changed

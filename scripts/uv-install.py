@@ -25,16 +25,21 @@ UV_VERSION = "0.13.9"
 _PIP_NOISE = "is ignored: it is neither a file nor a directory"
 
 # pip's settings that say where packages come from, and uv's flag for each
-_LIST_FLAGS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links",
-               "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
+_LIST_FLAGS = {
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+    "trusted-host": "--allow-insecure-host",
+}
 # later sources override earlier ones: a config file's [global], its [install], the environment
 _PRECEDENCE = ("global", "install", ":env:")
 
 
 def pip_settings() -> dict[str, str]:
     """pip's effective configuration for `pip install`, as key -> value."""
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], check=True, capture_output=True, text=True
+    ).stdout
     found: dict[str, dict[str, str]] = {}
     for line in out.splitlines():
         name, sep, value = line.partition("=")
@@ -64,8 +69,9 @@ def ensure_uv() -> None:
             return
     except md.PackageNotFoundError:
         pass
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"uv=={UV_VERSION}"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", f"uv=={UV_VERSION}"], capture_output=True, text=True
+    )
     sys.stderr.write("".join(ln for ln in res.stderr.splitlines(keepends=True) if _PIP_NOISE not in ln))
     if res.returncode != 0:
         raise SystemExit(f"uv-install: pip could not install uv=={UV_VERSION} (exit {res.returncode})")

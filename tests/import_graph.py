@@ -11,8 +11,10 @@ import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = [ROOT / "core" / "meshcomm",
-            *sorted(p for p in (ROOT / "plugins").glob("*/meshcomm_*") if (p / "__init__.py").exists())]
+PACKAGES = [
+    ROOT / "core" / "meshcomm",
+    *sorted(p for p in (ROOT / "plugins").glob("*/meshcomm_*") if (p / "__init__.py").exists()),
+]
 
 
 def modules() -> dict[str, Path]:

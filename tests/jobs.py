@@ -18,8 +18,14 @@ JOB_SECRET = "meshcomm-tests-job-secret"
 MPI_RUNTIME_NOT_STARTED = "The PMIx server's listener thread failed to start"
 
 
-def launch(n: int, *args: str, backend: str = "sockets", timeout: float = 240, env: dict[str, str] | None = None,
-           launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def launch(
+    n: int,
+    *args: str,
+    backend: str = "sockets",
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    launch_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
     """Run ``meshcomm launch -n n --backend backend [launch_args] -- args`` and capture its output."""
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, *launch_args, "--", *args]
     full_env = {**os.environ, **(env or {})}
@@ -88,19 +94,39 @@ def write_hostfile(path: Path, ports: list[int], host: str = "127.0.0.1") -> Pat
     return path
 
 
-def start_ranks(n: int, args: list[str], hostfile: Path, *, ranks: list[int] | None = None,
-                env: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
-                prefix: list[str] | None = None) -> dict[int, subprocess.Popen[str]]:
+def start_ranks(
+    n: int,
+    args: list[str],
+    hostfile: Path,
+    *,
+    ranks: list[int] | None = None,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+    prefix: list[str] | None = None,
+) -> dict[int, subprocess.Popen[str]]:
     """Start ranks of a sockets job directly (no launcher, so a dying rank does not stop the
     others); ``prefix``: a command that runs the rank's python (e.g. in a namespace)."""
     procs = {}
-    for r in (range(n) if ranks is None else ranks):
+    for r in range(n) if ranks is None else ranks:
         # a job's secret, as meshcomm launch would give (tests of jobs without one pass "")
-        e = {**os.environ, "MLX_BACKEND": "sockets", "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
-             "PYTHONUNBUFFERED": "1", "MESHCOMM_JOB_SECRET": JOB_SECRET, **(env or {}),
-             **((rank_env or {}).get(r, {}))}
-        procs[r] = subprocess.Popen([*(prefix or []), sys.executable, *args], env=e, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        e = {
+            **os.environ,
+            "MLX_BACKEND": "sockets",
+            "MLX_RANK": str(r),
+            "MLX_HOSTFILE": str(hostfile),
+            "PYTHONUNBUFFERED": "1",
+            "MESHCOMM_JOB_SECRET": JOB_SECRET,
+            **(env or {}),
+            **((rank_env or {}).get(r, {})),
+        }
+        procs[r] = subprocess.Popen(
+            [*(prefix or []), sys.executable, *args],
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
     return procs
 
 

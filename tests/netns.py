@@ -52,8 +52,7 @@ class NetnsHosts:
             for i, (ns, ip) in enumerate(zip(self.names, self.ips, strict=True)):
                 self._add(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("-n", self.bridge_ns, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0",
-                    "netns", ns)
+                _ip("-n", self.bridge_ns, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
                 _ip("-n", self.bridge_ns, "link", "set", f"p{i}", "master", "br0")
                 _ip("-n", self.bridge_ns, "link", "set", f"p{i}", "up")
                 _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
@@ -77,8 +76,12 @@ class NetnsHosts:
         deadline = time.monotonic() + 20
         for ns in self.names[1:]:
             while True:
-                p = subprocess.run(["ip", "netns", "exec", ns, "ping", "-c", "1", "-W", "1", self.ips[0]],
-                                   capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                p = subprocess.run(
+                    ["ip", "netns", "exec", ns, "ping", "-c", "1", "-W", "1", self.ips[0]],
+                    capture_output=True,
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                )
                 if p.returncode == 0:
                     break
                 if time.monotonic() > deadline:

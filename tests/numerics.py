@@ -39,8 +39,15 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "unit_roundoff", "gamma", "sum_roundings", "dot_roundings", "matmul_bound", "sum_bound",
-    "mlp_bounds", "MLPBounds", "assert_within",
+    "unit_roundoff",
+    "gamma",
+    "sum_roundings",
+    "dot_roundings",
+    "matmul_bound",
+    "sum_bound",
+    "mlp_bounds",
+    "MLPBounds",
+    "assert_within",
 ]
 
 Layer = tuple[np.ndarray, np.ndarray | None] | None
@@ -83,8 +90,9 @@ def _abs64(a: Any) -> np.ndarray:
     return np.abs(np.asarray(a, dtype=np.float64))
 
 
-def matmul_bound(a: Any, b: Any, dtype: Any = np.float32, *, bias: Any = None,
-                 partials: int = 1, extra: int = 0) -> np.ndarray:
+def matmul_bound(
+    a: Any, b: Any, dtype: Any = np.float32, *, bias: Any = None, partials: int = 1, extra: int = 0
+) -> np.ndarray:
     """Bound on ``|c1 - c2|`` (element-wise) for two evaluations of ``a @ b (+ bias)`` in ``dtype``.
 
     Args:
@@ -135,9 +143,16 @@ class MLPBounds:
     grad_errors: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
-def mlp_bounds(layers: Sequence[Layer], x: Any, grad_output: Any = None, dtype: Any = np.float32,
-               *, partials: int = 1, batch_partials: int = 1,
-               weight_errors: Sequence[Layer] | None = None) -> MLPBounds:
+def mlp_bounds(
+    layers: Sequence[Layer],
+    x: Any,
+    grad_output: Any = None,
+    dtype: Any = np.float32,
+    *,
+    partials: int = 1,
+    batch_partials: int = 1,
+    weight_errors: Sequence[Layer] | None = None,
+) -> MLPBounds:
     """Bounds for two evaluations (e.g. sharded and unsharded) of ``x -> layers`` and of its
     backward pass from ``grad_output``; each layer is ``(weight, bias)``, applying
     ``h @ weight.T + bias`` (bias may be ``None``), or ``None`` for a ReLU.
@@ -180,7 +195,8 @@ def mlp_bounds(layers: Sequence[Layer], x: Any, grad_output: Any = None, dtype: 
                 raise ValueError(
                     f"ReLU at layer {i}: pre-activation {z[idx]:.3g} at {idx} is within its "
                     f"rounding bound {ez[idx] + slack[idx]:.3g} of 0, so two evaluations may take "
-                    f"different branches and no rounding bound applies; choose other data")
+                    f"different branches and no rounding bound applies; choose other data"
+                )
             mask = z > 0
             masks.append(mask)
             h.append(np.where(mask, z, 0.0))
@@ -191,14 +207,17 @@ def mlp_bounds(layers: Sequence[Layer], x: Any, grad_output: Any = None, dtype: 
         w, b = (None if v is None else np.asarray(v, dtype=f64) for v in layer)
         ew, eb = (zero, zero) if errs[i] is None else (_abs64(v) for v in errs[i])
         masks.append(None)
-        exact_in = np.abs(h[-1]) + gamma(dd[-1], f64) * a[-1]     # >= |exact input|
-        computed_in = exact_in + e[-1]                            # >= |computed input|
+        exact_in = np.abs(h[-1]) + gamma(dd[-1], f64) * a[-1]  # >= |exact input|
+        computed_in = exact_in + e[-1]  # >= |computed input|
         d = dot_roundings(w.shape[1], partials) + (b is not None)
-        wc = np.abs(w) + ew                                       # >= |computed weight|
+        wc = np.abs(w) + ew  # >= |computed weight|
         bc = (np.abs(b) + eb) if b is not None else zero
-        err = (gamma(d, dtype) * (computed_in @ wc.T + bc)        # this layer's rounding
-               + computed_in @ np.broadcast_to(ew, w.shape).T     # the weight's own error
-               + e[-1] @ np.abs(w).T + (eb if b is not None else zero))  # propagated
+        err = (
+            gamma(d, dtype) * (computed_in @ wc.T + bc)  # this layer's rounding
+            + computed_in @ np.broadcast_to(ew, w.shape).T  # the weight's own error
+            + e[-1] @ np.abs(w).T
+            + (eb if b is not None else zero)
+        )  # propagated
         h.append(h[-1] @ w.T + (b if b is not None else 0.0))
         e.append(err)
         a.append(a[-1] @ np.abs(w).T + (np.abs(b) if b is not None else 0.0))
@@ -231,14 +250,20 @@ def mlp_bounds(layers: Sequence[Layer], x: Any, grad_output: Any = None, dtype: 
         h_comp = h_exact + e[i]
         db = dot_roundings(batch, batch_partials)
         refs = {"weight": rows(g).T @ rows(h[i])}
-        errors = {"weight": gamma(db, dtype) * (rows(g_comp).T @ rows(h_comp))
-                  + rows(eg).T @ rows(h_comp) + rows(g_exact).T @ rows(e[i])
-                  + gamma(db + dg + dd[i], f64) * (rows(bg).T @ rows(a[i]))}
+        errors = {
+            "weight": gamma(db, dtype) * (rows(g_comp).T @ rows(h_comp))
+            + rows(eg).T @ rows(h_comp)
+            + rows(g_exact).T @ rows(e[i])
+            + gamma(db + dg + dd[i], f64) * (rows(bg).T @ rows(a[i]))
+        }
         if b is not None:
             sb = sum_roundings(batch, batch_partials)
             refs["bias"] = rows(g).sum(axis=0)
-            errors["bias"] = (gamma(sb, dtype) * rows(g_comp).sum(axis=0) + rows(eg).sum(axis=0)
-                              + gamma(sb + dg, f64) * rows(bg).sum(axis=0))
+            errors["bias"] = (
+                gamma(sb, dtype) * rows(g_comp).sum(axis=0)
+                + rows(eg).sum(axis=0)
+                + gamma(sb + dg, f64) * rows(bg).sum(axis=0)
+            )
         out.reference_grads[i] = refs
         out.grad_errors[i] = errors
         # Two evaluations: twice the float32 part (the float64 term is counted once each
@@ -246,8 +271,7 @@ def mlp_bounds(layers: Sequence[Layer], x: Any, grad_output: Any = None, dtype: 
         out.grads[i] = {k: 2 * v for k, v in errors.items()}
         dk = dot_roundings(w.shape[0], partials)
         wc = np.abs(w) + ew
-        eg = (gamma(dk, dtype) * (g_comp @ wc) + g_comp @ np.broadcast_to(ew, w.shape)
-              + eg @ np.abs(w))
+        eg = gamma(dk, dtype) * (g_comp @ wc) + g_comp @ np.broadcast_to(ew, w.shape) + eg @ np.abs(w)
         g, bg, dg = g @ w, bg @ np.abs(w), dg + dk
     out.input_grad = 2 * eg
     return out
@@ -274,7 +298,8 @@ def assert_within(got: Any, want: Any, bound: Any, what: str) -> float:
         raise AssertionError(
             f"{what}: element {tuple(int(i) for i in idx)} is {float(g[idx])!r}, expected "
             f"{float(w[idx])!r}: |diff| = {diff[idx]:.4g} exceeds the rounding bound "
-            f"{b[idx]:.4g} ({worst:.4g} times); {over} of {ratio.size} elements exceed their bound")
+            f"{b[idx]:.4g} ({worst:.4g} times); {over} of {ratio.size} elements exceed their bound"
+        )
     return worst
 
 

@@ -40,7 +40,7 @@ def _mapped() -> set[str]:
                 for line in fh:
                     i = line.find("/dev/shm/")
                     if i >= 0:
-                        names.add(line[i + 9:].split(" (deleted)")[0].strip())
+                        names.add(line[i + 9 :].split(" (deleted)")[0].strip())
         except OSError:
             continue
     return names

@@ -68,8 +68,21 @@ def _which(name: str) -> str | None:
     return None
 
 
-TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "scontrol", "munged", "mungekey", "ip", "nsenter", "unshare",
-         "sshd", "ssh", "ssh-keygen")
+TOOLS = (
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "sinfo",
+    "scontrol",
+    "munged",
+    "mungekey",
+    "ip",
+    "nsenter",
+    "unshare",
+    "sshd",
+    "ssh",
+    "ssh-keygen",
+)
 
 
 def unavailable_reason() -> str | None:
@@ -80,8 +93,10 @@ def unavailable_reason() -> str | None:
         return "the Slurm test cluster needs root (network namespaces, slurmd as root)"
     missing = [t for t in TOOLS if _which(t) is None]
     if missing:
-        return (f"not installed: {', '.join(missing)} (scripts/ci-system-deps.sh installs slurmctld, slurmd, "
-                "slurm-client, munge, libpmix-dev, openssh-server, iproute2)")
+        return (
+            f"not installed: {', '.join(missing)} (scripts/ci-system-deps.sh installs slurmctld, slurmd, "
+            "slurm-client, munge, libpmix-dev, openssh-server, iproute2)"
+        )
     return None
 
 
@@ -155,7 +170,8 @@ def teardown() -> None:
     shutil.rmtree(BASE, ignore_errors=True)
 
 
-#: processes the daemons run by themselves (slurmd forks per request, slurmctld runs slurmscriptd, sshd forks per connection)
+#: processes the daemons run by themselves (slurmd forks per request, slurmctld runs slurmscriptd,
+#: sshd forks per connection)
 DAEMON_HELPERS = {"slurmd", "slurmctld", "slurmscriptd", "munged", "sshd", None}
 
 
@@ -261,8 +277,12 @@ class SlurmCluster:
         r, w = os.pipe()
         self._reaper = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "reap", str(self._lock.fileno())],
-            stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(self._lock.fileno(),),
-            start_new_session=True)
+            stdin=r,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(self._lock.fileno(),),
+            start_new_session=True,
+        )
         os.close(r)
         self._reaper_pipe = w
 
@@ -278,16 +298,18 @@ class SlurmCluster:
             (b / "tmp" / n).mkdir()
         b.chmod(0o755)
         (b / "tmp").chmod(0o1777)
-        (b / "hosts").write_text("127.0.0.1 localhost\n" + f"{self.ctl_addr} ctl\n"
-                                 + "".join(f"{a} {n}\n" for n, a in self.nodes.items()))
+        (b / "hosts").write_text(
+            "127.0.0.1 localhost\n" + f"{self.ctl_addr} ctl\n" + "".join(f"{a} {n}\n" for n, a in self.nodes.items())
+        )
         self._network()
         self._munge()
-        nodes = "\n".join(f"NodeName={n} NodeHostname={n} NodeAddr={a} CPUs={CPUS_PER_NODE}"
-                          for n, a in self.nodes.items())
-        self.conf.write_text(SLURM_CONF.format(base=b, ctl=self.ctl_addr, nodes=nodes, ctld_port=6817,
-                                               slurmd_port=6818))
-        self._daemon("slurmctld", CTL_NS, "ctl", [_which("slurmctld") or "slurmctld", "-D", "-i", "-f",
-                                                   str(self.conf)])
+        nodes = "\n".join(
+            f"NodeName={n} NodeHostname={n} NodeAddr={a} CPUs={CPUS_PER_NODE}" for n, a in self.nodes.items()
+        )
+        self.conf.write_text(
+            SLURM_CONF.format(base=b, ctl=self.ctl_addr, nodes=nodes, ctld_port=6817, slurmd_port=6818)
+        )
+        self._daemon("slurmctld", CTL_NS, "ctl", [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)])
         for n in self.nodes:
             self._daemon(f"slurmd-{n}", NS_PREFIX + n, n, [_which("slurmd") or "slurmd", "-D", "-f", str(self.conf)])
         self._sshd()
@@ -314,17 +336,35 @@ class SlurmCluster:
 
         ``ip netns exec`` is not used: it remounts /sys, and slurmd then fails on /sys/fs/cgroup."""
         ns = CTL_NS if host == "ctl" else NS_PREFIX + host
-        script = f"hostname {shlex.quote(host)} && mount --bind {shlex.quote(str(self.base / 'hosts'))} /etc/hosts " \
-                 f"&& exec {shlex.join(argv)}"
-        return [_which("nsenter") or "nsenter", f"--net=/run/netns/{ns}", _which("unshare") or "unshare", "--uts",
-                "--mount", "--propagation", "private", "sh", "-c", script]
+        script = (
+            f"hostname {shlex.quote(host)} && mount --bind {shlex.quote(str(self.base / 'hosts'))} /etc/hosts "
+            f"&& exec {shlex.join(argv)}"
+        )
+        return [
+            _which("nsenter") or "nsenter",
+            f"--net=/run/netns/{ns}",
+            _which("unshare") or "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+        ]
 
     def _daemon(self, name: str, ns: str, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         log = open(self.base / "log" / f"{name}.out", "wb")
         e = dict(os.environ)
         e.update(env or {})
-        p = subprocess.Popen(self.wrap(host, argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, env=e)
+        p = subprocess.Popen(
+            self.wrap(host, argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=e,
+        )
         log.close()
         self._record(name, p.pid)
         setattr(self, f"_proc_{name.replace('-', '_')}", p)
@@ -334,10 +374,21 @@ class SlurmCluster:
         m.chmod(0o755)  # munged refuses a socket directory others cannot traverse
         _run([_which("mungekey") or "mungekey", "-c", "-k", str(m / "munge.key")])
         (m / "munge.key").chmod(0o600)
-        self._daemon("munged", CTL_NS, "ctl", [
-            _which("munged") or "munged", "--foreground", f"--socket={m / 'munge.sock'}", f"--key-file={m / 'munge.key'}",
-            f"--log-file={m / 'munged.log'}", f"--pid-file={m / 'munged.pid'}", f"--seed-file={m / 'munged.seed'}",
-            "--force"])
+        self._daemon(
+            "munged",
+            CTL_NS,
+            "ctl",
+            [
+                _which("munged") or "munged",
+                "--foreground",
+                f"--socket={m / 'munge.sock'}",
+                f"--key-file={m / 'munge.key'}",
+                f"--log-file={m / 'munged.log'}",
+                f"--pid-file={m / 'munged.pid'}",
+                f"--seed-file={m / 'munged.seed'}",
+                "--force",
+            ],
+        )
         deadline = time.monotonic() + 20
         while not (m / "munge.sock").exists():
             if time.monotonic() > deadline:
@@ -358,21 +409,53 @@ class SlurmCluster:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
         for n, addr in self.nodes.items():
             conf = s / f"sshd_config-{n}"
-            conf.write_text("\n".join([
-                f"ListenAddress {addr}:22", f"HostKey {s / 'host_key'}", f"AuthorizedKeysFile {s / 'authorized_keys'}",
-                f"PidFile {self.base / 'run' / f'sshd-{n}.pid'}", "PermitRootLogin prohibit-password",
-                "PubkeyAuthentication yes", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-                "StrictModes no", "UsePAM no", "X11Forwarding no", "PrintMotd no", "LogLevel ERROR",
-                "MaxStartups 100", "MaxSessions 100", "AcceptEnv MC_* MLX_* MESHCOMM_*", "",
-            ]))
+            conf.write_text(
+                "\n".join(
+                    [
+                        f"ListenAddress {addr}:22",
+                        f"HostKey {s / 'host_key'}",
+                        f"AuthorizedKeysFile {s / 'authorized_keys'}",
+                        f"PidFile {self.base / 'run' / f'sshd-{n}.pid'}",
+                        "PermitRootLogin prohibit-password",
+                        "PubkeyAuthentication yes",
+                        "PasswordAuthentication no",
+                        "KbdInteractiveAuthentication no",
+                        "StrictModes no",
+                        "UsePAM no",
+                        "X11Forwarding no",
+                        "PrintMotd no",
+                        "LogLevel ERROR",
+                        "MaxStartups 100",
+                        "MaxSessions 100",
+                        "AcceptEnv MC_* MLX_* MESHCOMM_*",
+                        "",
+                    ]
+                )
+            )
             self._daemon(f"sshd-{n}", NS_PREFIX + n, n, [_which("sshd") or "sshd", "-D", "-e", "-f", str(conf)])
 
     @property
     def ssh_command(self) -> str:
         """An ``ssh`` that reaches every node's sshd as root (for mpirun's plm_ssh_agent)."""
-        return shlex.join(["ssh", "-i", str(self.ssh_key), "-o", "StrictHostKeyChecking=no", "-o",
-                           "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
-                           "-o", "IdentitiesOnly=yes", "-F", "/dev/null"])
+        return shlex.join(
+            [
+                "ssh",
+                "-i",
+                str(self.ssh_key),
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "LogLevel=ERROR",
+                "-o",
+                "IdentitiesOnly=yes",
+                "-F",
+                "/dev/null",
+            ]
+        )
 
     def _logs(self, *names: str) -> str:
         out = []
@@ -398,8 +481,9 @@ class SlurmCluster:
             else:
                 last = p.stdout + p.stderr
             time.sleep(0.3)
-        raise RuntimeError(f"the Slurm nodes did not become idle in {timeout:.0f} s (sinfo: {last.strip()})\n"
-                           f"{self._logs()}")
+        raise RuntimeError(
+            f"the Slurm nodes did not become idle in {timeout:.0f} s (sinfo: {last.strip()})\n{self._logs()}"
+        )
 
     # -- clients -------------------------------------------------------------------------------------
 
@@ -407,14 +491,29 @@ class SlurmCluster:
         """argv as run on the login host ``ctl`` (or a node) with this cluster's SLURM_CONF."""
         return self.wrap(host, ["env", f"SLURM_CONF={self.conf}", *argv])
 
-    def run(self, argv: Sequence[str], *, host: str = "ctl", timeout: float = 120, check: bool = True,
-            env: Mapping[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        host: str = "ctl",
+        timeout: float = 120,
+        check: bool = True,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run a client command (``srun``, ``sbatch`` ...) on ``host`` and wait (always with a timeout:
         an srun asking for more than the nodes have would wait forever)."""
         e = dict(os.environ)
         e.update(env or {})
-        p = subprocess.run(self.command(argv, host), capture_output=True, text=True, timeout=timeout, env=e,
-                           input=input, stdin=None if input is not None else subprocess.DEVNULL)
+        p = subprocess.run(
+            self.command(argv, host),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=e,
+            input=input,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
         if check and p.returncode != 0:
             raise RuntimeError(f"{shlex.join(argv)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
         return p

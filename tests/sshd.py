@@ -52,49 +52,82 @@ class LoopbackSshd:
         self.key = self.dir / "client_key"
         host_key = self.dir / "host_key"
         for k in (host_key, self.key):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(k)], check=True,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(k)],
+                check=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
         auth = self.dir / "authorized_keys"
         auth.write_text(Path(str(self.key) + ".pub").read_text())
         auth.chmod(0o600)
         self.log = self.dir / "sshd.log"
         config = self.dir / "sshd_config"
-        config.write_text("\n".join([
-            f"ListenAddress {addr}",
-            f"Port {self.port}",
-            f"HostKey {host_key}",
-            f"AuthorizedKeysFile {auth}",
-            f"PidFile {self.dir / 'sshd.pid'}",
-            "PermitRootLogin prohibit-password",
-            "PubkeyAuthentication yes",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "StrictModes no",
-            "UsePAM no",
-            "X11Forwarding no",
-            "PrintMotd no",
-            "LogLevel ERROR",
-            "MaxStartups 100",
-            "MaxSessions 100",
-            "",
-        ]))
+        config.write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {addr}",
+                    f"Port {self.port}",
+                    f"HostKey {host_key}",
+                    f"AuthorizedKeysFile {auth}",
+                    f"PidFile {self.dir / 'sshd.pid'}",
+                    "PermitRootLogin prohibit-password",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "StrictModes no",
+                    "UsePAM no",
+                    "X11Forwarding no",
+                    "PrintMotd no",
+                    "LogLevel ERROR",
+                    "MaxStartups 100",
+                    "MaxSessions 100",
+                    "",
+                ]
+            )
+        )
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # privilege separation directory
-        self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
+        self.proc = subprocess.Popen(
+            [sshd, "-D", "-e", "-f", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"),
+        )
         self._wait_up()
 
     @property
     def ssh_command(self) -> str:
         """The ``--ssh`` value for ``meshcomm launch``."""
-        return shlex.join([
-            "ssh", "-p", str(self.port), "-i", str(self.key), "-o", "StrictHostKeyChecking=no",
-            "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
-            "-o", "IdentitiesOnly=yes", "-F", "/dev/null",
-        ])
+        return shlex.join(
+            [
+                "ssh",
+                "-p",
+                str(self.port),
+                "-i",
+                str(self.key),
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "LogLevel=ERROR",
+                "-o",
+                "IdentitiesOnly=yes",
+                "-F",
+                "/dev/null",
+            ]
+        )
 
     def run(self, command: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*shlex.split(self.ssh_command), self.addr, command], capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [*shlex.split(self.ssh_command), self.addr, command],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
     def _wait_up(self) -> None:
         deadline = time.monotonic() + 20

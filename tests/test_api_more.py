@@ -15,15 +15,17 @@ from jobs import launch
 from meshcomm import operations
 from meshcomm.testing.threaded import make_threaded_groups, run_threaded
 
-MORE = ("import sys, meshcomm as mc\n"
-        "from meshcomm.testing.contract import run_checks\n"
-        "from meshcomm.testing.contract_more import MORE_CHECKS\n"
-        "g = mc.init(strict=True)\n"
-        "bad = run_checks(g, MORE_CHECKS)\n"
-        "for name, err in bad: print('FAILED', g.rank(), name, err)\n"
-        "print(f'rank {g.rank()}/{g.size()} on {g.backend}: {len(MORE_CHECKS) - len(bad)} more passed', flush=True)\n"
-        "g.barrier()\n"
-        "sys.exit(1 if bad else 0)\n")
+MORE = (
+    "import sys, meshcomm as mc\n"
+    "from meshcomm.testing.contract import run_checks\n"
+    "from meshcomm.testing.contract_more import MORE_CHECKS\n"
+    "g = mc.init(strict=True)\n"
+    "bad = run_checks(g, MORE_CHECKS)\n"
+    "for name, err in bad: print('FAILED', g.rank(), name, err)\n"
+    "print(f'rank {g.rank()}/{g.size()} on {g.backend}: {len(MORE_CHECKS) - len(bad)} more passed', flush=True)\n"
+    "g.barrier()\n"
+    "sys.exit(1 if bad else 0)\n"
+)
 
 
 def _run_more(tmp_path, n, backend, timeout=400):
@@ -160,8 +162,18 @@ def test_async_overlap_and_order_on_sockets(tmp_path):
 # -- in process: semantics ------------------------------------------------------------
 def test_operation_table_keeps_the_sockets_wire_codes():
     wire = operations.wire_names()
-    assert wire[:10] == ("?", "all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast",
-                         "send", "barrier", "split")
+    assert wire[:10] == (
+        "?",
+        "all_sum",
+        "all_max",
+        "all_min",
+        "all_gather",
+        "sum_scatter",
+        "broadcast",
+        "send",
+        "barrier",
+        "split",
+    )
     assert len(set(o.code for o in operations.OPERATIONS)) == len(operations.OPERATIONS)
     for op in operations.OPERATIONS:
         assert op.kind in ("collective", "p2p", "object", "group")
@@ -178,15 +190,17 @@ def test_bad_arguments_raise_before_any_communication(n):
     def body(g):
         r = g.rank()
         errors = []
-        for call in (lambda: mc.all_to_all(np.zeros(n + 1), group=g),
-                     lambda: mc.scatter(np.zeros((n + 1, 2)), 0, group=g),
-                     lambda: mc.gather(np.zeros(2), n, group=g),
-                     lambda: mc.reduce(np.zeros(2), -1, group=g),
-                     lambda: mc.reduce(np.zeros(2), 0, op="mean", group=g),
-                     lambda: mc.all_sum(np.zeros(3), out=np.zeros(4), group=g),
-                     lambda: mc.all_sum(np.zeros(3), out=np.zeros(3, np.float32), group=g),
-                     lambda: mc.all_gather(np.zeros(3), out=np.zeros(3 * n + 1), group=g, async_op=True),
-                     lambda: mc.broadcast_object(1, root=n, group=g)):
+        for call in (
+            lambda: mc.all_to_all(np.zeros(n + 1), group=g),
+            lambda: mc.scatter(np.zeros((n + 1, 2)), 0, group=g),
+            lambda: mc.gather(np.zeros(2), n, group=g),
+            lambda: mc.reduce(np.zeros(2), -1, group=g),
+            lambda: mc.reduce(np.zeros(2), 0, op="mean", group=g),
+            lambda: mc.all_sum(np.zeros(3), out=np.zeros(4), group=g),
+            lambda: mc.all_sum(np.zeros(3), out=np.zeros(3, np.float32), group=g),
+            lambda: mc.all_gather(np.zeros(3), out=np.zeros(3 * n + 1), group=g, async_op=True),
+            lambda: mc.broadcast_object(1, root=n, group=g),
+        ):
             if r == 0:
                 with pytest.raises(ValueError) as info:
                     call()
@@ -253,8 +267,9 @@ def test_reduce_op_and_root_mismatch_is_detected():
     assert len(set(msgs)) == 1 and "op='max'" in msgs[0] and "op='sum'" in msgs[0], msgs
     msgs = run_threaded(2, lambda g: _mismatch(lambda: mc.gather(np.ones(2), g.rank(), group=g)), timeout=10)
     assert all("root=0" in m and "root=1" in m for m in msgs), msgs
-    msgs = run_threaded(2, lambda g: _mismatch(lambda: (mc.scatter if g.rank() else mc.all_to_all)(np.ones(4), group=g)),
-                        timeout=10)
+    msgs = run_threaded(
+        2, lambda g: _mismatch(lambda: (mc.scatter if g.rank() else mc.all_to_all)(np.ones(4), group=g)), timeout=10
+    )
     assert all("scatter" in m and "all_to_all" in m for m in msgs), msgs
 
 
@@ -281,10 +296,10 @@ def test_blocking_calls_queue_behind_async_ones_in_issue_order():
     def body(g):
         r = g.rank()
         hs = [mc.broadcast(np.array([k, r]), root=k % g.size(), group=g, async_op=True) for k in range(5)]
-        mid = mc.all_gather(np.array([r]), group=g)          # blocking: runs after the five
+        mid = mc.all_gather(np.array([r]), group=g)  # blocking: runs after the five
         late = [mc.all_sum(np.array([k]), group=g, async_op=True) for k in range(3)]
         if r == 0:
-            time.sleep(0.2)   # rank 0 waits late: the others must still match in issue order
+            time.sleep(0.2)  # rank 0 waits late: the others must still match in issue order
         return [h.wait().tolist() for h in hs], mid.tolist(), [h.wait().tolist() for h in late]
 
     for bcasts, mid, late in run_threaded(3, body, timeout=10):
@@ -295,7 +310,7 @@ def test_blocking_calls_queue_behind_async_ones_in_issue_order():
 
 def test_second_thread_is_refused_while_async_operations_are_in_flight():
     g0, g1 = make_threaded_groups(2, timeout=10)
-    h = mc.all_sum(np.ones(2), group=g0, async_op=True)      # in flight: rank 1 has not called
+    h = mc.all_sum(np.ones(2), group=g0, async_op=True)  # in flight: rank 1 has not called
     refused = {}
 
     def intruder():
@@ -368,8 +383,12 @@ def test_close_and_context_manager(fresh_registry, monkeypatch):
     assert h.wait() == ["a"]
     assert world.closed
     world.close()  # twice: nothing
-    for call in (lambda: mc.all_sum([1]), lambda: world.barrier(), lambda: mc.broadcast_object(1, group=world),
-                 lambda: world.split(0)):
+    for call in (
+        lambda: mc.all_sum([1]),
+        lambda: world.barrier(),
+        lambda: mc.broadcast_object(1, group=world),
+        lambda: world.split(0),
+    ):
         with pytest.raises(mc.DistributedError, match="closed"):
             call()
     again = mc.init()  # a new world
@@ -379,6 +398,7 @@ def test_close_and_context_manager(fresh_registry, monkeypatch):
 def test_closing_the_world_closes_the_backend_and_its_splits():
     g0, g1 = make_threaded_groups(2, timeout=10)
     closed = []
+
     def closer(rank):
         return lambda: closed.append(rank)
 
@@ -409,14 +429,20 @@ def test_async_on_size_one_and_every_op_returns_a_handle(fresh_registry, monkeyp
     g = mc.init()
     x = np.arange(4.0)
     calls = {
-        "all_sum": lambda: mc.all_sum(x, async_op=True), "all_max": lambda: mc.all_max(x, async_op=True),
-        "all_min": lambda: mc.all_min(x, async_op=True), "all_gather": lambda: mc.all_gather(x, async_op=True),
-        "sum_scatter": lambda: mc.sum_scatter(x, async_op=True), "broadcast": lambda: mc.broadcast(x, async_op=True),
-        "all_to_all": lambda: mc.all_to_all(x, async_op=True), "gather": lambda: mc.gather(x, async_op=True),
-        "scatter": lambda: mc.scatter(x, async_op=True), "reduce": lambda: mc.reduce(x, async_op=True),
+        "all_sum": lambda: mc.all_sum(x, async_op=True),
+        "all_max": lambda: mc.all_max(x, async_op=True),
+        "all_min": lambda: mc.all_min(x, async_op=True),
+        "all_gather": lambda: mc.all_gather(x, async_op=True),
+        "sum_scatter": lambda: mc.sum_scatter(x, async_op=True),
+        "broadcast": lambda: mc.broadcast(x, async_op=True),
+        "all_to_all": lambda: mc.all_to_all(x, async_op=True),
+        "gather": lambda: mc.gather(x, async_op=True),
+        "scatter": lambda: mc.scatter(x, async_op=True),
+        "reduce": lambda: mc.reduce(x, async_op=True),
         "all_gather_object": lambda: mc.all_gather_object(1, async_op=True),
         "broadcast_object": lambda: mc.broadcast_object(1, async_op=True),
-        "barrier": lambda: g.barrier(async_op=True), "split": lambda: g.split(0, async_op=True),
+        "barrier": lambda: g.barrier(async_op=True),
+        "split": lambda: g.split(0, async_op=True),
     }
     for name, call in calls.items():
         h = call()

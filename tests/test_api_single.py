@@ -14,8 +14,17 @@ from meshcomm.testing.contract import run_checks
 
 @pytest.fixture
 def solo(fresh_registry, monkeypatch):
-    for var in ("MLX_BACKEND", "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
-                "PMI_SIZE", "PMI_RANK", "MESHCOMM_GLOO_ADDR", "MESHCOMM_GLOO_FILE"):
+    for var in (
+        "MLX_BACKEND",
+        "MLX_RANK",
+        "MLX_HOSTFILE",
+        "MLX_WORLD_SIZE",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMI_RANK",
+        "MESHCOMM_GLOO_ADDR",
+        "MESHCOMM_GLOO_FILE",
+    ):
         monkeypatch.delenv(var, raising=False)
     return mc.init()
 
@@ -54,7 +63,9 @@ def test_unsupported_dtypes_are_rejected_before_communication(solo):
 
 def test_point_to_point_needs_a_peer(solo):
     # a process started without a launcher is alone: the error says how to start more ranks
-    with pytest.raises(ValueError, match=r"size 1: there is no other rank\. This process runs alone.*meshcomm launch -n N"):
+    with pytest.raises(
+        ValueError, match=r"size 1: there is no other rank\. This process runs alone.*meshcomm launch -n N"
+    ):
         mc.send(np.zeros(2), 1)
     with pytest.raises(ValueError, match="size 1"):
         mc.send(np.zeros(2), 0)
@@ -107,36 +118,41 @@ def _fresh(body: str) -> None:
     """Run ``body`` after ``import meshcomm`` in a new interpreter (the imports of this one
     are not those of a user's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
-    p = subprocess.run([sys.executable, "-c", _FRESH.replace("{body}", body)], capture_output=True, text=True,
-                       env=env, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", _FRESH.replace("{body}", body)], capture_output=True, text=True, env=env, timeout=60
+    )
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
 
 
 def test_import_meshcomm_pulls_neither_ml_dtypes_nor_pydantic() -> None:
-    _fresh("import numpy as np\n"
-           "assert mc.init().size() == 1 and 'pydantic' in sys.modules  # init reads the settings\n"
-           "assert 'ml_dtypes' not in sys.modules, 'a float32 call imported ml_dtypes'\n"
-           "assert mc.all_sum(np.ones(2, np.float32)).tolist() == [1.0, 1.0]\n"
-           "assert 'ml_dtypes' not in sys.modules and mc.Config().timeout > 0")
+    _fresh(
+        "import numpy as np\n"
+        "assert mc.init().size() == 1 and 'pydantic' in sys.modules  # init reads the settings\n"
+        "assert 'ml_dtypes' not in sys.modules, 'a float32 call imported ml_dtypes'\n"
+        "assert mc.all_sum(np.ones(2, np.float32)).tolist() == [1.0, 1.0]\n"
+        "assert 'ml_dtypes' not in sys.modules and mc.Config().timeout > 0"
+    )
 
 
 def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
     pytest.importorskip("ml_dtypes")
-    _fresh("import ml_dtypes, numpy as np\n"
-           "from meshcomm import dtypes\n"
-           "x = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)\n"
-           "y = mc.all_sum(x)\n"
-           "assert y.dtype == x.dtype and y.tolist() == x.tolist()\n"
-           "code = dtypes.dtype_code(x.dtype)\n"
-           "assert code == dtypes.BFLOAT16_CODE and dtypes.dtype_from_code(code) == x.dtype\n"
-           "assert dtypes.bfloat16 == x.dtype and x.dtype in dtypes.SUPPORTED\n"
-           "from meshcomm import plugin\n"
-           "assert plugin.bfloat16 == x.dtype and plugin.SUPPORTED == dtypes.SUPPORTED\n"
-           "try:\n"
-           "    dtypes.check_dtype(x.dtype.newbyteorder('>'))\n"
-           "    raise SystemExit('a byte-swapped bfloat16 was admitted')\n"
-           "except ValueError as exc:\n"
-           "    assert 'byte-swapped' in str(exc), exc")
+    _fresh(
+        "import ml_dtypes, numpy as np\n"
+        "from meshcomm import dtypes\n"
+        "x = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)\n"
+        "y = mc.all_sum(x)\n"
+        "assert y.dtype == x.dtype and y.tolist() == x.tolist()\n"
+        "code = dtypes.dtype_code(x.dtype)\n"
+        "assert code == dtypes.BFLOAT16_CODE and dtypes.dtype_from_code(code) == x.dtype\n"
+        "assert dtypes.bfloat16 == x.dtype and x.dtype in dtypes.SUPPORTED\n"
+        "from meshcomm import plugin\n"
+        "assert plugin.bfloat16 == x.dtype and plugin.SUPPORTED == dtypes.SUPPORTED\n"
+        "try:\n"
+        "    dtypes.check_dtype(x.dtype.newbyteorder('>'))\n"
+        "    raise SystemExit('a byte-swapped bfloat16 was admitted')\n"
+        "except ValueError as exc:\n"
+        "    assert 'byte-swapped' in str(exc), exc"
+    )
 
 
 def test_shape_keys_tell_shapes_of_one_count_apart() -> None:
@@ -146,8 +162,22 @@ def test_shape_keys_tell_shapes_of_one_count_apart() -> None:
 
     assert shape_key((6,)) == 0 and shape_key((0,)) == 0
     assert shape_key((2, 3)) == 2504155 and shape_key((3, 2)) == 4638221 and shape_key(()) == 3635637
-    reshapes = [(24,), (2, 12), (12, 2), (3, 8), (8, 3), (4, 6), (6, 4), (2, 3, 4), (4, 3, 2), (1, 24), (24, 1),
-                (2, 2, 6), (1, 1, 24), (24, 1, 1)]
+    reshapes = [
+        (24,),
+        (2, 12),
+        (12, 2),
+        (3, 8),
+        (8, 3),
+        (4, 6),
+        (6, 4),
+        (2, 3, 4),
+        (4, 3, 2),
+        (1, 24),
+        (24, 1),
+        (2, 2, 6),
+        (1, 1, 24),
+        (24, 1, 1),
+    ]
     keys = [shape_key(s) for s in reshapes]
     assert len(set(keys)) == len(keys) and all(0 <= k < 2**23 for k in keys), keys
     assert shape_key(()) != shape_key((1, 1)) != 0

@@ -26,10 +26,22 @@ KiB, MiB = 1 << 10, 1 << 20
 
 # -- sizes -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("8", 8), ("8B", 8), ("8 b", 8), ("4KiB", 4 * KiB), ("4K", 4 * KiB), ("4KB", 4000),
-    ("64MiB", 64 * MiB), ("1.5MiB", 3 * MiB // 2), ("1GiB", 1 << 30), ("2MB", 2_000_000),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8", 8),
+        ("8B", 8),
+        ("8 b", 8),
+        ("4KiB", 4 * KiB),
+        ("4K", 4 * KiB),
+        ("4KB", 4000),
+        ("64MiB", 64 * MiB),
+        ("1.5MiB", 3 * MiB // 2),
+        ("1GiB", 1 << 30),
+        ("2MB", 2_000_000),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -68,18 +80,39 @@ def test_format_size():
 def test_format_size_is_exact_or_bytes():
     # one style for every label: never a rounded "16.0 KiB" for a buffer that is not 16 KiB
     assert [format_size(s) for s in (0, 1008, 16380, 16 * KiB, 1280 * KiB, 1537 * KiB, 3 << 30)] == [
-        "0 B", "1008 B", "16380 B", "16 KiB", "1.25 MiB", "1537 KiB", "3 GiB"]
+        "0 B",
+        "1008 B",
+        "16380 B",
+        "16 KiB",
+        "1.25 MiB",
+        "1537 KiB",
+        "3 GiB",
+    ]
     assert all(parse_size(format_size(s).replace(" ", "")) == s for s in (8, 1008, 16380, 1280 * KiB, 1537 * KiB))
 
 
 # -- bus bandwidth -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("op, n, factor", [
-    ("all_sum", 1, 0.0), ("all_sum", 2, 1.0), ("all_sum", 4, 1.5), ("all_sum", 8, 1.75),
-    ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("sum_scatter", 4, 0.75),
-    ("broadcast", 4, 1.0), ("sendrecv", 2, 1.0), ("barrier", 3, 0.0),
-    ("all_to_all", 4, 0.75), ("gather", 4, 0.75), ("scatter", 2, 0.5), ("reduce", 4, 1.0),
-])
+
+@pytest.mark.parametrize(
+    "op, n, factor",
+    [
+        ("all_sum", 1, 0.0),
+        ("all_sum", 2, 1.0),
+        ("all_sum", 4, 1.5),
+        ("all_sum", 8, 1.75),
+        ("all_gather", 2, 0.5),
+        ("all_gather", 4, 0.75),
+        ("sum_scatter", 4, 0.75),
+        ("broadcast", 4, 1.0),
+        ("sendrecv", 2, 1.0),
+        ("barrier", 3, 0.0),
+        ("all_to_all", 4, 0.75),
+        ("gather", 4, 0.75),
+        ("scatter", 2, 0.5),
+        ("reduce", 4, 1.0),
+    ],
+)
 def test_bus_factor(op, n, factor):
     assert bus_factor(op, n) == pytest.approx(factor)
     assert OPS[op].bus_factor(n) == pytest.approx(factor)
@@ -91,6 +124,7 @@ def test_bus_factor_rejects_unknown():
 
 
 # -- the timer ---------------------------------------------------------------------------
+
 
 class _DoublingSync:
     """A one-rank Sync whose 'other rank' was always twice as slow."""
@@ -130,6 +164,7 @@ def test_stats_percentiles():
 
 
 # -- result checks -----------------------------------------------------------------------
+
 
 def test_describe_mismatch():
     e = np.arange(6, dtype=np.float32)
@@ -240,8 +275,9 @@ def test_nccl_tests_flags_and_summary_lines(capsys, fresh_registry):
     assert out[-2] == "# Out of bounds values : 0 OK"
     assert out[-1].startswith("# Avg bus bandwidth    : ") and out[-1].endswith(" GB/s")
     assert main(["bench", "--warmup_iters", "1", "--maxbytes", "16", "--iters", "1"]) == 0
-    assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith("#")
-            and line.strip()] == ["8", "16"]
+    assert [
+        line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith("#") and line.strip()
+    ] == ["8", "16"]
 
 
 def test_nccl_flags_and_sizes_together_are_refused(capsys):
@@ -261,9 +297,29 @@ def test_compare_runs_the_side_by_side_table(tmp_path):
 
     out_dir = tmp_path / "cmp"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshcomm", "bench", "--compare", "--ranks", "2", "--sizes", "8B:1KiB:4",
-         "--min-time", "0.02", "--systems", "meshcomm-sockets", "--no-plot", "--out-dir", str(out_dir)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "meshcomm",
+            "bench",
+            "--compare",
+            "--ranks",
+            "2",
+            "--sizes",
+            "8B:1KiB:4",
+            "--min-time",
+            "0.02",
+            "--systems",
+            "meshcomm-sockets",
+            "--no-plot",
+            "--out-dir",
+            str(out_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "### 2 ranks" in proc.stdout and "| 1 KiB |" in proc.stdout
     doc = json.loads((out_dir / "compare.json").read_text())
@@ -290,10 +346,10 @@ def test_single_rank_sweep_with_plot(tmp_path, capsys, fresh_registry):
 
 # -- a real job ----------------------------------------------------------------------------
 
+
 def test_launched_sweep_writes_checked_json(tmp_path):
     out = tmp_path / "out.json"
-    proc = launch(2, "-m", "meshcomm", "bench", "--sizes", "8B:64KiB", "--iters", "3", "--json", str(out),
-                  timeout=120)
+    proc = launch(2, "-m", "meshcomm", "bench", "--sizes", "8B:64KiB", "--iters", "3", "--json", str(out), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# all_sum: 2 ranks, backend sockets, float32" in proc.stdout
     doc = json.loads(out.read_text())
@@ -310,8 +366,21 @@ def test_launched_sweep_writes_checked_json(tmp_path):
 
 def test_launched_all_ops_on_three_ranks(tmp_path):
     out = tmp_path / "all.json"
-    proc = launch(3, "-m", "meshcomm", "bench", "--op", "all", "--sizes", "8B:4KiB:8", "--iters", "2",
-                  "--json", str(out), timeout=120)
+    proc = launch(
+        3,
+        "-m",
+        "meshcomm",
+        "bench",
+        "--op",
+        "all",
+        "--sizes",
+        "8B:4KiB:8",
+        "--iters",
+        "2",
+        "--json",
+        str(out),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["ok"] and {r["op"] for r in doc["results"]} == set(OPS)

@@ -21,18 +21,30 @@ def _outcomes(n, body, **kw):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-@pytest.mark.parametrize("case,body,words", [
-    ("shape", lambda g: mc.all_sum(np.ones(4 + (g.rank() == 1), np.float32), group=g), ["(4,)", "(5,)"]),
-    ("dtype", lambda g: mc.all_sum(np.ones(4, np.float64 if g.rank() == 1 else np.float32), group=g),
-     ["float32", "float64"]),
-    ("op", lambda g: (mc.all_max if g.rank() == 1 else mc.all_sum)(np.ones(4), group=g), ["all_max", "all_sum"]),
-    ("root", lambda g: mc.broadcast(np.full(4, g.rank()), root=int(g.rank() == 1), group=g), ["root=0", "root=1"]),
-    ("gather vs scatter", lambda g: (mc.sum_scatter if g.rank() == 1 else mc.all_gather)(np.ones(g.size() * 2), group=g),
-     ["sum_scatter", "all_gather"]),
-    ("barrier vs all_sum", lambda g: g.barrier() if g.rank() == 1 else mc.all_sum(np.ones(2), group=g),
-     ["barrier #1", "all_sum #1 (shape=(2,)"]),
-    ("empty vs full", lambda g: mc.all_sum(np.ones(0 if g.rank() == 1 else 3), group=g), ["(0,)", "(3,)"]),
-])
+@pytest.mark.parametrize(
+    "case,body,words",
+    [
+        ("shape", lambda g: mc.all_sum(np.ones(4 + (g.rank() == 1), np.float32), group=g), ["(4,)", "(5,)"]),
+        (
+            "dtype",
+            lambda g: mc.all_sum(np.ones(4, np.float64 if g.rank() == 1 else np.float32), group=g),
+            ["float32", "float64"],
+        ),
+        ("op", lambda g: (mc.all_max if g.rank() == 1 else mc.all_sum)(np.ones(4), group=g), ["all_max", "all_sum"]),
+        ("root", lambda g: mc.broadcast(np.full(4, g.rank()), root=int(g.rank() == 1), group=g), ["root=0", "root=1"]),
+        (
+            "gather vs scatter",
+            lambda g: (mc.sum_scatter if g.rank() == 1 else mc.all_gather)(np.ones(g.size() * 2), group=g),
+            ["sum_scatter", "all_gather"],
+        ),
+        (
+            "barrier vs all_sum",
+            lambda g: g.barrier() if g.rank() == 1 else mc.all_sum(np.ones(2), group=g),
+            ["barrier #1", "all_sum #1 (shape=(2,)"],
+        ),
+        ("empty vs full", lambda g: mc.all_sum(np.ones(0 if g.rank() == 1 else 3), group=g), ["(0,)", "(3,)"]),
+    ],
+)
 def test_mismatched_calls_raise_the_same_error_on_every_rank(n, case, body, words):
     results = _outcomes(n, body)
     kinds = [k for k, _ in results]
@@ -58,8 +70,7 @@ def test_matching_calls_pass_and_barrier_still_synchronises():
 
 def test_check_off_means_root_mismatch_goes_unseen():
     # The setting really turns the check off: nothing compares roots any more (documented trade).
-    results = _outcomes(2, lambda g: mc.broadcast(np.full(2, g.rank()), root=g.rank(), group=g),
-                        check_calls=False)
+    results = _outcomes(2, lambda g: mc.broadcast(np.full(2, g.rank()), root=g.rank(), group=g), check_calls=False)
     assert [k for k, _ in results] == ["ok", "ok"]
 
 

@@ -15,7 +15,13 @@ def test_defaults():
 
 
 def test_environment_fills_fields():
-    env = {"MLX_BACKEND": "Sockets", "MLX_RANK": "3", "MLX_HOSTFILE": "/tmp/h.json", "MLX_TIMEOUT": "12.5", "MLX_DEBUG": "1"}
+    env = {
+        "MLX_BACKEND": "Sockets",
+        "MLX_RANK": "3",
+        "MLX_HOSTFILE": "/tmp/h.json",
+        "MLX_TIMEOUT": "12.5",
+        "MLX_DEBUG": "1",
+    }
     c = Config.load(environ=env)
     assert (c.backend, c.rank, c.hostfile, c.timeout, c.debug) == ("sockets", 3, Path("/tmp/h.json"), 12.5, True)
 
@@ -75,11 +81,11 @@ def test_constructing_config_reads_the_environment(monkeypatch):
     monkeypatch.setenv("MLX_DEBUG", "yes")
     c = mc.Config()
     assert (c.timeout, c.debug) == (12.5, True)
-    assert mc.Config(timeout=3).timeout == 3           # an argument wins over the variable
+    assert mc.Config(timeout=3).timeout == 3  # an argument wins over the variable
     monkeypatch.setenv("MLX_TIMEOUT", "soon")
     with pytest.raises(mc.ConfigError, match=r"MLX_TIMEOUT='soon' is invalid.*accepted: a number of seconds"):
         mc.Config()
-    assert mc.Config.load({}).timeout == 300.0          # an explicit mapping replaces os.environ
+    assert mc.Config.load({}).timeout == 300.0  # an explicit mapping replaces os.environ
 
 
 @pytest.mark.parametrize("value", ["3e6", "1e10", "inf", "nan", "-inf"])
@@ -100,17 +106,30 @@ def test_unknown_backend_is_a_config_error(monkeypatch):
         mc.init()
 
 
-@pytest.mark.parametrize("var,value", [("MESHCOMM_SOCKETS_LISTEN_FD", str(2**31)), ("MESHCOMM_MPI_SPIN_US", "inf"),
-                                       ("MESHCOMM_MPI_SPIN_US", "1e300"), ("MESHCOMM_GLOO_PORT", "65536"),
-                                       ("MESHCOMM_SOCKETS_CHUNK_KIB", str(2**40))])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("MESHCOMM_SOCKETS_LISTEN_FD", str(2**31)),
+        ("MESHCOMM_MPI_SPIN_US", "inf"),
+        ("MESHCOMM_MPI_SPIN_US", "1e300"),
+        ("MESHCOMM_GLOO_PORT", "65536"),
+        ("MESHCOMM_SOCKETS_CHUNK_KIB", str(2**40)),
+    ],
+)
 def test_backend_settings_out_of_range_are_refused_at_start_up(var, value):
     """Every backend's numeric settings have both ends checked, so a value is refused at
     start-up (and by meshcomm launch before any rank starts), never overflows mid-call."""
     from meshcomm.registry import get_registry
 
-    specs = [s for s in get_registry().specs.values() if s.settings is not None
-             and any(f.json_schema_extra and f.json_schema_extra.get("env") == var  # type: ignore[union-attr]
-                     for f in s.settings.model_fields.values())]
+    specs = [
+        s
+        for s in get_registry().specs.values()
+        if s.settings is not None
+        and any(
+            f.json_schema_extra and f.json_schema_extra.get("env") == var  # type: ignore[union-attr]
+            for f in s.settings.model_fields.values()
+        )
+    ]
     if not specs:
         pytest.skip(f"no installed backend reads {var}")
     with pytest.raises(ConfigError, match=var):

@@ -27,9 +27,26 @@ NCHECKS = 11
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(PLUGINS / "meshcomm-uds"),
-                    str(PLUGINS / "meshcomm-wrongsum")], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "-q",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(PLUGINS / "meshcomm-uds"),
+            str(PLUGINS / "meshcomm-wrongsum"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     yield target
 
 
@@ -40,14 +57,33 @@ def _env(plugin_path: Path) -> dict[str, str]:
 
 
 def _installed(plugin_path: Path) -> dict[str, dict]:
-    out = subprocess.run([sys.executable, "-m", "meshcomm", "info", "--json"], capture_output=True, text=True,
-                         check=True, env=_env(plugin_path), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "info", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_env(plugin_path),
+        timeout=120,
+    )
     return {i["name"]: i for i in json.loads(out.stdout)}
 
 
 def run_kit(plugin_path: Path, backend: str, ranks: str | None, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "meshcomm.testing",
-           "--meshcomm-backend", backend, "--meshcomm-timeout", "60", "-p", "no:cacheprovider", "-q", "-rfE"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--pyargs",
+        "meshcomm.testing",
+        "--meshcomm-backend",
+        backend,
+        "--meshcomm-timeout",
+        "60",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfE",
+    ]
     if ranks is not None:
         cmd += ["--meshcomm-ranks", ranks]
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(plugin_path), cwd=tmp_path, timeout=600)

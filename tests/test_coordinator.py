@@ -38,14 +38,21 @@ PROG = ROOT / "tests" / "programs" / "coordinator_rank.py"
 SECRET = "test-coordinator-secret"
 
 
-def _start(addr: str, rank: int, size: int, timeout: float = 60, secret: str | None = SECRET,
-           **env: str) -> subprocess.Popen[str]:
+def _start(
+    addr: str, rank: int, size: int, timeout: float = 60, secret: str | None = SECRET, **env: str
+) -> subprocess.Popen[str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
     e.update(PYTHONUNBUFFERED="1", **env)
     if secret is not None:
         e["MESHCOMM_JOB_SECRET"] = secret
-    return subprocess.Popen([sys.executable, str(PROG), addr, str(rank), str(size), str(timeout)], env=e,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, str(PROG), addr, str(rank), str(size), str(timeout)],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def _report(result: tuple[int, str, str]) -> dict:
@@ -194,6 +201,7 @@ def test_without_a_secret_it_works_and_rank_0_warns_once(procs):
 
 # -- configuration: where rank, size and coordinator come from ---------------------------------
 
+
 def test_config_reads_torchrun_and_takes_the_port_after_master_port():
     c = Config.load({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"})
     assert (c.rank, c.world_size, c.placement_source) == (2, 3, "torchrun")
@@ -222,8 +230,21 @@ def test_any_refuses_to_run_a_rank_of_a_bigger_job_alone():
 def test_sockets_counts_a_coordinator_as_its_environment():
     plugin = pytest.importorskip("meshcomm_sockets.plugin")
     settings = plugin.SocketsSettings()
-    assert plugin._environment(Config.load({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0",
-                                            "SLURM_STEP_NODELIST": "n[1-2]"}), settings) is None
+    assert (
+        plugin._environment(
+            Config.load(
+                {
+                    "SLURM_PROCID": "0",
+                    "SLURM_NTASKS": "2",
+                    "SLURM_JOB_ID": "7",
+                    "SLURM_STEP_ID": "0",
+                    "SLURM_STEP_NODELIST": "n[1-2]",
+                }
+            ),
+            settings,
+        )
+        is None
+    )
     assert plugin._environment(Config.load({"RANK": "0", "WORLD_SIZE": "2"}), settings) is not None
 
 
@@ -388,8 +409,11 @@ def test_rank_0_names_a_flood_that_keeps_the_ranks_out(procs):
     assert rep["error"] == "CommTimeoutError" and rep["peer"] == 1, rep
     msg = rep["message"]
     assert "ranks 1 of 2" in msg and "a flood of connections" in msg, msg
-    seen = re.search(r"saw (\d+) connections that never completed a handshake in the last [\d.]+ s, "
-                     rf"most from {re.escape(ATTACKER)} \((\d+)\)", msg)
+    seen = re.search(
+        r"saw (\d+) connections that never completed a handshake in the last [\d.]+ s, "
+        rf"most from {re.escape(ATTACKER)} \((\d+)\)",
+        msg,
+    )
     assert seen, msg
     assert int(seen[1]) >= int(seen[2]) > rdv.MAX_PENDING, msg
     assert "evicted" in msg and f"dport = :{addr.rsplit(':', 1)[1]}" in msg, msg

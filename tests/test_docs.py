@@ -95,7 +95,7 @@ def parse_blocks(path: Path, text: str | None = None) -> list[Block]:
         j = i + 1
         body = []
         while j < len(lines) and not re.match(rf"^\s*{re.escape(fence)}\s*$", lines[j]):
-            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j].lstrip())
+            body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j].lstrip())
             j += 1
         k = i - 1
         while k >= 0 and not lines[k].strip():
@@ -133,15 +133,29 @@ def _scratch(tmp_path: Path) -> Path:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MLX_TIMEOUT="60",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        MLX_TIMEOUT="60",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+    )
     return env
 
 
 def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run in its own session; on timeout kill the whole session, so nothing is left."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -306,8 +320,11 @@ def test_tables_render() -> None:
                 problems.append(f"{where}: table rows without a header and separator (a split table?)")
                 continue
             width = _cells(rows[0])
-            problems += [f"{where}: row {n + 1} has {_cells(r)} cells, the header {width}"
-                         for n, r in enumerate(rows) if _cells(r) != width]
+            problems += [
+                f"{where}: row {n + 1} has {_cells(r)} cells, the header {width}"
+                for n, r in enumerate(rows)
+                if _cells(r) != width
+            ]
     assert not problems, "\n".join(problems)
 
 
@@ -324,8 +341,7 @@ def test_settings_table_is_current() -> None:
     hooks = _hooks()
     text = (DOCS / "settings.md").read_text()
     assert hooks.with_settings_table(text) == text, (
-        "docs/settings.md's table differs from the pydantic models: run "
-        ".venv/bin/python scripts/docs_hooks.py --write"
+        "docs/settings.md's table differs from the pydantic models: run .venv/bin/python scripts/docs_hooks.py --write"
     )
     readme = (ROOT / "README.md").read_text()
     assert hooks.with_variable_names(readme) == readme, (
@@ -356,4 +372,3 @@ def test_launch_page_matches_the_command_line() -> None:
     shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", synopsis.code))
     assert not sorted(f for f in flags if f not in page), "docs/launch.md lacks these options"
     assert not sorted(shown - flags), "the synopsis in docs/launch.md names options launch does not have"
-

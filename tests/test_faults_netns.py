@@ -72,14 +72,15 @@ def fresh_hosts() -> Iterator[list[NetnsHosts]]:
 class Job:
     """Ranks of one job placed in blocks on ``hosts`` (``per_host`` ranks each)."""
 
-    def __init__(self, hosts: NetnsHosts, n: int, per_host: int, tmp: Path, *,
-                 ips: list[str] | None = None) -> None:
+    def __init__(self, hosts: NetnsHosts, n: int, per_host: int, tmp: Path, *, ips: list[str] | None = None) -> None:
         self.hosts, self.n, self.per_host = hosts, n, per_host
         self.ips = ips or [hosts.ips[r // per_host] for r in range(n)]
         base = random.randrange(20000, 40000)  # the namespaces stay for the module: avoid TIME_WAIT ports
         self.ports = [base + r for r in range(n)]
         self.hostfile = tmp / "hostfile.json"
-        self.hostfile.write_text(json.dumps([{"ip": ip, "port": p} for ip, p in zip(self.ips, self.ports, strict=True)]))
+        self.hostfile.write_text(
+            json.dumps([{"ip": ip, "port": p} for ip, p in zip(self.ips, self.ports, strict=True)])
+        )
         self.procs: dict[int, subprocess.Popen[str]] = {}
 
     def ns(self, r: int) -> str:
@@ -87,14 +88,27 @@ class Job:
 
     def start(self, mode: str, ranks: list[int] | None = None, env: dict[str, str] | None = None) -> None:
         for r in range(self.n) if ranks is None else ranks:
-            e = {**os.environ, "MLX_BACKEND": "sockets", "MLX_RANK": str(r), "MLX_HOSTFILE": str(self.hostfile),
-                 "MLX_TIMEOUT": str(TIMEOUT), "MESHCOMM_JOB_SECRET": "netns-test", "PYTHONUNBUFFERED": "1",
-                 # each namespace is a host of its own: it shares no memory with the others (the
-                 # launcher sets this for remote ranks; the namespaces share one /dev/shm here)
-                 "MESHCOMM_HOST_ID": self.ns(r), **(env or {})}
-            self.procs[r] = subprocess.Popen(["ip", "netns", "exec", self.ns(r), sys.executable, PROG, mode],
-                                             env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                             cwd=ROOT)
+            e = {
+                **os.environ,
+                "MLX_BACKEND": "sockets",
+                "MLX_RANK": str(r),
+                "MLX_HOSTFILE": str(self.hostfile),
+                "MLX_TIMEOUT": str(TIMEOUT),
+                "MESHCOMM_JOB_SECRET": "netns-test",
+                "PYTHONUNBUFFERED": "1",
+                # each namespace is a host of its own: it shares no memory with the others (the
+                # launcher sets this for remote ranks; the namespaces share one /dev/shm here)
+                "MESHCOMM_HOST_ID": self.ns(r),
+                **(env or {}),
+            }
+            self.procs[r] = subprocess.Popen(
+                ["ip", "netns", "exec", self.ns(r), sys.executable, PROG, mode],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
 
     def wait_ready(self, timeout: float = 60) -> None:
         """Until every rank printed its first line (it is inside the collective loop)."""
@@ -124,8 +138,7 @@ def _first_error(results: dict[int, tuple[int, str, str]], r: int) -> dict:
 
 
 @pytest.mark.parametrize("nhosts,per_host", [(4, 1), (2, 2)], ids=["4hosts", "2hosts-2each"])
-def test_killed_rank_every_survivor_names_it(hosts4: NetnsHosts, tmp_path: Path, nhosts: int,
-                                             per_host: int) -> None:
+def test_killed_rank_every_survivor_names_it(hosts4: NetnsHosts, tmp_path: Path, nhosts: int, per_host: int) -> None:
     n = 4
     job = Job(hosts4, n, per_host, tmp_path)
     job.start("loop")
@@ -173,8 +186,7 @@ def test_cut_link_survivors_raise_naming_a_rank(fresh_hosts: list[NetnsHosts], t
             continue  # the cut-off rank fails too, in whatever way its kernel reports
         assert first["error"] in ("CommTimeoutError", "PeerLostError"), (r, first)
         assert isinstance(first["peer"], int) and f"rank {first['peer']}" in first["message"], first
-    _timing(f"eth0 down on the host of rank {cut} (3 hosts, MLX_TIMEOUT={TIMEOUT}; rank {cut} is the cut one)",
-            took)
+    _timing(f"eth0 down on the host of rank {cut} (3 hosts, MLX_TIMEOUT={TIMEOUT}; rank {cut} is the cut one)", took)
     for r in range(n):
         print(f"  rank {r}: {_first_error(results, r)['error']}: {_first_error(results, r)['message'][:160]}")
 
@@ -183,8 +195,12 @@ def test_cut_link_survivors_raise_naming_a_rank(fresh_hosts: list[NetnsHosts], t
 
 
 def _tc(hosts: NetnsHosts, i: int, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", "netns", "exec", hosts.names[i], "tc", "qdisc", "add", "dev", "eth0", "root", *args],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["ip", "netns", "exec", hosts.names[i], "tc", "qdisc", "add", "dev", "eth0", "root", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def _kernel_netem() -> str:
@@ -217,8 +233,10 @@ def test_slow_lossy_link_netem(fresh_hosts: list[NetnsHosts], tmp_path: Path) ->
     fast = _run_check(hosts, tmp_path, 3)
     p = _tc(hosts, 1, "netem", "delay", "20ms", "loss", "1%")
     if p.returncode != 0:
-        pytest.skip(f"the kernel refuses netem: `tc qdisc add dev eth0 root netem delay 20ms loss 1%` -> "
-                    f"{p.stderr.strip()}{_kernel_netem()}")
+        pytest.skip(
+            f"the kernel refuses netem: `tc qdisc add dev eth0 root netem delay 20ms loss 1%` -> "
+            f"{p.stderr.strip()}{_kernel_netem()}"
+        )
     slow = _run_check(hosts, tmp_path, 3)
     _timing("check on 3 hosts, no netem", {r: v["seconds"] for r, v in fast.items()})
     _timing("check on 3 hosts, rank 1's link netem delay 20ms loss 1%", {r: v["seconds"] for r, v in slow.items()})
@@ -264,7 +282,9 @@ def test_rank_that_never_starts(hosts4: NetnsHosts, tmp_path: Path, where: str) 
         took[r] = first["t"] - t0
         assert took[r] < TIMEOUT + MARGIN
     _timing(f"rank 1 never started ({where}, MLX_TIMEOUT={TIMEOUT}); time from start", took)
-    print(f"  rank 0: {_first_error(results, 0)['message'][:200]}\n  rank 2: {_first_error(results, 2)['message'][:200]}")
+    print(
+        f"  rank 0: {_first_error(results, 0)['message'][:200]}\n  rank 2: {_first_error(results, 2)['message'][:200]}"
+    )
 
 
 # -- (e) a port already in use -------------------------------------------------------------------
@@ -273,12 +293,21 @@ def test_rank_that_never_starts(hosts4: NetnsHosts, tmp_path: Path, where: str) 
 def test_port_in_use_on_a_host(hosts4: NetnsHosts, tmp_path: Path) -> None:
     job = Job(hosts4, 3, 1, tmp_path)
     blocker = subprocess.Popen(
-        ["ip", "netns", "exec", hosts4.names[0], sys.executable, "-c",
-         "import socket, sys, time\n"
-         f"s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-         f"s.bind(('0.0.0.0', {job.ports[0]})); s.listen(); print('up', flush=True)\n"
-         "time.sleep(120)\n"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts4.names[0],
+            sys.executable,
+            "-c",
+            "import socket, sys, time\n"
+            f"s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(('0.0.0.0', {job.ports[0]})); s.listen(); print('up', flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert blocker.stdout is not None and blocker.stdout.readline().strip() == "up"
         t0 = time.time()

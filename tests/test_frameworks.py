@@ -24,17 +24,28 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reaso
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_framework_arrays_keep_their_type_on_every_backend(backend: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", backend, "--timeout", "60",
-                        str(PROG)], capture_output=True, timeout=180, env=job_env(), cwd=TESTS.parent,
-                       stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", backend, "--timeout", "60", str(PROG)],
+        capture_output=True,
+        timeout=180,
+        env=job_env(),
+        cwd=TESTS.parent,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, show(p)
     counts = [int(c) for c in re.findall(rb"CHECKED (\d+)", p.stdout)]
     assert len(counts) == 2 and min(counts) >= 19, show(p)
 
 
 def test_framework_arrays_on_a_size_one_world() -> None:
-    p = subprocess.run([sys.executable, str(PROG)], capture_output=True, timeout=120, env=job_env(),
-                       cwd=TESTS.parent, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [sys.executable, str(PROG)],
+        capture_output=True,
+        timeout=120,
+        env=job_env(),
+        cwd=TESTS.parent,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0 and b"CHECKED" in p.stdout, show(p)
 
 

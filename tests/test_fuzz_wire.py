@@ -163,8 +163,14 @@ def _frame(header: bytes, payload: bytes, ctr: int = 0, nbytes: int = 256) -> by
     return MAC.seal(ctr, header) + payload + MAC.tag(b"P", ctr, payload[:nbytes])
 
 
-def _receive(header: bytes, payload: bytes, expect_bytes: int = 256, timeout: float = 2.0,
-             raw: bytes | None = None, payload_integrity: bool = True) -> BaseException | None:
+def _receive(
+    header: bytes,
+    payload: bytes,
+    expect_bytes: int = 256,
+    timeout: float = 2.0,
+    raw: bytes | None = None,
+    payload_integrity: bool = True,
+) -> BaseException | None:
     """Rank 0 expects one frame of ``EXPECT`` from rank 1, which sends ``header + payload``
     (authenticated, see _frame; or ``raw`` bytes) and closes; returns what the receive loop
     raised (None: it accepted the frame)."""
@@ -188,23 +194,35 @@ def _receive(header: bytes, payload: bytes, expect_bytes: int = 256, timeout: fl
 
 def _ok(exc: BaseException | None, header: bytes) -> None:
     if exc is None:  # only the exact expected header (and a full payload) is accepted
-        assert wire.HEADER.unpack(header) == (EXPECT.group, EXPECT.seq, EXPECT.op, EXPECT.dtype, 256, EXPECT.arg,
-                                                 EXPECT.total)
+        assert wire.HEADER.unpack(header) == (
+            EXPECT.group,
+            EXPECT.seq,
+            EXPECT.op,
+            EXPECT.dtype,
+            256,
+            EXPECT.arg,
+            EXPECT.total,
+        )
         return
     assert isinstance(exc, DistributedError), repr(exc)
     assert isinstance(exc, (CollectiveMismatchError, PeerLostError, CommTimeoutError, engine.FrameAuthError)) or (
-        "stopped the job" in str(exc)), repr(exc)
+        "stopped the job" in str(exc)
+    ), repr(exc)
 
 
 headers = st.one_of(
     st.binary(min_size=wire.HEADER_SIZE, max_size=wire.HEADER_SIZE),
     st.tuples(u32, u32, u16, u16, u32, u32, st.integers(0, 2**64 - 1)).map(lambda t: wire.HEADER.pack(*t)),
     # near misses of the expected header, and ABORT frames of any kind and size
-    st.tuples(st.sampled_from([0, 1, 0xFFFFFFFF]), st.sampled_from([4, 5, 6]),
-              st.sampled_from([wire.OP_CODES["broadcast"], wire.OP_CODES["all_max"], wire.ABORT, 999]),
-              st.sampled_from([0, 10, 11, 12, 4, 0xFFFF]), st.sampled_from([0, 255, 256, 257, 4096, 2**32 - 1]),
-              st.sampled_from([0, 1, 2, 2**32 - 1]),  # the root
-              st.sampled_from([63, 64, 65, 2**64 - 1])).map(lambda t: wire.HEADER.pack(*t)),
+    st.tuples(
+        st.sampled_from([0, 1, 0xFFFFFFFF]),
+        st.sampled_from([4, 5, 6]),
+        st.sampled_from([wire.OP_CODES["broadcast"], wire.OP_CODES["all_max"], wire.ABORT, 999]),
+        st.sampled_from([0, 10, 11, 12, 4, 0xFFFF]),
+        st.sampled_from([0, 255, 256, 257, 4096, 2**32 - 1]),
+        st.sampled_from([0, 1, 2, 2**32 - 1]),  # the root
+        st.sampled_from([63, 64, 65, 2**64 - 1]),
+    ).map(lambda t: wire.HEADER.pack(*t)),
 )
 
 
@@ -295,18 +313,22 @@ def test_header_only_integrity_leaves_payloads_unchecked() -> None:
 
 def test_a_frame_sealed_with_another_key_or_counter_is_rejected() -> None:
     other = wire.Mac(b"some other key")
-    for raw in (other.seal(0, GOOD) + PAYLOAD + other.tag(b"P", 0, PAYLOAD),  # another key
-                _frame(GOOD, PAYLOAD, ctr=1),  # a replayed/reordered frame: another counter
-                GOOD + b"\0" * wire.TAG + PAYLOAD + b"\0" * wire.TAG):  # no key at all
+    for raw in (
+        other.seal(0, GOOD) + PAYLOAD + other.tag(b"P", 0, PAYLOAD),  # another key
+        _frame(GOOD, PAYLOAD, ctr=1),  # a replayed/reordered frame: another counter
+        GOOD + b"\0" * wire.TAG + PAYLOAD + b"\0" * wire.TAG,
+    ):  # no key at all
         assert isinstance(_receive(GOOD, PAYLOAD, raw=raw), engine.FrameAuthError)
 
 
 def test_a_forged_abort_is_rejected_and_its_text_never_shown() -> None:
     msg = b"FORGED: rank 1 says the disk is full"
     head = wire.HEADER.pack(0xFFFFFFFF, 1, wire.ABORT, 4, len(msg), 0, 0)
-    for raw in (head + b"\0" * wire.TAG + msg + b"\0" * wire.TAG,  # header tag forged
-                MAC.seal(0, head) + msg + b"\0" * wire.TAG,  # authentic header, message forged
-                MAC.seal(0, head) + msg[:-1] + b"X" + MAC.tag(b"P", 0, msg)):  # message changed
+    for raw in (
+        head + b"\0" * wire.TAG + msg + b"\0" * wire.TAG,  # header tag forged
+        MAC.seal(0, head) + msg + b"\0" * wire.TAG,  # authentic header, message forged
+        MAC.seal(0, head) + msg[:-1] + b"X" + MAC.tag(b"P", 0, msg),
+    ):  # message changed
         exc = _receive(GOOD, PAYLOAD, raw=raw)
         assert isinstance(exc, engine.FrameAuthError), repr(exc)
         assert "FORGED" not in str(exc) and "stopped the job" not in str(exc)

@@ -34,11 +34,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _env(rank: int, n: int, extra: dict[str, str] | None = None, *, port: int | None = None,
-         file: Path | None = None) -> dict[str, str]:
+def _env(
+    rank: int, n: int, extra: dict[str, str] | None = None, *, port: int | None = None, file: Path | None = None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(OURS)}
-    env.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), MLX_TIMEOUT="60", PYTHONUNBUFFERED="1",
-               MESHCOMM_JOB_SECRET=JOB_SECRET)
+    env.update(
+        MLX_RANK=str(rank),
+        MLX_WORLD_SIZE=str(n),
+        MLX_TIMEOUT="60",
+        PYTHONUNBUFFERED="1",
+        MESHCOMM_JOB_SECRET=JOB_SECRET,
+    )
     if file is not None:
         env["MESHCOMM_GLOO_FILE"] = str(file)
     else:
@@ -47,13 +53,22 @@ def _env(rank: int, n: int, extra: dict[str, str] | None = None, *, port: int | 
     return env
 
 
-def start(n: int, args: list[str], extra: dict[str, str] | None = None, *, file: Path | None = None
-          ) -> list[subprocess.Popen[str]]:
+def start(
+    n: int, args: list[str], extra: dict[str, str] | None = None, *, file: Path | None = None
+) -> list[subprocess.Popen[str]]:
     """Start ``n`` ranks of ``python args`` with the gloo rendezvous variables set."""
     port = _free_port()
-    return [subprocess.Popen([sys.executable, *args], env=_env(r, n, extra, port=port, file=file),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            for r in range(n)]
+    return [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=_env(r, n, extra, port=port, file=file),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in range(n)
+    ]
 
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str, str]]:
@@ -71,8 +86,7 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tup
     return out
 
 
-def run(n: int, worker: str, extra: dict[str, str] | None = None, timeout: float = 120
-        ) -> list[tuple[int, str, str]]:
+def run(n: int, worker: str, extra: dict[str, str] | None = None, timeout: float = 120) -> list[tuple[int, str, str]]:
     """Run worker ``worker`` on ``n`` ranks and require every rank to exit 0."""
     res = finish(start(n, [str(HERE), worker], extra), timeout)
     _all_ok(res)
@@ -95,9 +109,17 @@ def test_contract(n: int) -> None:
 
 def test_contract_over_filestore(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-m", "meshcomm.testing.contract", "--backend", "gloo",
-                               "-k", "reductions"], env=_env(r, 2, file=store), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "gloo", "-k", "reductions"],
+            env=_env(r, 2, file=store),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
     _all_ok(finish(procs))
 
 
@@ -160,11 +182,15 @@ def _extreme_inputs(dt: np.dtype, n: int) -> list[np.ndarray]:
     if dt.kind in "iu":
         info = np.iinfo(dt)
         edge = np.array([info.min, info.max, 0, 1, info.max // 2 + 1, info.min + 1], dtype=dt)
-        return [np.concatenate([np.roll(edge, q), rng.integers(info.min, info.max, 34, dtype=dt,
-                                                               endpoint=True)]) for q in range(n)]
+        return [
+            np.concatenate([np.roll(edge, q), rng.integers(info.min, info.max, 34, dtype=dt, endpoint=True)])
+            for q in range(n)
+        ]
     if dt.kind == "c":
-        return [(np.round(rng.standard_normal(40) * 8) + 1j * np.round(rng.standard_normal(40) * 8)).astype(dt)
-                for _ in range(n)]
+        return [
+            (np.round(rng.standard_normal(40) * 8) + 1j * np.round(rng.standard_normal(40) * 8)).astype(dt)
+            for _ in range(n)
+        ]
     vals = np.array([np.nan, np.inf, -np.inf, 0.0, -1.5, 2.25, 65504.0, -3.0], dtype=np.float64)
     out = []
     for q in range(n):
@@ -227,8 +253,10 @@ def test_no_global_torch_state() -> None:
 
 
 def test_plugin_import_is_light() -> None:
-    code = ("import sys, meshcomm_gloo.plugin as p; assert 'torch' not in sys.modules, 'torch imported';"
-            "assert p.available() is None; print('ok')")
+    code = (
+        "import sys, meshcomm_gloo.plugin as p; assert 'torch' not in sys.modules, 'torch imported';"
+        "assert p.available() is None; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
@@ -337,8 +365,14 @@ def test_huge_timeout_does_not_overflow() -> None:
 
 def test_missing_rank_times_out_at_start_up() -> None:
     port = _free_port()
-    p = subprocess.Popen([sys.executable, str(HERE), "_w_any"], env=_env(0, 2, {"MLX_TIMEOUT": "2"}, port=port),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, str(HERE), "_w_any"],
+        env=_env(0, 2, {"MLX_TIMEOUT": "2"}, port=port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     rc, out, err = finish([p], timeout=60)[0]
     assert rc != 0 and "CommTimeoutError" in err and "MLX_WORLD_SIZE" in err, err[-2000:]
 
@@ -401,8 +435,16 @@ def test_registered_with_settings_and_launcher() -> None:
     assert isinstance(spec.launcher, RankEnvLauncher)
     places = [RankPlace(r, None, "10.0.0.5", r) for r in range(3)]
     asked = []
-    job = SimpleNamespace(nranks=3, places=places, job_id="job", secret="secret", tmpdir=Path("/tmp"),
-                          hosts=[None], free_port=lambda place: asked.append(place) or 4567, verbose=False)
+    job = SimpleNamespace(
+        nranks=3,
+        places=places,
+        job_id="job",
+        secret="secret",
+        tmpdir=Path("/tmp"),
+        hosts=[None],
+        free_port=lambda place: asked.append(place) or 4567,
+        verbose=False,
+    )
     envs = spec.launcher.rank_env(job)
     assert asked == [places[0]], "the store port must be free on rank 0's host"
     assert envs == [{"MESHCOMM_GLOO_ADDR": "10.0.0.5", "MESHCOMM_GLOO_PORT": "4567", "MLX_WORLD_SIZE": "3"}] * 3
@@ -412,11 +454,21 @@ def test_error_translation_names_peer_and_fix() -> None:
     from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
     from meshcomm_gloo.errors import translate
 
-    lost = translate(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5"), where="rank 0 of w",
-                     op="all_sum", timeout=5, suspects=[(3, "rank 3 (world rank 3, pid 9) is gone")])
+    lost = translate(
+        RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5"),
+        where="rank 0 of w",
+        op="all_sum",
+        timeout=5,
+        suspects=[(3, "rank 3 (world rank 3, pid 9) is gone")],
+    )
     assert isinstance(lost, PeerLostError) and lost.peer == 3 and "rank 3" in str(lost)
-    slow = translate(RuntimeError("Timed out waiting 5000ms for recv operation to complete"), where="rank 0 of w",
-                     op="recv from rank 1", timeout=5, peer=1)
+    slow = translate(
+        RuntimeError("Timed out waiting 5000ms for recv operation to complete"),
+        where="rank 0 of w",
+        op="recv from rank 1",
+        timeout=5,
+        peer=1,
+    )
     assert isinstance(slow, CommTimeoutError) and slow.peer == 1 and "MLX_TIMEOUT" in str(slow)
     other = translate(RuntimeError("something odd"), where="rank 0 of w", op="barrier", timeout=5)
     assert type(other) is DistributedError and "barrier" in str(other)
@@ -473,8 +525,10 @@ def _w_split() -> None:
     assert halves.size() == 2 and halves.rank() == 1 - r % 2
     mates = [q for q in range(n) if q // 2 == r // 2]
     assert mc.all_gather(np.array([r]), group=halves).tolist() == sorted(mates, reverse=True)
-    assert mc.sum_scatter(np.arange(4, dtype=np.uint16) + r, group=halves).tolist() == \
-        (2 * np.arange(4, dtype=np.uint16) + sum(mates))[2 * halves.rank() : 2 * halves.rank() + 2].tolist()
+    assert (
+        mc.sum_scatter(np.arange(4, dtype=np.uint16) + r, group=halves).tolist()
+        == (2 * np.arange(4, dtype=np.uint16) + sum(mates))[2 * halves.rank() : 2 * halves.rank() + 2].tolist()
+    )
     odd = g.split(r % 2)
     both = odd.split(0)  # nested
     assert mc.all_sum(np.array([r]), group=both).tolist() == [sum(q for q in range(n) if q % 2 == r % 2)]
@@ -502,8 +556,13 @@ def _w_isolation() -> None:
     assert mc.all_sum(np.ones(3), group=g).tolist() == [n] * 3
     g.split(0).barrier()
     assert not dist.is_initialized(), "split initialised torch.distributed's default group"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['TEST_TORCH_PORT']}", rank=r,
-                            world_size=n, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['TEST_TORCH_PORT']}",
+        rank=r,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=60),
+    )
     for _ in range(3):  # interleaved: both groups in the same process
         t = torch.full((4,), float(r + 1))
         dist.all_reduce(t)
@@ -585,8 +644,10 @@ def _w_p2p() -> None:
             g.barrier()
         print("OK")
     except mc.DistributedError as exc:
-        print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)} after {time.monotonic() - t0:.1f}s: "
-              f"{exc}", flush=True)
+        print(
+            f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)} after {time.monotonic() - t0:.1f}s: {exc}",
+            flush=True,
+        )
 
 
 def _w_leave() -> None:

@@ -25,8 +25,21 @@ pytest.importorskip("torch")
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
 BIN = Path(sys.executable).parent
-OURS = ("MLX_", "MESHCOMM_", "GLOO_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_", "SLURM_", "OMPI_", "PMI",
-        "TORCHELASTIC_", "GROUP_", "ROLE_")
+OURS = (
+    "MLX_",
+    "MESHCOMM_",
+    "GLOO_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_",
+    "SLURM_",
+    "OMPI_",
+    "PMI",
+    "TORCHELASTIC_",
+    "GROUP_",
+    "ROLE_",
+)
 SECRET = "engines-test-secret"
 
 
@@ -45,8 +58,9 @@ def _base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> tuple[int, str, str]:
     """Run a launcher in its own session; its process group is killed whatever happens."""
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -63,8 +77,9 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> tuple[int
 
 def _sums(out: str, n: int) -> dict[int, str]:
     """rank -> "size sum" from every rank's SUM line (a launcher may interleave the lines' pieces)."""
-    return {int(r): f"{size} {total}" for r, size, total in re.findall(r"SUM (\d+) (\d+) (\d+\.\d+)", out)
-            if size == str(n)}
+    return {
+        int(r): f"{size} {total}" for r, size, total in re.findall(r"SUM (\d+) (\d+) (\d+\.\d+)", out) if size == str(n)
+    }
 
 
 def _check(out: str, err: str, n: int) -> None:
@@ -79,8 +94,16 @@ def _sum_workers(envs: list[dict[str, str]]) -> list[tuple[int, str, str]]:
     procs: list[subprocess.Popen[str]] = []
     try:
         for env in envs:
-            procs.append(subprocess.Popen([sys.executable, str(HERE), "_w_sum"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, cwd=ROOT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE), "_w_sum"],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=ROOT,
+                )
+            )
         res = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
@@ -101,8 +124,9 @@ SCHEDULERS = {
 @pytest.mark.parametrize("family", sorted(SCHEDULERS))
 def test_coordinator_and_scheduler_rank_variables_start_gloo(family: str) -> None:
     n, port = 3, _free_port()
-    res = _sum_workers([_base_env({"MLX_COORDINATOR": f"127.0.0.1:{port}", **SCHEDULERS[family](r, n)})
-                        for r in range(n)])
+    res = _sum_workers(
+        [_base_env({"MLX_COORDINATOR": f"127.0.0.1:{port}", **SCHEDULERS[family](r, n)}) for r in range(n)]
+    )
     for r, (rc, out, err) in enumerate(res):
         assert rc == 0 and out.split()[:3] == ["SUM", str(r), str(n)], (r, out, err[-3000:])
         assert out.split()[3] == "6.0", out
@@ -112,8 +136,12 @@ def test_master_addr_without_agent_store_hosts_at_the_port_above() -> None:
     """MASTER_ADDR/MASTER_PORT set by hand (no torchrun agent): rank 0 hosts at MASTER_PORT+1, so a
     program's own torch store at MASTER_PORT is left alone."""
     n, port = 2, _free_port()
-    res = _sum_workers([_base_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "RANK": str(r),
-                                   "WORLD_SIZE": str(n)}) for r in range(n)])
+    res = _sum_workers(
+        [
+            _base_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "RANK": str(r), "WORLD_SIZE": str(n)})
+            for r in range(n)
+        ]
+    )
     _check("".join(o for _, o, _ in res), "".join(e for _, _, e in res), n)
 
 
@@ -122,8 +150,10 @@ def test_master_addr_without_agent_store_hosts_at_the_port_above() -> None:
 def test_torchrun_three_ranks_use_the_agent_store(tmp_path: Path) -> None:
     n = 3
     # TMPDIR: torchrun makes a log directory there (torchelastic_*) and leaves it
-    rc, out, err = _run([str(BIN / "torchrun"), "--nproc-per-node", str(n), str(HERE), "_w_torchrun"],
-                        _base_env({"TMPDIR": str(tmp_path)}))
+    rc, out, err = _run(
+        [str(BIN / "torchrun"), "--nproc-per-node", str(n), str(HERE), "_w_torchrun"],
+        _base_env({"TMPDIR": str(tmp_path)}),
+    )
     assert rc == 0, (out, err[-4000:])
     _check(out, err, n)
     assert out.count("AGENT STORE HOLDS MESHCOMM KEYS") == n, out
@@ -140,10 +170,26 @@ def _mpirun() -> str | None:
 @pytest.mark.skipif(_mpirun() is None, reason="no mpirun")
 def test_mpirun_launches_gloo_ranks_with_a_coordinator() -> None:
     n, port = 3, _free_port()
-    env = _base_env({"MLX_COORDINATOR": f"127.0.0.1:{port}", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-                     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    cmd = [str(_mpirun()), "-n", str(n), "--oversubscribe", "-x", "MLX_BACKEND", "-x", "MLX_COORDINATOR",
-           "-x", "MESHCOMM_JOB_SECRET", "-x", "MLX_TIMEOUT", sys.executable, str(HERE), "_w_sum"]
+    env = _base_env(
+        {"MLX_COORDINATOR": f"127.0.0.1:{port}", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    )
+    cmd = [
+        str(_mpirun()),
+        "-n",
+        str(n),
+        "--oversubscribe",
+        "-x",
+        "MLX_BACKEND",
+        "-x",
+        "MLX_COORDINATOR",
+        "-x",
+        "MESHCOMM_JOB_SECRET",
+        "-x",
+        "MLX_TIMEOUT",
+        sys.executable,
+        str(HERE),
+        "_w_sum",
+    ]
     rc, out, err = _run(cmd, env)
     assert rc == 0, (out, err[-4000:])
     _check(out, err, n)
@@ -159,11 +205,18 @@ def _resolve(env: dict[str, str]):  # type: ignore[no-untyped-def]
 
 
 def test_resolve_prefers_explicit_settings_then_file_then_coordinator(tmp_path: Path) -> None:
-    r = _resolve({"MLX_RANK": "1", "MLX_WORLD_SIZE": "2", "MESHCOMM_GLOO_PORT": "1234",
-                  "MLX_COORDINATOR": "10.0.0.1:99"})
+    r = _resolve(
+        {"MLX_RANK": "1", "MLX_WORLD_SIZE": "2", "MESHCOMM_GLOO_PORT": "1234", "MLX_COORDINATOR": "10.0.0.1:99"}
+    )
     assert (r.kind, r.addr, r.port) == ("client", "127.0.0.1", 1234)
-    r = _resolve({"MLX_RANK": "0", "MLX_WORLD_SIZE": "2", "MESHCOMM_GLOO_FILE": str(tmp_path / "f"),
-                  "MLX_COORDINATOR": "10.0.0.1:99"})
+    r = _resolve(
+        {
+            "MLX_RANK": "0",
+            "MLX_WORLD_SIZE": "2",
+            "MESHCOMM_GLOO_FILE": str(tmp_path / "f"),
+            "MLX_COORDINATOR": "10.0.0.1:99",
+        }
+    )
     assert r.kind == "file" and r.file == tmp_path / "f"
     r = _resolve({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "3", "MLX_COORDINATOR": "node1:2000"})
     assert (r.rank, r.size, r.kind, r.addr, r.port) == (0, 4, "host", "node1", 2000)
@@ -171,8 +224,15 @@ def test_resolve_prefers_explicit_settings_then_file_then_coordinator(tmp_path: 
 
 
 def test_resolve_under_torchrun_is_a_client_of_the_agent_store() -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "run1", "TORCHELASTIC_RESTART_COUNT": "2"}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "run1",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
     a, b = _resolve(env), _resolve(env)
     assert (a.rank, a.size, a.kind, a.addr, a.port, a.agent) == (0, 3, "client", "h", 29500, True)
     assert a.namespace.startswith("meshcomm-torchrun/run1/restart2/") and a.namespace != b.namespace
@@ -187,8 +247,16 @@ def test_missing_names_every_way_to_start() -> None:
     from meshcomm_gloo.settings import GlooSettings
 
     lacking = " ".join(missing(Config.load({}), load_settings(GlooSettings, environ={})))
-    for var in ("MLX_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "MLX_WORLD_SIZE", "MLX_COORDINATOR",
-                "MASTER_ADDR", "MESHCOMM_GLOO_PORT", "MESHCOMM_GLOO_FILE"):
+    for var in (
+        "MLX_RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+        "MLX_WORLD_SIZE",
+        "MLX_COORDINATOR",
+        "MASTER_ADDR",
+        "MESHCOMM_GLOO_PORT",
+        "MESHCOMM_GLOO_FILE",
+    ):
         assert var in lacking, lacking
     env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MLX_COORDINATOR": "h:1"}
     assert missing(Config.load(env), load_settings(GlooSettings, environ={})) == []
@@ -210,8 +278,14 @@ def _w_torchrun() -> None:
     import torch.distributed as dist
 
     _w_sum()
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1, False,
-                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        1,
+        False,
+        timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+    )
     run = os.environ["TORCHELASTIC_RUN_ID"]
     if agent.check([f"meshcomm-torchrun/{run}/restart0/start1/meshcomm/proc/{os.environ['RANK']}"]):
         sys.stdout.write("AGENT STORE HOLDS MESHCOMM KEYS\n")

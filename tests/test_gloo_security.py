@@ -31,8 +31,19 @@ pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
-OURS = ("MLX_", "MESHCOMM_", "GLOO_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_", "SLURM_", "OMPI_", "PMI",
-        "TORCHELASTIC_")
+OURS = (
+    "MLX_",
+    "MESHCOMM_",
+    "GLOO_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_",
+    "SLURM_",
+    "OMPI_",
+    "PMI",
+    "TORCHELASTIC_",
+)
 PHRASE = "a process without the job secret wrote to the rendezvous store"
 SECRET = "s3cret-for-tests"
 
@@ -46,23 +57,41 @@ def _free_port() -> int:
 
 def _env(rank: int, n: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(OURS)}
-    env.update(MLX_BACKEND="gloo", MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), MLX_TIMEOUT="20",
-               PYTHONUNBUFFERED="1", MESHCOMM_GLOO_ADDR="127.0.0.1", MESHCOMM_GLOO_PORT=str(port),
-               MESHCOMM_JOB_SECRET=SECRET)
+    env.update(
+        MLX_BACKEND="gloo",
+        MLX_RANK=str(rank),
+        MLX_WORLD_SIZE=str(n),
+        MLX_TIMEOUT="20",
+        PYTHONUNBUFFERED="1",
+        MESHCOMM_GLOO_ADDR="127.0.0.1",
+        MESHCOMM_GLOO_PORT=str(port),
+        MESHCOMM_JOB_SECRET=SECRET,
+    )
     env.update(extra or {})
     return {k: v for k, v in env.items() if v != ""}
 
 
 @contextmanager
-def ranks(n: int, port: int, *, only: list[int] | None = None, worker: str = "_w_sum",
-          rank_env: dict[int, dict[str, str]] | None = None) -> Iterator[dict[int, subprocess.Popen[str]]]:
+def ranks(
+    n: int,
+    port: int,
+    *,
+    only: list[int] | None = None,
+    worker: str = "_w_sum",
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> Iterator[dict[int, subprocess.Popen[str]]]:
     """Start ranks (all, or ``only`` these) of a gloo job; every one is killed on the way out."""
     procs: dict[int, subprocess.Popen[str]] = {}
     try:
-        for r in (range(n) if only is None else only):
-            procs[r] = subprocess.Popen([sys.executable, str(HERE), worker],
-                                        env=_env(r, n, port, (rank_env or {}).get(r)), stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for r in range(n) if only is None else only:
+            procs[r] = subprocess.Popen(
+                [sys.executable, str(HERE), worker],
+                env=_env(r, n, port, (rank_env or {}).get(r)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
         yield procs
     finally:
         for p in procs.values():
@@ -82,8 +111,9 @@ def _client(port: int, n: int, *, counts: bool, timeout: float = 30) -> Any:
     waits for); the client tries to connect for up to ``timeout`` seconds."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, n, False, timeout=datetime.timedelta(seconds=timeout),
-                         wait_for_workers=counts)
+    return dist.TCPStore(
+        "127.0.0.1", port, n, False, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=counts
+    )
 
 
 def _fake_rank(port: int, n: int) -> Any:
@@ -255,8 +285,10 @@ def test_session_nonce_is_rank_0s_and_an_earlier_jobs_values_fail() -> None:
     assert len(admit(a0, 0, 2, s0)) == 2
     t.join(10)
     assert len(peers1[0]) == 2
-    recorded = {k: bytes(a.get(k)) for k in ("meshcomm/session/hello/1", "meshcomm/session/nonce/1",
-                                             "meshcomm/proc/0", "meshcomm/proc/1")}
+    recorded = {
+        k: bytes(a.get(k))
+        for k in ("meshcomm/session/hello/1", "meshcomm/session/nonce/1", "meshcomm/proc/0", "meshcomm/proc/1")
+    }
 
     # job B, rank 0: A's challenge and A's rank-1 record replayed in rank 1's place
     b = dist.HashStore()
@@ -338,8 +370,14 @@ def test_stranger_hammering_every_key_never_gives_wrong_data() -> None:
     """A stranger overwrites and bumps every start-up key in a loop while two real ranks start:
     each rank either computes the right sum or fails; a refusal names the phrase."""
     port = _free_port()
-    keys = ["meshcomm/session/hello/1", "meshcomm/session/nonce/1", "meshcomm/proc/0", "meshcomm/proc/1",
-            "meshcomm/world/0/0", "meshcomm/world/0/1"]
+    keys = [
+        "meshcomm/session/hello/1",
+        "meshcomm/session/nonce/1",
+        "meshcomm/proc/0",
+        "meshcomm/proc/1",
+        "meshcomm/world/0/0",
+        "meshcomm/world/0/1",
+    ]
     stop = threading.Event()
     done: list[int] = []  # writes the stranger got through
 
@@ -457,8 +495,7 @@ def test_rank_1_refuses_an_earlier_jobs_records(job_a: dict[str, bytes]) -> None
     import torch.distributed as dist
 
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30),
-                          wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     assert _replay(store, job_a, writer=0)
     with ranks(2, port, only=[1], rank_env={1: {"MLX_TIMEOUT": str(REPLAY_TIMEOUT)}}) as procs:
         first = ["meshcomm/session/hello/1", "meshcomm/proc/1"]  # rank 1's first write (before this fix: proc)
@@ -484,8 +521,9 @@ def test_replaying_an_earlier_job_into_a_running_start_up_never_hangs(job_a: dic
         try:
             connect_when_listening(port, timeout=60).close()
             listening.set()
-            s = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5),
-                              wait_for_workers=False)
+            s = dist.TCPStore(
+                "127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+            )
             while not stop.is_set():
                 for q in range(2):
                     writes[0] += len(_replay(s, job_a, writer=q))
@@ -511,6 +549,7 @@ def test_replaying_an_earlier_job_into_a_running_start_up_never_hangs(job_a: dic
             assert "SUM" not in out and "StoreAuthError" in _last_error(err), (r, out, err[-3000:])
     # MLX_TIMEOUT, then a rank's exit (a rank that got past the check waits at most that long in gloo)
     assert elapsed < REPLAY_TIMEOUT + 5, (elapsed, {r: _last_error(e) for r, (_, _, e) in res.items()})
+
 
 # -- secrets on real ranks ----------------------------------------------------------------------
 def test_wrong_secret_on_one_rank_is_named() -> None:

@@ -67,12 +67,22 @@ def job_env(piddir: Path | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_launch(*args: str, piddir: Path | None = None, cwd: Path | str | None = None, module: bool = False,
-               timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+def run_launch(
+    *args: str,
+    piddir: Path | None = None,
+    cwd: Path | str | None = None,
+    module: bool = False,
+    timeout: float = 60,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
     """Run ``meshcomm launch ARGS`` to completion; bytes output (so we see exactly what it wrote)."""
     return subprocess.run(
-        launch_cmd(*args, module=module), capture_output=True, timeout=timeout,
-        env={**job_env(piddir), **(env or {})}, cwd=cwd or TESTS.parent, stdin=subprocess.DEVNULL,
+        launch_cmd(*args, module=module),
+        capture_output=True,
+        timeout=timeout,
+        env={**job_env(piddir), **(env or {})},
+        cwd=cwd or TESTS.parent,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -172,8 +182,12 @@ class Launcher:
         self.lines: list[bytes] = []
         self.ready = threading.Event()
         self.proc = subprocess.Popen(
-            launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            env={**job_env(piddir), **(env or {})}, cwd=TESTS.parent,
+            launch_cmd(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env={**job_env(piddir), **(env or {})},
+            cwd=TESTS.parent,
         )
         self.err = b""
         self._t_out = threading.Thread(target=self._read_out, daemon=True)
@@ -212,8 +226,11 @@ class Launcher:
         self.proc.wait()
 
     def text(self) -> str:
-        return (b"".join(self.lines).decode(errors="replace")[-3000:] + "\n--- stderr ---\n"
-                + self.err.decode(errors="replace")[-3000:])
+        return (
+            b"".join(self.lines).decode(errors="replace")[-3000:]
+            + "\n--- stderr ---\n"
+            + self.err.decode(errors="replace")[-3000:]
+        )
 
 
 # -- successful jobs ------------------------------------------------------------------------------
@@ -287,7 +304,11 @@ def test_reader_closing_early_drops_stdout_not_the_job(tmp_path: Path) -> None:
     with open(err_path, "wb") as err:
         proc = subprocess.Popen(
             launch_cmd("-n", str(n), "--log-dir", str(logs), str(RANK_PROG), "spam", str(lines)),
-            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=job_env(tmp_path), cwd=TESTS.parent,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=job_env(tmp_path),
+            cwd=TESTS.parent,
         )
         assert proc.stdout is not None
         first = proc.stdout.readline()
@@ -311,8 +332,9 @@ def test_reader_closing_early_drops_stdout_not_the_job(tmp_path: Path) -> None:
     for r in range(n):
         logged = (logs / f"rank-{r}.log").read_text().splitlines()
         for stream in ("out", "err"):
-            assert [x for x in logged if x.startswith(f"{r}:{stream}:")] == \
-                [launch_rank.spam_line(r, stream, i) for i in range(lines)], f"rank {r}'s log lost std{stream} lines"
+            assert [x for x in logged if x.startswith(f"{r}:{stream}:")] == [
+                launch_rank.spam_line(r, stream, i) for i in range(lines)
+            ], f"rank {r}'s log lost std{stream} lines"
     assert_no_leftovers(tmp_path, n)
 
 
@@ -320,9 +342,14 @@ def test_reader_of_both_streams_closing_early_keeps_the_jobs_exit_status(tmp_pat
     """``meshcomm launch ... 2>&1 | head -1`` where a rank fails: the launcher's own last
     message has no reader either, and the exit status is still the rank's code."""
     prog = "import sys\nfor i in range(20000): print('o', i); print('e', i, file=sys.stderr)\nsys.exit(3)"
-    proc = subprocess.Popen(launch_cmd("-n", "2", "--", sys.executable, "-c", prog), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=job_env(tmp_path),
-                            cwd=TESTS.parent)
+    proc = subprocess.Popen(
+        launch_cmd("-n", "2", "--", sys.executable, "-c", prog),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=job_env(tmp_path),
+        cwd=TESTS.parent,
+    )
     assert proc.stdout is not None
     first = proc.stdout.readline()
     proc.stdout.close()
@@ -343,8 +370,12 @@ def test_non_py_program_runs_as_given() -> None:
     for r, rest in prefixed_lines(p.stdout):
         by_rank[r].append(rest)
     for r in (0, 1):
-        assert by_rank[r] == [f"SHELL_RANK rank={r} size=2 bash=yes nargs=3".encode(),
-                              b"ARG <a b>", b"ARG <>", b"ARG <c>"], show(p)
+        assert by_rank[r] == [
+            f"SHELL_RANK rank={r} size=2 bash=yes nargs=3".encode(),
+            b"ARG <a b>",
+            b"ARG <>",
+            b"ARG <c>",
+        ], show(p)
 
 
 def test_python_option_and_plain_command(tmp_path: Path) -> None:
@@ -375,26 +406,42 @@ def test_verbose_prints_each_rank_command() -> None:
 BAD_ARGS = {
     "zero ranks": (["-n", "0", "prog.py"], None, ["-n 0", "at least 1"]),
     "hostfile not JSON": (["-n", "1", "--hostfile", "{hf}", "prog.py"], '[{"ssh": "a",', ["not valid JSON", "{hf}"]),
-    "hostfile entry without ssh": (["-n", "1", "--hostfile", "{hf}", "prog.py"], '[{"ips": ["10.1.2.3"]}]',
-                                   ["host entry 0", "'ssh'", "10.1.2.3"]),
-    "hostfile missing": (["-n", "1", "--hostfile", "{hf}.nothere", "prog.py"], None, ["{hf}.nothere", "cannot be read"]),
+    "hostfile entry without ssh": (
+        ["-n", "1", "--hostfile", "{hf}", "prog.py"],
+        '[{"ips": ["10.1.2.3"]}]',
+        ["host entry 0", "'ssh'", "10.1.2.3"],
+    ),
+    "hostfile missing": (
+        ["-n", "1", "--hostfile", "{hf}.nothere", "prog.py"],
+        None,
+        ["{hf}.nothere", "cannot be read"],
+    ),
     "unknown backend": (["-n", "1", "--backend", "nosuchbackend", "prog.py"], None, ["nosuchbackend", "sockets"]),
     "no program": (["-n", "2"], None, ["no program"]),
     # what the ranks would reject, refused before any starts
     "negative --timeout": (["-n", "2", "--timeout", "-5", str(RANK_PROG), "whoami"], None, ["--timeout -5", "> 0"]),
     "program file missing": (["-n", "2", "{hf}.nothere.py"], None, ["{hf}.nothere.py", "does not exist"]),
-    "program file missing after python": (["-n", "2", "--", "python3", "{hf}.nothere.py"], None,
-                                          ["{hf}.nothere.py", "does not exist"]),
+    "program file missing after python": (
+        ["-n", "2", "--", "python3", "{hf}.nothere.py"],
+        None,
+        ["{hf}.nothere.py", "does not exist"],
+    ),
     "command not found": (["-n", "2", "--", "no-such-command-4711", "x"], None, ["no-such-command-4711", "not found"]),
 }
 
 #: the same, from the launcher's environment: (environment, extra arguments, words of the error)
 BAD_ENV = {
     "MLX_BACKEND typo": ({"MLX_BACKEND": "sokets"}, [], ["MLX_BACKEND=sokets", "unknown backend 'sokets'", "sockets"]),
-    "MLX_BACKEND against the hostfile": ({"MLX_BACKEND": "mpi"}, ["--hostfile", "{hf}"],
-                                         ["MLX_BACKEND=mpi", "hostfile's backend 'gloo'", "--backend"]),
-    "--env MLX_BACKEND against --backend": ({}, ["--backend", "sockets", "--env", "MLX_BACKEND=gloo"],
-                                            ["--backend sockets", "MLX_BACKEND=gloo", "disagree"]),
+    "MLX_BACKEND against the hostfile": (
+        {"MLX_BACKEND": "mpi"},
+        ["--hostfile", "{hf}"],
+        ["MLX_BACKEND=mpi", "hostfile's backend 'gloo'", "--backend"],
+    ),
+    "--env MLX_BACKEND against --backend": (
+        {},
+        ["--backend", "sockets", "--env", "MLX_BACKEND=gloo"],
+        ["--backend sockets", "MLX_BACKEND=gloo", "disagree"],
+    ),
     "MLX_TIMEOUT not a number": ({"MLX_TIMEOUT": "abc"}, [], ["MLX_TIMEOUT='abc' is invalid", "seconds"]),
     "MLX_DEBUG not a boolean": ({"MLX_DEBUG": "maybe"}, [], ["MLX_DEBUG='maybe'", "true/false"]),
     "--env MESHCOMM_STALL_AFTER negative": ({}, ["--env", "MESHCOMM_STALL_AFTER=-1"], ["MESHCOMM_STALL_AFTER='-1'"]),

@@ -60,8 +60,9 @@ def _unavailable(backend: str) -> str | None:
 
 
 def backend_param(*names: str) -> list[Any]:
-    return [pytest.param(n, marks=pytest.mark.skipif(bool(_unavailable(n)), reason=str(_unavailable(n))))
-            for n in names]
+    return [
+        pytest.param(n, marks=pytest.mark.skipif(bool(_unavailable(n)), reason=str(_unavailable(n)))) for n in names
+    ]
 
 
 def launch_argv(backend: str, *args: str) -> list[str]:
@@ -71,18 +72,25 @@ def launch_argv(backend: str, *args: str) -> list[str]:
     return [python, "-m", "meshcomm", "launch", "--backend", name, *args]
 
 
-def run_job(backend: str, *args: str, piddir: Path | None = None,
-            timeout: float = 120) -> tuple[subprocess.CompletedProcess[bytes], float]:
+def run_job(
+    backend: str, *args: str, piddir: Path | None = None, timeout: float = 120
+) -> tuple[subprocess.CompletedProcess[bytes], float]:
     t0 = time.monotonic()
-    p = subprocess.run(launch_argv(backend, *args), capture_output=True, timeout=timeout, env=job_env(piddir),
-                       cwd=REPO, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        launch_argv(backend, *args),
+        capture_output=True,
+        timeout=timeout,
+        env=job_env(piddir),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
     return p, time.monotonic() - t0
 
 
 def summary(p: subprocess.CompletedProcess[bytes]) -> str:
     """The launcher's last word (its last stderr line that starts with ``meshcomm launch:``)."""
     lines = [ln.strip() for ln in p.stderr.decode(errors="replace").splitlines()]
-    ours = [ln[ln.index("meshcomm launch:"):] for ln in lines if "meshcomm launch:" in ln]
+    ours = [ln[ln.index("meshcomm launch:") :] for ln in lines if "meshcomm launch:" in ln]
     return ours[-1] if ours else ""
 
 
@@ -188,18 +196,22 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.exclusive  # compares the temporary directory and /dev/shm before and after
-@pytest.mark.parametrize("backend,victim", [
-    *[pytest.param(b, "launcher", marks=m.marks, id=f"{b}-launcher")
-      for b, m in zip(("sockets", "mpi"), backend_param("sockets", "mpi"), strict=True)],
-    *[pytest.param("mpi", "mpiexec", marks=m.marks, id="mpi-mpiexec") for m in backend_param("mpi")],
-])
+@pytest.mark.parametrize(
+    "backend,victim",
+    [
+        *[
+            pytest.param(b, "launcher", marks=m.marks, id=f"{b}-launcher")
+            for b, m in zip(("sockets", "mpi"), backend_param("sockets", "mpi"), strict=True)
+        ],
+        *[pytest.param("mpi", "mpiexec", marks=m.marks, id="mpi-mpiexec") for m in backend_param("mpi")],
+    ],
+)
 def test_killed_launcher_leaves_no_rank(backend: str, victim: str, tmp_path: Path) -> None:
     """SIGKILL the launcher (nothing of it runs any more: no clean-up code) -> every rank is
     gone within a few seconds (parent-death signal). For MPI, killing mpiexec itself checks
     the ranks' own parent-death signal (set by the rank runner)."""
     shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir(tempfile.gettempdir()))
-    job = Launcher("-n", "3", "--backend", backend, "--timeout", "120", str(PROG), "wait",
-                   piddir=tmp_path, nready=3)
+    job = Launcher("-n", "3", "--backend", backend, "--timeout", "120", str(PROG), "wait", piddir=tmp_path, nready=3)
     try:
         job.wait_ready(60)
         assert len(recorded_pids(tmp_path)) == 3
@@ -225,12 +237,17 @@ def test_killed_launcher_leaves_no_rank(backend: str, victim: str, tmp_path: Pat
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         new_shm = {n for n in set(os.listdir("/dev/shm")) - shm_before if not n.startswith("mpich_shm_")}
-        new_tmp = {d for d in set(os.listdir(tempfile.gettempdir())) - tmp_before
-                   if d.startswith(("meshcomm-", "ompi.", "prte.", "pmix"))}
+        new_tmp = {
+            d
+            for d in set(os.listdir(tempfile.gettempdir())) - tmp_before
+            if d.startswith(("meshcomm-", "ompi.", "prte.", "pmix"))
+        }
         if not new_shm and not new_tmp:
             break
         time.sleep(0.2)
-    assert not new_shm and not new_tmp, f"left behind: /dev/shm {sorted(new_shm)}, temporary directory {sorted(new_tmp)}"
+    assert not new_shm and not new_tmp, (
+        f"left behind: /dev/shm {sorted(new_shm)}, temporary directory {sorted(new_tmp)}"
+    )
 
 
 def test_rank_runner_dies_with_its_parent(tmp_path: Path) -> None:
@@ -321,10 +338,12 @@ def test_rank_runner_runs_programs_like_python(how: str, mode: list[str], tmp_pa
         argv, cwd = ["-c", SCRIPT, *mode], tmp_path
     env = job_env()
     plain = subprocess.run([sys.executable, *argv], capture_output=True, cwd=cwd, env=env, timeout=60)
-    runner = subprocess.run([sys.executable, "-m", "meshcomm.launch.rank", *argv], capture_output=True,
-                            cwd=cwd, env=env, timeout=60)
+    runner = subprocess.run(
+        [sys.executable, "-m", "meshcomm.launch.rank", *argv], capture_output=True, cwd=cwd, env=env, timeout=60
+    )
     assert runner.returncode == plain.returncode, (show(plain), show(runner))
     assert runner.stdout == plain.stdout, (show(plain), show(runner))
+
     # python -m shows runpy's own frames on top of a traceback: the runner's differ
     def program_lines(err: bytes) -> list[bytes]:
         return [ln for ln in err.splitlines() if not ln.startswith(b'  File "<frozen runpy>"')]
@@ -335,16 +354,22 @@ def test_rank_runner_runs_programs_like_python(how: str, mode: list[str], tmp_pa
 # -- meshcomm.exits: records after the traceback ---------------------------------------------------
 
 
-@pytest.mark.parametrize("error,consequence,peer", [
-    ("ValueError('own bug')", False, None),
-    ("mc.PeerLostError('lost rank 2', peer=2)", True, 2),
-    ("mc.CommTimeoutError('no answer', peer=None)", True, None),
-])
+@pytest.mark.parametrize(
+    "error,consequence,peer",
+    [
+        ("ValueError('own bug')", False, None),
+        ("mc.PeerLostError('lost rank 2', peer=2)", True, 2),
+        ("mc.CommTimeoutError('no answer', peer=None)", True, None),
+    ],
+)
 def test_excepthook_prints_then_records(error: str, consequence: bool, peer: int | None, tmp_path: Path) -> None:
-    code = ("import meshcomm as mc\nfrom meshcomm import exits\n"
-            f"exits.install()\nexits.install()\nraise {error}\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
-                       env=job_env(MESHCOMM_JOB_DIR=str(tmp_path), MLX_RANK="5"))
+    code = f"import meshcomm as mc\nfrom meshcomm import exits\nexits.install()\nexits.install()\nraise {error}\n"
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        timeout=60,
+        env=job_env(MESHCOMM_JOB_DIR=str(tmp_path), MLX_RANK="5"),
+    )
     assert p.returncode == 1, show(p)
     assert p.stderr.decode().count("Traceback (most recent call last)") == 1, show(p)
     records = list((tmp_path / "failures").glob("*.json"))
@@ -357,7 +382,12 @@ def test_excepthook_prints_then_records(error: str, consequence: bool, peer: int
 
 
 def test_no_record_without_a_job_dir(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "meshcomm.launch.rank", "-c", "raise SystemExit(4)"],
-                       capture_output=True, timeout=60, env=job_env(), cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "meshcomm.launch.rank", "-c", "raise SystemExit(4)"],
+        capture_output=True,
+        timeout=60,
+        env=job_env(),
+        cwd=tmp_path,
+    )
     assert p.returncode == 4 and p.stderr == b"", show(p)
     assert list(tmp_path.iterdir()) == []

@@ -79,7 +79,7 @@ def logging_ssh(folder: Path, real: str, name: str = "ssh") -> tuple[Path, Path]
     bindir.mkdir(exist_ok=True)
     log = folder / "ssh-calls.log"
     wrapper = bindir / name
-    wrapper.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$*\" >> {log}\nexec {real} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/bash\nprintf \'%s\\n\' "$*" >> {log}\nexec {real} "$@"\n')
     wrapper.chmod(0o755)
     return wrapper, log
 
@@ -92,7 +92,7 @@ def ssh_children(pid: int) -> list[int]:
             continue
         try:
             stat = (d / "stat").read_text()
-            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
@@ -111,8 +111,21 @@ def assert_through_ssh(info: dict, server: LoopbackSshd) -> None:
 
 
 def test_ssh_ranks(sshd: LoopbackSshd, tmp_path: Path) -> None:
-    p = run_launch("-n", "2", "--hosts", SSH_ADDR, *ssh_args(sshd, tmp_path), "--env", "MC_TEST_A=x y",
-                   "--timeout", "30", str(RANK_PROG), "info", "a b", timeout=90)
+    p = run_launch(
+        "-n",
+        "2",
+        "--hosts",
+        SSH_ADDR,
+        *ssh_args(sshd, tmp_path),
+        "--env",
+        "MC_TEST_A=x y",
+        "--timeout",
+        "30",
+        str(RANK_PROG),
+        "info",
+        "a b",
+        timeout=90,
+    )
     assert p.returncode == 0, show(p)
     infos = parse_infos(p.stdout, 2)
     check_results(infos, 2)
@@ -128,8 +141,7 @@ def test_ssh_ranks(sshd: LoopbackSshd, tmp_path: Path) -> None:
 def test_ssh_mixed_with_local_rank(sshd: LoopbackSshd, tmp_path: Path) -> None:
     hf = tmp_path / "hosts.json"
     hf.write_text(json.dumps([{"ssh": "localhost", "slots": 1}, {"ssh": f"root@{SSH_ADDR}", "slots": 2}]))
-    p = run_launch("-n", "3", "--hostfile", str(hf), *ssh_args(sshd, tmp_path), str(RANK_PROG), "info",
-                   timeout=90)
+    p = run_launch("-n", "3", "--hostfile", str(hf), *ssh_args(sshd, tmp_path), str(RANK_PROG), "info", timeout=90)
     assert p.returncode == 0, show(p)
     infos = parse_infos(p.stdout, 3)
     check_results(infos, 3)
@@ -140,8 +152,20 @@ def test_ssh_mixed_with_local_rank(sshd: LoopbackSshd, tmp_path: Path) -> None:
 
 
 def test_ssh_failing_remote_rank_stops_the_job(sshd: LoopbackSshd, tmp_path: Path) -> None:
-    p = run_launch("-n", "3", "--hosts", SSH_ADDR, *ssh_args(sshd, tmp_path), "--timeout", "120",
-                   str(RANK_PROG), "fail", "1", "3", timeout=90)
+    p = run_launch(
+        "-n",
+        "3",
+        "--hosts",
+        SSH_ADDR,
+        *ssh_args(sshd, tmp_path),
+        "--timeout",
+        "120",
+        str(RANK_PROG),
+        "fail",
+        "1",
+        "3",
+        timeout=90,
+    )
     assert p.returncode == 3, show(p)
     last = p.stderr.decode().strip().splitlines()[-1]
     assert last.startswith(f"meshcomm launch: rank 1 on {SSH_ADDR} exited with code 3"), show(p)
@@ -150,8 +174,17 @@ def test_ssh_failing_remote_rank_stops_the_job(sshd: LoopbackSshd, tmp_path: Pat
 
 def test_ssh_stopped_rank_takes_its_children(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """A remote rank that ignores SIGTERM is killed with everything it started."""
-    job = Launcher("-n", "1", "--hosts", SSH_ADDR, *ssh_args(sshd, tmp_path), str(RANK_PROG), "wait-stubborn",
-                   piddir=tmp_path, nready=1)
+    job = Launcher(
+        "-n",
+        "1",
+        "--hosts",
+        SSH_ADDR,
+        *ssh_args(sshd, tmp_path),
+        str(RANK_PROG),
+        "wait-stubborn",
+        piddir=tmp_path,
+        nready=1,
+    )
     job.wait_ready()
     assert len(recorded_pids(tmp_path)) == 2
     job.proc.send_signal(signal.SIGTERM)
@@ -164,8 +197,20 @@ def test_one_ssh_session_per_host_starts_and_stops_every_rank(sshd: LoopbackSshd
     (SIGTERM to the launcher stops every rank through those sessions, no further ssh)."""
     wrapper, log = logging_ssh(tmp_path, "/usr/bin/ssh" if os.path.exists("/usr/bin/ssh") else "ssh")
     ssh = sshd.ssh_command.replace("ssh", str(wrapper), 1)
-    job = Launcher("--hosts", TWO_HOSTS, "--ssh", ssh, "--env", f"MC_TEST_PIDDIR={tmp_path}", "--timeout", "120",
-                   str(RANK_PROG), "wait", piddir=tmp_path, nready=5)
+    job = Launcher(
+        "--hosts",
+        TWO_HOSTS,
+        "--ssh",
+        ssh,
+        "--env",
+        f"MC_TEST_PIDDIR={tmp_path}",
+        "--timeout",
+        "120",
+        str(RANK_PROG),
+        "wait",
+        piddir=tmp_path,
+        nready=5,
+    )
     job.wait_ready(timeout=90)
     assert len(recorded_pids(tmp_path)) == 5
     children = ssh_children(job.proc.pid)
@@ -182,8 +227,18 @@ def test_one_ssh_session_per_host_starts_and_stops_every_rank(sshd: LoopbackSshd
 def test_ssh_hosts_with_rank_counts_and_log_dir(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """--hosts a:3,b:2 without -n: 5 ranks, local rank variables per host, a log per rank."""
     logs = tmp_path / "logs"
-    p = run_launch("--hosts", TWO_HOSTS, *ssh_args(sshd, tmp_path), "--log-dir", str(logs), "--timeout", "60",
-                   str(RANK_PROG), "info", timeout=120)
+    p = run_launch(
+        "--hosts",
+        TWO_HOSTS,
+        *ssh_args(sshd, tmp_path),
+        "--log-dir",
+        str(logs),
+        "--timeout",
+        "60",
+        str(RANK_PROG),
+        "info",
+        timeout=120,
+    )
     assert p.returncode == 0, show(p)
     infos = parse_infos(p.stdout, 5)
     check_results(infos, 5)
@@ -201,8 +256,9 @@ def test_ssh_lines_never_interleave(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """Two ranks share one ssh session: their long lines still arrive whole, in order, each
     prefixed with its own rank."""
     lines = 100
-    p = run_launch("-n", "2", "--hosts", SSH_ADDR, *ssh_args(sshd, tmp_path), str(RANK_PROG), "spam", str(lines),
-                   timeout=120)
+    p = run_launch(
+        "-n", "2", "--hosts", SSH_ADDR, *ssh_args(sshd, tmp_path), str(RANK_PROG), "spam", str(lines), timeout=120
+    )
     assert p.returncode == 0, show(p)
     for data, stream in ((p.stdout, "out"), (p.stderr, "err")):
         seen: dict[int, list[int]] = {0: [], 1: []}
@@ -223,8 +279,17 @@ JOBS_PROG = TESTS / "programs" / "launch_jobs.py"
 def test_ssh_raising_rank_is_blamed_from_remote_records(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """Rank 2 (the second host) raises while the others wait: the agents send the failure
     records back, and the summary names rank 2 and its exception, not a PeerLostError."""
-    p = run_launch("--hosts", f"{SSH_ADDR}:2,root@{SSH_ADDR}:1", *ssh_args(sshd, tmp_path), "--timeout", "60",
-                   str(JOBS_PROG), "raise", "2", timeout=120)
+    p = run_launch(
+        "--hosts",
+        f"{SSH_ADDR}:2,root@{SSH_ADDR}:1",
+        *ssh_args(sshd, tmp_path),
+        "--timeout",
+        "60",
+        str(JOBS_PROG),
+        "raise",
+        "2",
+        timeout=120,
+    )
     assert p.returncode == 1, show(p)
     last = p.stderr.decode().strip().splitlines()[-1]
     assert last.startswith(f"meshcomm launch: rank 2 on root@{SSH_ADDR} exited with code 1 (KeyError"), show(p)
@@ -235,15 +300,28 @@ def test_ssh_timeout_prints_every_ranks_stack(sshd: LoopbackSshd, tmp_path: Path
     """Rank 0 sleeps while 1 and 2 time out in all_sum: SIGUSR1 reaches every remote rank
     through its host's session, and each prints its Python stack. (Rank 0 leads its host
     in the sockets backend's two-level collectives, so both others name it.)"""
-    p = run_launch("--hosts", f"{SSH_ADDR}:2,root@{SSH_ADDR}:1", *ssh_args(sshd, tmp_path), "--timeout", "4",
-                   str(JOBS_PROG), "stuck", "0", timeout=120)
+    p = run_launch(
+        "--hosts",
+        f"{SSH_ADDR}:2,root@{SSH_ADDR}:1",
+        *ssh_args(sshd, tmp_path),
+        "--timeout",
+        "4",
+        str(JOBS_PROG),
+        "stuck",
+        "0",
+        timeout=120,
+    )
     assert p.returncode == 1, show(p)
     assert b"every rank's Python stack follows" in p.stderr, show(p)
     frame = re.compile(rb'File "[^"]*launch_jobs\.py", line \d+,? in (\w+)')
     for r in range(3):
-        text = b"\n".join(rest for tag, rest in
-                          ((int(m.group(1)), m.group(2)) for m in map(PREFIX.match, (p.stdout + p.stderr).splitlines())
-                           if m) if tag == r)
+        text = b"\n".join(
+            rest
+            for tag, rest in (
+                (int(m.group(1)), m.group(2)) for m in map(PREFIX.match, (p.stdout + p.stderr).splitlines()) if m
+            )
+            if tag == r
+        )
         assert frame.findall(text), f"no Python stack of rank {r}:\n{show(p)}"
         if r == 0:
             assert b"stuck_here" in frame.findall(text), show(p)
@@ -254,8 +332,17 @@ def test_ssh_timeout_prints_every_ranks_stack(sshd: LoopbackSshd, tmp_path: Path
 def test_killed_launcher_stops_remote_ranks(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """SIGKILL to the launcher: its ssh sessions die with it, and each host's agent stops
     its ranks when its session ends."""
-    job = Launcher("--hosts", TWO_HOSTS, *ssh_args(sshd, tmp_path), "--timeout", "120", str(RANK_PROG), "wait",
-                   piddir=tmp_path, nready=5)
+    job = Launcher(
+        "--hosts",
+        TWO_HOSTS,
+        *ssh_args(sshd, tmp_path),
+        "--timeout",
+        "120",
+        str(RANK_PROG),
+        "wait",
+        piddir=tmp_path,
+        nready=5,
+    )
     job.wait_ready(timeout=90)
     job.proc.kill()
     job.finish(timeout=30)
@@ -277,8 +364,21 @@ def test_other_backends_over_ssh(backend: str, sshd: LoopbackSshd, tmp_path: Pat
         from test_security_launch import _mpiexec_over_ssh
 
         env = {"MESHCOMM_MPIEXEC_ARGS": _mpiexec_over_ssh("mpi-ssh", sshd, tmp_path)}
-    p = run_launch("-n", "2", "--backend", backend, "--hosts", f"{SSH_ADDR}:2", *ssh_args(sshd, tmp_path),
-                   "--timeout", "60", str(RANK_PROG), "info", env=env, timeout=150)
+    p = run_launch(
+        "-n",
+        "2",
+        "--backend",
+        backend,
+        "--hosts",
+        f"{SSH_ADDR}:2",
+        *ssh_args(sshd, tmp_path),
+        "--timeout",
+        "60",
+        str(RANK_PROG),
+        "info",
+        env=env,
+        timeout=150,
+    )
     assert p.returncode == 0, show(p)
     infos = parse_infos(p.stdout, 2)  # every line prefixed [rank R], no mpiexec tags
     for r, info in infos.items():
@@ -307,12 +407,25 @@ def hosts() -> Iterator[NetnsHosts]:
         h.close()
 
 
-def netns_launch(hosts: NetnsHosts, n: int | None, piddir: Path, *prog: str, host_list: str | None = None,
-                 ssh: str | None = None) -> subprocess.CompletedProcess[bytes]:
+def netns_launch(
+    hosts: NetnsHosts, n: int | None, piddir: Path, *prog: str, host_list: str | None = None, ssh: str | None = None
+) -> subprocess.CompletedProcess[bytes]:
     count = [] if n is None else ["-n", str(n)]
-    return run_launch(*count, "--hosts", host_list or ",".join(hosts.ips), "--ssh", ssh or hosts.ssh_command,
-                      "--env", f"MC_TEST_PIDDIR={piddir}", "--timeout", "60", str(RANK_PROG), *prog,
-                      env=hosts.env, timeout=120)
+    return run_launch(
+        *count,
+        "--hosts",
+        host_list or ",".join(hosts.ips),
+        "--ssh",
+        ssh or hosts.ssh_command,
+        "--env",
+        f"MC_TEST_PIDDIR={piddir}",
+        "--timeout",
+        "60",
+        str(RANK_PROG),
+        *prog,
+        env=hosts.env,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("per_host", [1, 2])
@@ -346,8 +459,14 @@ def test_netns_rank_counts_one_session_per_host(hosts: NetnsHosts, tmp_path: Pat
     runs once per host."""
     counts = [1, 2, 1]
     wrapper, log = logging_ssh(tmp_path, hosts.ssh_command, name="netns-ssh")
-    p = netns_launch(hosts, None, tmp_path, "info", ssh=str(wrapper),
-                     host_list=",".join(f"{ip}:{k}" for ip, k in zip(hosts.ips, counts, strict=True)))
+    p = netns_launch(
+        hosts,
+        None,
+        tmp_path,
+        "info",
+        ssh=str(wrapper),
+        host_list=",".join(f"{ip}:{k}" for ip, k in zip(hosts.ips, counts, strict=True)),
+    )
     assert p.returncode == 0, show(p)
     infos = parse_infos(p.stdout, 4)
     check_results(infos, 4)

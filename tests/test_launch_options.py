@@ -84,20 +84,26 @@ def _reason(backend: str) -> str | None:
     return f"backend {backend} is not installed" if spec is None else spec.unavailable_reason()
 
 
-BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(bool(_reason(b)), reason=str(_reason(b))))
-            for b in ("sockets", "mpi", "gloo")]
+BACKENDS = [
+    pytest.param(b, marks=pytest.mark.skipif(bool(_reason(b)), reason=str(_reason(b))))
+    for b in ("sockets", "mpi", "gloo")
+]
 
 
 # -- ranks per host ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args,n,local_size", [
-    (["--hosts", "localhost:3"], 3, 3),
-    (["--ranks-per-host", "2"], 2, 2),
-    (["--hosts", "localhost", "--ranks-per-host", "3"], 3, 3),
-    (["--hosts", "localhost:2,127.0.0.1:2"], 4, 4),  # one machine named twice: one local numbering
-    (["-n", "2", "--hosts", "localhost:3"], 2, 2),  # -n may use fewer ranks than the slots
-], ids=["hosts:count", "ranks-per-host", "hosts+ranks-per-host", "same-machine-twice", "n-below-slots"])
+@pytest.mark.parametrize(
+    "args,n,local_size",
+    [
+        (["--hosts", "localhost:3"], 3, 3),
+        (["--ranks-per-host", "2"], 2, 2),
+        (["--hosts", "localhost", "--ranks-per-host", "3"], 3, 3),
+        (["--hosts", "localhost:2,127.0.0.1:2"], 4, 4),  # one machine named twice: one local numbering
+        (["-n", "2", "--hosts", "localhost:3"], 2, 2),  # -n may use fewer ranks than the slots
+    ],
+    ids=["hosts:count", "ranks-per-host", "hosts+ranks-per-host", "same-machine-twice", "n-below-slots"],
+)
 def test_ranks_per_host_without_n(args: list[str], n: int, local_size: int, tmp_path: Path) -> None:
     p = run_launch(*args, "--timeout", "60", prog(tmp_path), piddir=tmp_path)
     assert p.returncode == 0, show(p)
@@ -116,13 +122,17 @@ def test_hostfile_slots_give_the_job_size(tmp_path: Path) -> None:
     assert len(envs(p.stdout, 3)) == 3
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--hosts", "localhost"], ["-n is missing", "--ranks-per-host"]),
-    (["-n", "5", "--hosts", "localhost:2"], ["-n 5", "2 slots"]),
-    (["-n", "2", "--hosts", "localhost:0"], ["at least 1"]),
-    (["-n", "2", "--ranks-per-host", "0"], ["--ranks-per-host 0"]),
-    (["-n", "2", "--launcher", "local", "--hosts", "node-a,node-b"], ["--launcher local", "node-a"]),
-], ids=["no-n-no-counts", "n-above-slots", "zero-count", "zero-per-host", "local-with-remote-hosts"])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--hosts", "localhost"], ["-n is missing", "--ranks-per-host"]),
+        (["-n", "5", "--hosts", "localhost:2"], ["-n 5", "2 slots"]),
+        (["-n", "2", "--hosts", "localhost:0"], ["at least 1"]),
+        (["-n", "2", "--ranks-per-host", "0"], ["--ranks-per-host 0"]),
+        (["-n", "2", "--launcher", "local", "--hosts", "node-a,node-b"], ["--launcher local", "node-a"]),
+    ],
+    ids=["no-n-no-counts", "n-above-slots", "zero-count", "zero-per-host", "local-with-remote-hosts"],
+)
 def test_bad_counts_exit_2(args: list[str], words: list[str], tmp_path: Path) -> None:
     p = run_launch(*args, prog(tmp_path), piddir=tmp_path)
     assert p.returncode == 2, show(p)
@@ -143,7 +153,15 @@ def test_hosts_parsing_and_placement() -> None:
     assert job_size(6, hosts) == 6
     places = place_ranks(8, hosts, ranks_per_host=3)
     assert [(p.host, p.local_index) for p in places] == [
-        ("a", 0), ("a", 1), ("b", 0), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("a", 4)]
+        ("a", 0),
+        ("a", 1),
+        ("b", 0),
+        ("b", 1),
+        ("b", 2),
+        ("a", 2),
+        ("a", 3),
+        ("a", 4),
+    ]
     # a starter that starts even this machine's ranks itself: no place is "this machine"
     assert [p.host for p in place_ranks(2, [Host(ssh="localhost")], local_ranks=False)] == ["localhost"] * 2
 
@@ -152,9 +170,11 @@ def test_hosts_parsing_and_placement() -> None:
 
 
 @pytest.mark.skipif(bool(_reason("gloo")), reason=str(_reason("gloo")))
-@pytest.mark.parametrize("how,want", [([], "gloo"), (["--backend=sockets"], "sockets"),
-                                      (["--backend", "sockets"], "sockets")],
-                         ids=["hostfile's", "--backend=X", "--backend X"])
+@pytest.mark.parametrize(
+    "how,want",
+    [([], "gloo"), (["--backend=sockets"], "sockets"), (["--backend", "sockets"], "sockets")],
+    ids=["hostfile's", "--backend=X", "--backend X"],
+)
 def test_backend_option_overrides_the_hostfile(how: list[str], want: str, tmp_path: Path) -> None:
     hf = tmp_path / "hosts.json"
     hf.write_text(json.dumps({"backend": "gloo", "hosts": [{"ssh": "localhost", "slots": 2}]}))
@@ -165,15 +185,20 @@ def test_backend_option_overrides_the_hostfile(how: list[str], want: str, tmp_pa
 
 
 @pytest.mark.skipif(bool(_reason("gloo")), reason=str(_reason("gloo")))
-@pytest.mark.parametrize("env,how,want", [
-    ({"MLX_BACKEND": "gloo"}, [], "gloo"),
-    ({"MLX_BACKEND": " GLOO "}, [], "gloo"),  # normalised as init() normalises it
-    ({"MLX_BACKEND": "gloo"}, ["--backend", "sockets"], "sockets"),
-    ({"MLX_BACKEND": "any"}, [], "sockets"),  # MLX_BACKEND's default names no backend
-    ({"MLX_BACKEND": "sockets"}, ["--env", "MLX_BACKEND=gloo"], "gloo"),
-], ids=["exported", "exported-spaced-upper", "--backend-overrides", "any-is-the-default", "--env-overrides"])
-def test_exported_mlx_backend_chooses_the_backend(env: dict[str, str], how: list[str], want: str,
-                                                  tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "env,how,want",
+    [
+        ({"MLX_BACKEND": "gloo"}, [], "gloo"),
+        ({"MLX_BACKEND": " GLOO "}, [], "gloo"),  # normalised as init() normalises it
+        ({"MLX_BACKEND": "gloo"}, ["--backend", "sockets"], "sockets"),
+        ({"MLX_BACKEND": "any"}, [], "sockets"),  # MLX_BACKEND's default names no backend
+        ({"MLX_BACKEND": "sockets"}, ["--env", "MLX_BACKEND=gloo"], "gloo"),
+    ],
+    ids=["exported", "exported-spaced-upper", "--backend-overrides", "any-is-the-default", "--env-overrides"],
+)
+def test_exported_mlx_backend_chooses_the_backend(
+    env: dict[str, str], how: list[str], want: str, tmp_path: Path
+) -> None:
     p = run_launch("-n", "2", *how, prog(tmp_path), piddir=tmp_path, env=env)
     assert p.returncode == 0, show(p)
     for info in envs(p.stdout, 2).values():
@@ -186,8 +211,9 @@ def test_exported_mlx_backend_chooses_the_backend(env: dict[str, str], how: list
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rank_variables_and_prefix_on_every_backend(backend: str, tmp_path: Path) -> None:
     n = 3
-    p = run_launch("-n", str(n), f"--backend={backend}", "--timeout", "60", prog(tmp_path), piddir=tmp_path,
-                   timeout=120)
+    p = run_launch(
+        "-n", str(n), f"--backend={backend}", "--timeout", "60", prog(tmp_path), piddir=tmp_path, timeout=120
+    )
     assert p.returncode == 0, show(p)
     got = envs(p.stdout, n)  # every stdout line is "[rank R] ..." (no "[1,2]<stdout>:")
     for r, info in got.items():
@@ -223,8 +249,19 @@ def test_non_python_program_under_mpi_gets_rank_variables_and_prefix() -> None:
 def test_log_dir_has_one_file_per_rank(backend: str, tmp_path: Path) -> None:
     n = 3
     logs = tmp_path / "logs" / "new"  # made by the launcher
-    p = run_launch("-n", str(n), "--backend", backend, "--log-dir", str(logs), "--timeout", "60", prog(tmp_path),
-                   piddir=tmp_path, timeout=120)
+    p = run_launch(
+        "-n",
+        str(n),
+        "--backend",
+        backend,
+        "--log-dir",
+        str(logs),
+        "--timeout",
+        "60",
+        prog(tmp_path),
+        piddir=tmp_path,
+        timeout=120,
+    )
     assert p.returncode == 0, show(p)
     envs(p.stdout, n)  # the terminal still gets every line, prefixed
     assert sorted(f.name for f in logs.iterdir()) == [f"rank-{r}.log" for r in range(n)]
@@ -252,8 +289,9 @@ def test_log_dir_that_cannot_be_made_is_an_error(tmp_path: Path) -> None:
 def test_launcher_choice() -> None:
     assert starter_name("ssh", {}) == "ssh" and starter_name("local", {"SLURM_JOB_ID": "7"}) == "local"
     assert starter_name("auto", {}) == "ssh"
-    slurm_present = (Path(__file__).resolve().parent.parent / "core" / "meshcomm" / "launch" / "starters"
-                     / f"{STARTERS['slurm']}.py").exists()
+    slurm_present = (
+        Path(__file__).resolve().parent.parent / "core" / "meshcomm" / "launch" / "starters" / f"{STARTERS['slurm']}.py"
+    ).exists()
     assert starter_name("auto", {"SLURM_JOB_ID": "7"}) == ("slurm" if slurm_present else "ssh")
 
 
@@ -284,8 +322,9 @@ def test_unknown_launcher_is_refused() -> None:
 # -- the Python entry point ---------------------------------------------------------------------------
 
 
-def test_launch_takes_one_options_object(capfdbinary: pytest.CaptureFixture[bytes],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_takes_one_options_object(
+    capfdbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from meshcomm.launch import LaunchOptions, launch
 
     for k in [k for k in os.environ if k.startswith(("MLX_", "MESHCOMM_"))]:
@@ -294,8 +333,13 @@ def test_launch_takes_one_options_object(capfdbinary: pytest.CaptureFixture[byte
     out = capfdbinary.readouterr().out
     assert status == 0, out
     assert sorted(rest for _, rest in prefixed_lines(out)) == sorted(
-        [b"SHELL_RANK rank=0 size=2 bash=yes nargs=1", b"SHELL_RANK rank=1 size=2 bash=yes nargs=1",
-         b"ARG <x>", b"ARG <x>"])
+        [
+            b"SHELL_RANK rank=0 size=2 bash=yes nargs=1",
+            b"SHELL_RANK rank=1 size=2 bash=yes nargs=1",
+            b"ARG <x>",
+            b"ARG <x>",
+        ]
+    )
 
 
 def test_only_this_very_interpreter_is_run_through_the_rank_runner(tmp_path: Path) -> None:
@@ -319,21 +363,29 @@ def test_only_this_very_interpreter_is_run_through_the_rank_runner(tmp_path: Pat
     assert own_python_program(["bash", "x.py"], str(here)) == ["bash", "x.py"]
 
 
-
-@pytest.mark.parametrize(("nranks", "user"), [(2, {}), (2, {"OMP_NUM_THREADS": "3"}), (1, {})],
-                         ids=["shared-host", "user-set", "one-rank"])
+@pytest.mark.parametrize(
+    ("nranks", "user"), [(2, {}), (2, {"OMP_NUM_THREADS": "3"}), (1, {})], ids=["shared-host", "user-set", "one-rank"]
+)
 def test_ranks_sharing_a_host_split_its_cores_between_their_thread_pools(
-        tmp_path: Path, nranks: int, user: dict[str, str]) -> None:
+    tmp_path: Path, nranks: int, user: dict[str, str]
+) -> None:
     """As torchrun does: R ranks on one host get cores // R BLAS/OpenMP threads each (at least
     one), a variable the user set is passed as it is, and a rank alone on its host is left alone."""
     import subprocess
 
     prog = tmp_path / "threads.sh"
-    prog.write_text('printf "THREADS %s %s %s\\n" "${OMP_NUM_THREADS-unset}" "${OPENBLAS_NUM_THREADS-unset}" '
-                    '"${MKL_NUM_THREADS-unset}"\n')
+    prog.write_text(
+        'printf "THREADS %s %s %s\\n" "${OMP_NUM_THREADS-unset}" "${OPENBLAS_NUM_THREADS-unset}" '
+        '"${MKL_NUM_THREADS-unset}"\n'
+    )
     env = {k: v for k, v in job_env().items() if k not in THREAD_VARS} | user
-    p = subprocess.run(launch_cmd("-n", str(nranks), "bash", str(prog)), capture_output=True, timeout=60,
-                       env=env, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        launch_cmd("-n", str(nranks), "bash", str(prog)),
+        capture_output=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, show(p)
     split = str(max(1, (os.cpu_count() or 1) // nranks)) if nranks > 1 else "unset"
     want = [user.get(k, split) for k in THREAD_VARS]

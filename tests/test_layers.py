@@ -20,8 +20,21 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "protocol": ("errors", "operations", "dtypes", "backend", "algorithms", "memory"),
     # the plugin runtime: hooks and registry, settings, placement, job secret, how a rank
     # ends, the launchers' protocols and rank variables, the size-1 built-in backend
-    "runtime": ("hookspecs", "registry", "single", "config", "placement", "jobsecret", "userkey", "exits",
-                "private_files", "launchvars", "launch.spec", "launch.lifetime", "launch.safety"),
+    "runtime": (
+        "hookspecs",
+        "registry",
+        "single",
+        "config",
+        "placement",
+        "jobsecret",
+        "userkey",
+        "exits",
+        "private_files",
+        "launchvars",
+        "launch.spec",
+        "launch.lifetime",
+        "launch.safety",
+    ),
     # what users call: groups, operations, init, handles, the one-thread guard, call checks,
     # the observer slot tools attach to
     "api": ("group", "ops", "world", "work", "guard", "debug", "objects", "frameworks", "observer"),
@@ -65,7 +78,9 @@ def _core() -> dict[str, set[str]]:
 
 def test_every_module_of_the_core_has_a_layer() -> None:
     homeless = sorted(m for m in _core() if layer_of(m) is None)
-    assert not homeless, f"modules in no layer: {homeless}; add each to LAYERS (tests/test_layers.py) and docs/layout.md"
+    assert not homeless, (
+        f"modules in no layer: {homeless}; add each to LAYERS (tests/test_layers.py) and docs/layout.md"
+    )
 
 
 def test_no_layer_imports_a_layer_above_it() -> None:
@@ -78,14 +93,18 @@ def test_no_layer_imports_a_layer_above_it() -> None:
     )
 
 
-@pytest.mark.parametrize("source", [
-    "from .group import Group\n",                                        # at module level
-    "def f():\n    from . import world\n    return world\n",             # hidden in a function
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trace import recorder\n",  # for types
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from .group import Group\n",  # at module level
+        "def f():\n    from . import world\n    return world\n",  # hidden in a function
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trace import recorder\n",  # for types
+    ],
+)
 def test_an_upward_import_is_caught_wherever_it_hides(source: str) -> None:
     found = modules()
     backend = ROOT / "core" / "meshcomm" / "backend.py"
     edges = {"meshcomm.backend": imports("meshcomm.backend", backend, found, source=source)}
-    assert len(upward(edges)) == 1 and upward(edges)[0].startswith("meshcomm.backend (protocol) imports "), upward(edges)
-
+    assert len(upward(edges)) == 1 and upward(edges)[0].startswith("meshcomm.backend (protocol) imports "), upward(
+        edges
+    )

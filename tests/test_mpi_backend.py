@@ -36,8 +36,7 @@ def _check_equal(got: np.ndarray, want: np.ndarray, what: str, rank: int) -> Non
     ):
         bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:4]
         raise AssertionError(
-            f"rank {rank}: {what} differs at {bad.tolist()}: got {got.reshape(-1)[bad]}, "
-            f"want {want.reshape(-1)[bad]}"
+            f"rank {rank}: {what} differs at {bad.tolist()}: got {got.reshape(-1)[bad]}, want {want.reshape(-1)[bad]}"
         )
 
 
@@ -76,8 +75,10 @@ def rank_integer_wrap(g: Any) -> None:
     for dt in (np.int8, np.int16, np.uint8, np.uint16):
         info = np.iinfo(dt)
         i = np.arange(length, dtype=np.int64)
-        inputs = [((i * (q + 7) + info.max - 5 * q) % (int(info.max) - int(info.min) + 1) + int(info.min)).astype(dt)
-                  for q in range(n)]
+        inputs = [
+            ((i * (q + 7) + info.max - 5 * q) % (int(info.max) - int(info.min) + 1) + int(info.min)).astype(dt)
+            for q in range(n)
+        ]
         inputs = [np.where(i % 3 == 0, info.max - q, x).astype(dt) for q, x in enumerate(inputs)]  # overflow often
         got = mc.all_sum(inputs[r], group=g)
         _check_equal(got, _fold(np.add, inputs), f"all_sum({np.dtype(dt)}, {length})", r)
@@ -85,7 +86,7 @@ def rank_integer_wrap(g: Any) -> None:
         k = (length - 3) // n * n
         got = mc.sum_scatter(inputs[r][:k], group=g)
         want = _fold(np.add, [x[:k] for x in inputs])
-        _check_equal(got, want[r * (k // n):(r + 1) * (k // n)], f"sum_scatter({np.dtype(dt)})", r)
+        _check_equal(got, want[r * (k // n) : (r + 1) * (k // n)], f"sum_scatter({np.dtype(dt)})", r)
 
 
 def rank_forced_numpy_int_sum(g: Any) -> None:
@@ -103,7 +104,9 @@ def rank_forced_numpy_int_sum(g: Any) -> None:
         sub = mc.Group(b, "mpi")
         for dt in (np.int8, np.uint16, np.int64):
             inputs = [np.full(70_001, np.iinfo(dt).max - q, dtype=dt) for q in range(n)]
-            _check_equal(mc.all_sum(inputs[r], group=sub), _fold(np.add, inputs), f"numpy-op all_sum({np.dtype(dt)})", r)
+            _check_equal(
+                mc.all_sum(inputs[r], group=sub), _fold(np.add, inputs), f"numpy-op all_sum({np.dtype(dt)})", r
+            )
     finally:
         b.close()
 
@@ -119,14 +122,18 @@ def rank_half_floats(g: Any) -> None:
         i = np.arange(50_003)
         # halves of small integers: every partial sum is exact, so any order gives NumPy's answer
         inputs = [(((i * (q + 3) + q) % 23 - 11) / 2).astype(dt) for q in range(n)]
-        for op, f, fn in (("sum", np.add, mc.all_sum), ("max", np.maximum, mc.all_max), ("min", np.minimum, mc.all_min)):
+        for op, f, fn in (
+            ("sum", np.add, mc.all_sum),
+            ("max", np.maximum, mc.all_max),
+            ("min", np.minimum, mc.all_min),
+        ):
             got = fn(inputs[r], group=g)
             _check_equal(got, _fold(f, inputs), f"all_{op}({dt})", r)
             _bit_identical(g, got, f"all_{op}({dt})")
         k = 50_000 // n * n
         got = mc.sum_scatter(inputs[r][:k], group=g)
         want = _fold(np.add, [x[:k] for x in inputs])
-        _check_equal(got, want[r * (k // n):(r + 1) * (k // n)], f"sum_scatter({dt})", r)
+        _check_equal(got, want[r * (k // n) : (r + 1) * (k // n)], f"sum_scatter({dt})", r)
         # rounding: 2048 + 1 in float16 rounds; the ufunc op must round like NumPy
         x = np.array([2048, 0.5, 1e4], dtype=dt) if r == 0 else np.array([1, 0.25, 7], dtype=dt)
         got = mc.all_sum(x, group=g)
@@ -151,7 +158,11 @@ def rank_bool_and_complex(g: Any) -> None:
     for dt in (np.complex64, np.complex128):
         # equal real parts for many elements, so the imaginary part must decide
         cs = [((i % 5) - 2 + 1j * ((i * (q + 1)) % 7 - 3) + (q % 2) * 1j).astype(dt) for q in range(n)]
-        for op, f, fn in (("max", np.maximum, mc.all_max), ("min", np.minimum, mc.all_min), ("sum", np.add, mc.all_sum)):
+        for op, f, fn in (
+            ("max", np.maximum, mc.all_max),
+            ("min", np.minimum, mc.all_min),
+            ("sum", np.add, mc.all_sum),
+        ):
             got = fn(cs[r], group=g)
             _check_equal(got, _fold(f, cs), f"all_{op}({np.dtype(dt)})", r)
             _bit_identical(g, got, f"all_{op}({np.dtype(dt)})")
@@ -170,7 +181,9 @@ def rank_nan_max_min(g: Any) -> None:
             got = fn(xs[r], group=g)
             want = _fold(f, xs)
             if not np.array_equal(np.isnan(got), np.isnan(want)):
-                raise AssertionError(f"rank {r}: all_{op}({np.dtype(dt)}) NaNs at {np.isnan(got)}, want {np.isnan(want)}")
+                raise AssertionError(
+                    f"rank {r}: all_{op}({np.dtype(dt)}) NaNs at {np.isnan(got)}, want {np.isnan(want)}"
+                )
             _check_equal(got, want, f"all_{op}({np.dtype(dt)}) with NaN", r)
             _bit_identical(g, got, f"all_{op}({np.dtype(dt)}) with NaN")
 
@@ -199,7 +212,9 @@ def rank_split_communicators(g: Any) -> None:
     got = mc.all_gather(np.array([r]), group=sub)
     _check_equal(got, np.array(members), "all_gather in split (key order)", r)
     x = np.full(1001, r + 1, dtype=np.float32)
-    _check_equal(mc.all_sum(x, group=sub), np.full(1001, sum(q + 1 for q in members), np.float32), "all_sum in split", r)
+    _check_equal(
+        mc.all_sum(x, group=sub), np.full(1001, sum(q + 1 for q in members), np.float32), "all_sum in split", r
+    )
     # a second level of split, and the world still works afterwards
     solo = sub.split(sub.rank())
     if solo.size() != 1 or solo.transport.comm.Get_size() != 1:
@@ -270,11 +285,20 @@ def rank_die_after_barrier(g: Any) -> None:
     print(f"RANKCHECK survived rank {r}", flush=True)
 
 
-RANK_CHECKS = {f.__name__: f for f in (
-    rank_any_selects_mpi, rank_integer_wrap, rank_forced_numpy_int_sum, rank_half_floats,
-    rank_bool_and_complex, rank_nan_max_min, rank_split_communicators, rank_error_translation,
-    rank_die_after_barrier,
-)}
+RANK_CHECKS = {
+    f.__name__: f
+    for f in (
+        rank_any_selects_mpi,
+        rank_integer_wrap,
+        rank_forced_numpy_int_sum,
+        rank_half_floats,
+        rank_bool_and_complex,
+        rank_nan_max_min,
+        rank_split_communicators,
+        rank_error_translation,
+        rank_die_after_barrier,
+    )
+}
 SPECIFIC = [k for k in RANK_CHECKS if k != "rank_die_after_barrier"]
 
 
@@ -328,8 +352,9 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def _mpirun(n: int, argv: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
     cmd = mpiexec_command(n, argv)
-    return subprocess.run(cmd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout,
-                          cwd=HERE.parent.parent)
+    return subprocess.run(
+        cmd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=HERE.parent.parent
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -345,8 +370,9 @@ def test_contract(n: int) -> None:
 
 def test_contract_with_debug_checks() -> None:
     """MLX_DEBUG=1 adds the core's cross-rank checks, which themselves run over MPI."""
-    res = _mpirun(3, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"],
-                  timeout=150, MLX_DEBUG="1")
+    res = _mpirun(
+        3, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"], timeout=150, MLX_DEBUG="1"
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0 and out.count(": 19 passed, 0 failed") == 3, out[-6000:]
 
@@ -367,9 +393,14 @@ def test_meshcomm_launch_uses_mpiexec() -> None:
     code = "import meshcomm as mc; g = mc.init(strict=True); print('GROUP', g.backend, g.rank(), g.size())"
     # `-c CODE` (not `python -c CODE`): the launcher runs it with its rank runner, which keeps
     # lines whole and prefixed on every MPI flavour (MPICH's Hydra prefixes each write)
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", "mpi", "--",
-                          "-c", code], env=_clean_env(), capture_output=True, text=True,
-                         timeout=120, cwd=HERE.parent.parent)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", "mpi", "--", "-c", code],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=HERE.parent.parent,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     lines = [x for x in res.stdout.splitlines() if "GROUP" in x]
@@ -420,9 +451,18 @@ def test_world_size_mismatch_is_an_error() -> None:
     )
     env = _clean_env(PMI_RANK="0", PMI_SIZE="2")  # MPICH's variables: Open MPI ignores them
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    lib_is_mpich = "mpich" in subprocess.run(
-        [sys.executable, "-m", "meshcomm_mpi.launcher", "--which"], capture_output=True, text=True,
-        env=_clean_env(), timeout=60).stdout.split("flavor:")[1].split()[0]
+    lib_is_mpich = (
+        "mpich"
+        in subprocess.run(
+            [sys.executable, "-m", "meshcomm_mpi.launcher", "--which"],
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+            timeout=60,
+        )
+        .stdout.split("flavor:")[1]
+        .split()[0]
+    )
     if lib_is_mpich:  # pragma: no cover - MPICH would try to contact a PMI server instead
         pytest.skip("mpi4py loads MPICH; its singleton reads PMI_* itself")
     assert "RAISED" in res.stdout and "for 2 ranks" in res.stdout and "world of 1" in res.stdout, (
@@ -477,7 +517,7 @@ def test_mpiexec_command_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cmd[1:3] == ["-n", "64"] and cmd[-2:] == ["prog", "a"]
     flavor = L.resolve_mpiexec()[1]
     if flavor == "openmpi":
-        assert "--oversubscribe" in cmd and ["-x", "MLX_BACKEND=mpi"] == cmd[cmd.index("-x"):cmd.index("-x") + 2]
+        assert "--oversubscribe" in cmd and ["-x", "MLX_BACKEND=mpi"] == cmd[cmd.index("-x") : cmd.index("-x") + 2]
         assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
         assert "--oversubscribe" not in mpiexec_command(1, ["prog"])
     monkeypatch.setattr(L, "resolve_mpiexec", lambda settings=None: (Path("/opt/mpich/bin/mpiexec"), "mpich"))

@@ -81,8 +81,11 @@ def _rank_main(scenario: str) -> int:
             raise SystemExit(f"unknown scenario {scenario}")
     except mc.DistributedError as exc:
         # on stderr, like the traceback that follows (MPICH's Hydra may drop a killed rank's stdout)
-        print(f"CAUGHT rank {r} {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"CAUGHT rank {r} {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise
     return 0
 
@@ -167,11 +170,24 @@ def _caught(out: str) -> dict[int, str]:
     return found
 
 
-def _check(scenario: str, via: str, code: int, out: str, took: float, *, cls: str, ranks: tuple[int, ...],
-           peer: str | None = "1", want_code: int | None = None, names: str = "rank 1") -> None:
+def _check(
+    scenario: str,
+    via: str,
+    code: int,
+    out: str,
+    took: float,
+    *,
+    cls: str,
+    ranks: tuple[int, ...],
+    peer: str | None = "1",
+    want_code: int | None = None,
+    names: str = "rank 1",
+) -> None:
     where = f"{scenario} via {via}"
     assert "WRONGRESULT" not in out, f"{where}: a wrong result was printed:\n{out[-4000:]}"
-    assert took < TIMEOUT + 5, f"{where}: the job ended {took:.1f} s after the failure (MLX_TIMEOUT={TIMEOUT})\n{out[-3000:]}"
+    assert took < TIMEOUT + 5, (
+        f"{where}: the job ended {took:.1f} s after the failure (MLX_TIMEOUT={TIMEOUT})\n{out[-3000:]}"
+    )
     assert code != 0, f"{where}: the job exited 0:\n{out[-4000:]}"
     if want_code is not None:
         assert code == want_code, f"{where}: exit code {code}, want {want_code}:\n{out[-4000:]}"
@@ -197,8 +213,7 @@ def test_rank_exits_3(via: str) -> None:
     code, out, took = _run("exit3", via)
     # the launcher's rank runner aborts with the program's code; under a bare mpiexec the
     # survivors end the job (code 1) after rank 1's exit notice
-    _check("exit3", via, code, out, took, cls="PeerLostError", ranks=(0, 2),
-           want_code=3 if via == "launch" else None)
+    _check("exit3", via, code, out, took, cls="PeerLostError", ranks=(0, 2), want_code=3 if via == "launch" else None)
 
 
 def test_rank_exits_0_early() -> None:
@@ -225,32 +240,45 @@ def test_rank_sigstopped(via: str) -> None:
 @pytest.mark.parametrize("scenario", ["dtype", "count"])
 def test_send_recv_mismatch(scenario: str) -> None:
     code, out, took = _run(scenario, "mpiexec")
-    _check(scenario, "mpiexec", code, out, took, cls="CollectiveMismatchError", ranks=(1,), peer=None,
-           names="rank 0's send carries 4 elements of float64")
+    _check(
+        scenario,
+        "mpiexec",
+        code,
+        out,
+        took,
+        cls="CollectiveMismatchError",
+        ranks=(1,),
+        peer=None,
+        names="rank 0's send carries 4 elements of float64",
+    )
     for r, text in _caught(out).items():
         assert text.startswith("CollectiveMismatchError"), f"rank {r}: {text[:300]}"
 
 
 def test_collective_met_by_send() -> None:
     code, out, took = _run("collsend", "mpiexec")
-    _check("collsend", "mpiexec", code, out, took, cls="CollectiveMismatchError", ranks=(0, 2), peer=None,
-           names="rank 1")
+    _check(
+        "collsend", "mpiexec", code, out, took, cls="CollectiveMismatchError", ranks=(0, 2), peer=None, names="rank 1"
+    )
     assert "rank 1 is in recv #1 from rank 0" in _caught(out)[0], out[-3000:]
 
 
 def test_normal_job_is_not_disturbed() -> None:
     """Every rank ends normally: no false alarm, no hang in MPI_Finalize, exit 0."""
-    code = ("import meshcomm as mc, numpy as np\n"
-            "g = mc.init(strict=True, backend='mpi')\n"
-            "for i in range(50):\n"
-            "    mc.all_sum(np.ones(3))\n"
-            "    if g.rank() == 0: mc.send(np.ones(2), 1)\n"
-            "    if g.rank() == 1: mc.recv((2,), np.float64, 0)\n"
-            "sub = g.split(g.rank() % 2)\n"
-            "mc.all_sum(np.ones(2), group=sub)\n"
-            "print('DONE', g.rank(), flush=True)\n")
-    res = subprocess.run(mpiexec_command(3, [sys.executable, "-c", code]), env=_env(), capture_output=True,
-                         text=True, timeout=120)
+    code = (
+        "import meshcomm as mc, numpy as np\n"
+        "g = mc.init(strict=True, backend='mpi')\n"
+        "for i in range(50):\n"
+        "    mc.all_sum(np.ones(3))\n"
+        "    if g.rank() == 0: mc.send(np.ones(2), 1)\n"
+        "    if g.rank() == 1: mc.recv((2,), np.float64, 0)\n"
+        "sub = g.split(g.rank() % 2)\n"
+        "mc.all_sum(np.ones(2), group=sub)\n"
+        "print('DONE', g.rank(), flush=True)\n"
+    )
+    res = subprocess.run(
+        mpiexec_command(3, [sys.executable, "-c", code]), env=_env(), capture_output=True, text=True, timeout=120
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0 and out.count("DONE") == 3, out[-3000:]
     assert "Error" not in out, out[-3000:]
@@ -259,10 +287,17 @@ def test_normal_job_is_not_disturbed() -> None:
 def test_mpiexec_killed_leaves_no_rank() -> None:
     """SIGKILL of mpiexec: every rank dies with it (parent-death signal), none spins on."""
     marker = f"mpifail-{uuid.uuid4().hex[:12]}"
-    code = f"# {marker}\nimport meshcomm as mc, numpy as np, time\ng = mc.init(strict=True, backend='mpi')\n" \
-           "g.barrier()\nprint('READY', flush=True)\nmc.recv((2,), np.float64, (g.rank() + 1) % g.size())\n"
-    proc = subprocess.Popen(mpiexec_command(3, [sys.executable, "-c", code]), env={**_env(), "MLX_TIMEOUT": "600"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code = (
+        f"# {marker}\nimport meshcomm as mc, numpy as np, time\ng = mc.init(strict=True, backend='mpi')\n"
+        "g.barrier()\nprint('READY', flush=True)\nmc.recv((2,), np.float64, (g.rank() + 1) % g.size())\n"
+    )
+    proc = subprocess.Popen(
+        mpiexec_command(3, [sys.executable, "-c", code]),
+        env={**_env(), "MLX_TIMEOUT": "600"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 90

@@ -56,21 +56,50 @@ def hosts(cluster: SlurmCluster):
     assert not left, f"job processes left on the hosts: {cluster.describe(left)}"
 
 
-def mpirun(cluster: SlurmCluster, n: int, hosts: list[str], prog: list[str], timeout: float = 150,
-           **env: str):
+def mpirun(cluster: SlurmCluster, n: int, hosts: list[str], prog: list[str], timeout: float = 150, **env: str):
     net = f"{cluster.ctl_addr.rsplit('.', 1)[0]}.0/24"
     e = job_env(**env)
     e["PATH"] = f"{VENV_BIN}{os.pathsep}{e.get('PATH', '/usr/bin:/bin')}"
     forward = sorted(k for k in e if k.startswith(("MLX_", "MESHCOMM_")))
     e.setdefault("UCX_LOG_LEVEL", "error")  # MPICH's UCX warns about unmatched tags on stdout
     if is_mpich():  # Hydra: passes its whole environment; its ssh is a program (-launcher-exec)
-        cmd = [mpirun_path() or "mpirun", "-n", str(n), "-hosts", ",".join(hosts), "-launcher", "ssh",
-               "-launcher-exec", str(cluster.ssh_wrapper), *prog]
+        cmd = [
+            mpirun_path() or "mpirun",
+            "-n",
+            str(n),
+            "-hosts",
+            ",".join(hosts),
+            "-launcher",
+            "ssh",
+            "-launcher-exec",
+            str(cluster.ssh_wrapper),
+            *prog,
+        ]
     else:
-        cmd = [mpirun_path() or "mpirun", "-n", str(n), "--host", ",".join(hosts),
-               "--mca", "plm_ssh_agent", cluster.ssh_command, "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
-               "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net,
-               *[a for k in forward for a in ("-x", k)], *prog]
+        cmd = [
+            mpirun_path() or "mpirun",
+            "-n",
+            str(n),
+            "--host",
+            ",".join(hosts),
+            "--mca",
+            "plm_ssh_agent",
+            cluster.ssh_command,
+            "--mca",
+            "pml",
+            "ob1",
+            "--mca",
+            "btl",
+            "tcp,self",
+            "--mca",
+            "btl_tcp_if_include",
+            net,
+            "--mca",
+            "oob_tcp_if_include",
+            net,
+            *[a for k in forward for a in ("-x", k)],
+            *prog,
+        ]
     return cluster.run(cmd, env=e, timeout=timeout, check=False)
 
 
@@ -123,11 +152,13 @@ def test_mpi_over_ssh_rank_killed_on_another_host_ends_the_job(hosts: SlurmClust
     assert all("peer=1" in line for line in errors), show(p)
 
 
-@pytest.mark.xfail(reason="across hosts a SIGKILLed rank is not named: the mpi backend watches only local peers' "
-                          "/proc; a survivor's TCP link to the dead rank fails first (Open MPI: 'Socket closed', "
-                          "MPI_ERRORS_ARE_FATAL) and prterun reports the survivor that aborted, not rank 1; "
-                          "MPICH's Hydra kills the survivors at once",
-                   strict=False)
+@pytest.mark.xfail(
+    reason="across hosts a SIGKILLed rank is not named: the mpi backend watches only local peers' "
+    "/proc; a survivor's TCP link to the dead rank fails first (Open MPI: 'Socket closed', "
+    "MPI_ERRORS_ARE_FATAL) and prterun reports the survivor that aborted, not rank 1; "
+    "MPICH's Hydra kills the survivors at once",
+    strict=False,
+)
 def test_mpi_over_ssh_rank_killed_on_another_host_is_named(hosts: SlurmCluster) -> None:
     p = killed_job(hosts)
     errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR ")]

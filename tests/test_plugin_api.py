@@ -54,8 +54,10 @@ def test_plugins_import_only_the_plugin_api(path: Path) -> None:
 
 def test_the_checker_catches_private_imports(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
-    f.write_text("import meshcomm\nfrom meshcomm import all_sum, algorithms\nfrom meshcomm.plugin import Backend\n"
-                 "def f():\n    from meshcomm.registry import get_registry\n    import meshcomm.dtypes\n")
+    f.write_text(
+        "import meshcomm\nfrom meshcomm import all_sum, algorithms\nfrom meshcomm.plugin import Backend\n"
+        "def f():\n    from meshcomm.registry import get_registry\n    import meshcomm.dtypes\n"
+    )
     assert [b.split(":")[0] for b in private_imports(f)] == ["2", "5", "6"]
 
 
@@ -65,9 +67,11 @@ def test_every_exported_name_exists() -> None:
 
 
 def test_the_plugin_api_loads_no_plugin_and_no_launcher() -> None:
-    code = ("import sys, meshcomm.plugin; "
-            "print(sorted(m for m in sys.modules if m.startswith(('meshcomm_', 'meshcomm.launch.run', "
-            "'meshcomm.launch.starters', 'torch', 'mpi4py'))))")
+    code = (
+        "import sys, meshcomm.plugin; "
+        "print(sorted(m for m in sys.modules if m.startswith(('meshcomm_', 'meshcomm.launch.run', "
+        "'meshcomm.launch.starters', 'torch', 'mpi4py'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

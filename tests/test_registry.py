@@ -12,7 +12,13 @@ from meshcomm.single import SingleBackend
 
 class _Plugin:
     def __init__(self, name, *, configured=True, available=None, fails=False, priority=100):
-        self.name, self.configured, self.available, self.fails, self.priority = name, configured, available, fails, priority
+        self.name, self.configured, self.available, self.fails, self.priority = (
+            name,
+            configured,
+            available,
+            fails,
+            priority,
+        )
         self.started = 0
 
     @hookimpl
@@ -23,9 +29,13 @@ class _Plugin:
                 raise BackendUnavailableError(f"{self.name}: peer 10.0.0.9 refused")
             return SingleBackend()
 
-        register(self.name, factory=factory, priority=self.priority,
-                 environment=lambda c, s: None if self.configured else f"{self.name} variables not set",
-                 available=(lambda: self.available))
+        register(
+            self.name,
+            factory=factory,
+            priority=self.priority,
+            environment=lambda c, s: None if self.configured else f"{self.name} variables not set",
+            available=(lambda: self.available),
+        )
 
 
 class _Exploding:

@@ -83,10 +83,17 @@ def rank_prog(folder: Path) -> str:
     return str(path)
 
 
-def launch(*args: str, python: str = sys.executable, env: dict[str, str] | None = None,
-           timeout: float = 90) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([python, "-m", "meshcomm", "launch", *args], capture_output=True, timeout=timeout,
-                          env={**job_env(), **(env or {})}, cwd=REPO, stdin=subprocess.DEVNULL)
+def launch(
+    *args: str, python: str = sys.executable, env: dict[str, str] | None = None, timeout: float = 90
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [python, "-m", "meshcomm", "launch", *args],
+        capture_output=True,
+        timeout=timeout,
+        env={**job_env(), **(env or {})},
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def error_line(p: subprocess.CompletedProcess[bytes]) -> str:
@@ -102,7 +109,7 @@ def ssh_wrapper(folder: Path, body: str = "") -> Path:
     bindir = folder / "bin"
     bindir.mkdir(exist_ok=True)
     path = bindir / "ssh"
-    path.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$*\" >> {folder / 'ssh-calls.log'}\n{body}\nexec {real} \"$@\"\n")
+    path.write_text(f'#!/bin/bash\nprintf \'%s\\n\' "$*" >> {folder / "ssh-calls.log"}\n{body}\nexec {real} "$@"\n')
     path.chmod(0o755)
     return path
 
@@ -117,8 +124,19 @@ def test_hostfile_env_key_is_not_shell_code(key: str, sshd: LoopbackSshd, tmp_pa
     marker = tmp_path / "marker"
     hf = tmp_path / "hosts.json"
     hf.write_text(json.dumps({"hosts": [{"ssh": SSH_ADDR}], "envs": [key.format(m=marker) + "=1"]}))
-    p = launch("-n", "1", "--hostfile", str(hf), "--ssh", sshd.ssh_command, "--env", f"MC_TEST_PIDDIR={tmp_path}",
-               rank_prog(tmp_path), "env", "X")
+    p = launch(
+        "-n",
+        "1",
+        "--hostfile",
+        str(hf),
+        "--ssh",
+        sshd.ssh_command,
+        "--env",
+        f"MC_TEST_PIDDIR={tmp_path}",
+        rank_prog(tmp_path),
+        "env",
+        "X",
+    )
     assert not marker.exists(), "the hostfile's envs key ran as shell code on the remote host\n" + show(p)
     assert p.returncode == 2, show(p)
     err = error_line(p)
@@ -144,9 +162,23 @@ def test_env_values_are_passed_literally(sshd: LoopbackSshd, tmp_path: Path) -> 
     value = f"$(touch {marker})'\"; touch {marker} `touch {marker}`\nsecond line"
     hf = tmp_path / "hosts.json"
     hf.write_text(json.dumps({"hosts": [{"ssh": SSH_ADDR}], "envs": ["MC_TEST_A=" + value]}))
-    p = launch("-n", "1", "--hostfile", str(hf), "--ssh", sshd.ssh_command, "--env", f"MC_TEST_B={value}",
-               "--env", f"MC_TEST_PIDDIR={tmp_path}", rank_prog(tmp_path), "env", "MC_TEST_A", "MC_TEST_B",
-               "SSH_CONNECTION")
+    p = launch(
+        "-n",
+        "1",
+        "--hostfile",
+        str(hf),
+        "--ssh",
+        sshd.ssh_command,
+        "--env",
+        f"MC_TEST_B={value}",
+        "--env",
+        f"MC_TEST_PIDDIR={tmp_path}",
+        rank_prog(tmp_path),
+        "env",
+        "MC_TEST_A",
+        "MC_TEST_B",
+        "SSH_CONNECTION",
+    )
     assert p.returncode == 0, show(p)
     assert not marker.exists(), "an envs value ran as shell code"
     env = json.loads(p.stdout.split(b"ENV ", 1)[1].splitlines()[0])
@@ -176,8 +208,7 @@ def test_ssh_option_in_host_is_rejected_before_ssh_runs(case: str, tmp_path: Pat
         hf.write_text(args[1])
         args = ["--hostfile", str(hf)]
     wrapper = ssh_wrapper(tmp_path)
-    p = launch("-n", "2", *args, "--ssh", f"{wrapper} -o BatchMode=yes -o ConnectTimeout=5",
-               rank_prog(tmp_path), "env")
+    p = launch("-n", "2", *args, "--ssh", f"{wrapper} -o BatchMode=yes -o ConnectTimeout=5", rank_prog(tmp_path), "env")
     assert not marker.exists(), "ssh ran the host field's ProxyCommand\n" + show(p)
     calls = tmp_path / "ssh-calls.log"
     assert not calls.exists(), f"ssh was run: {calls.read_text()}\n{show(p)}"
@@ -190,8 +221,19 @@ def test_ssh_option_in_host_is_rejected_before_ssh_runs(case: str, tmp_path: Pat
 def test_ssh_gets_double_dash_before_the_host(sshd: LoopbackSshd, tmp_path: Path) -> None:
     wrapper = ssh_wrapper(tmp_path)
     ssh = sshd.ssh_command.replace("ssh", str(wrapper), 1)
-    p = launch("-n", "1", "--hosts", SSH_ADDR, "--ssh", ssh, "--verbose", "--env", f"MC_TEST_PIDDIR={tmp_path}",
-               rank_prog(tmp_path), "env")
+    p = launch(
+        "-n",
+        "1",
+        "--hosts",
+        SSH_ADDR,
+        "--ssh",
+        ssh,
+        "--verbose",
+        "--env",
+        f"MC_TEST_PIDDIR={tmp_path}",
+        rank_prog(tmp_path),
+        "env",
+    )
     assert p.returncode == 0, show(p)
     calls = (tmp_path / "ssh-calls.log").read_text().splitlines()
     assert calls and calls[0].endswith(f"-- {SSH_ADDR} bash -s"), calls
@@ -233,9 +275,20 @@ def test_remote_job_dir_made_by_another_user_is_refused(kind: str, sshd: Loopbac
     log = tmp_path / "squatted"
     wrapper = ssh_wrapper(tmp_path, SQUAT)
     ssh = sshd.ssh_command.replace("ssh", str(wrapper), 1)
-    p = launch("-n", "2", "--hosts", SSH_ADDR, "--ssh", ssh, "--env", f"MC_TEST_PIDDIR={piddir}",
-               rank_prog(tmp_path), "env", "MLX_RANK",
-               env={"TMPDIR": str(tmpdir), "SQUAT_KIND": kind, "SQUAT_LOG": str(log)})
+    p = launch(
+        "-n",
+        "2",
+        "--hosts",
+        SSH_ADDR,
+        "--ssh",
+        ssh,
+        "--env",
+        f"MC_TEST_PIDDIR={piddir}",
+        rank_prog(tmp_path),
+        "env",
+        "MLX_RANK",
+        env={"TMPDIR": str(tmpdir), "SQUAT_KIND": kind, "SQUAT_LOG": str(log)},
+    )
     assert log.exists(), "the squatter never ran\n" + show(p)
     squatted = Path(log.read_text().strip())
     try:
@@ -258,9 +311,21 @@ def test_remote_job_dir_made_by_another_user_is_refused(kind: str, sshd: Loopbac
 def test_remote_job_dir_is_private_and_removed(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """The normal case on the same machine: the directory (made by the local launcher) is
     accepted, is 0700 and ours while the job runs, and is gone after the job."""
-    p = launch("-n", "2", "--hosts", SSH_ADDR, "--ssh", sshd.ssh_command, "--env", f"MC_TEST_PIDDIR={tmp_path}",
-               "--", sys.executable, "-c", "import os, stat; d = os.environ['MESHCOMM_JOB_DIR']; st = os.lstat(d); "
-               "print('DIR', d, oct(stat.S_IMODE(st.st_mode)), st.st_uid, os.environ.get('SSH_CONNECTION') is not None)")
+    p = launch(
+        "-n",
+        "2",
+        "--hosts",
+        SSH_ADDR,
+        "--ssh",
+        sshd.ssh_command,
+        "--env",
+        f"MC_TEST_PIDDIR={tmp_path}",
+        "--",
+        sys.executable,
+        "-c",
+        "import os, stat; d = os.environ['MESHCOMM_JOB_DIR']; st = os.lstat(d); "
+        "print('DIR', d, oct(stat.S_IMODE(st.st_mode)), st.st_uid, os.environ.get('SSH_CONNECTION') is not None)",
+    )
     assert p.returncode == 0, show(p)
     dirs = {line.split(b"DIR ", 1)[1] for line in p.stdout.splitlines() if b"DIR " in line}
     assert len(dirs) == 1, show(p)
@@ -294,12 +359,18 @@ def _plant(folder: Path, kind: str, victim: Path) -> Path:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root (chown)")
-@pytest.mark.parametrize("kind,words", [("theirs", f"belongs to uid {STRANGER}"),
-                                        ("mine-world-writable", "writable by other users"),
-                                        ("link-to-dir", "is a symbolic link")])
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("theirs", f"belongs to uid {STRANGER}"),
+        ("mine-world-writable", "writable by other users"),
+        ("link-to-dir", "is a symbolic link"),
+    ],
+)
 @pytest.mark.parametrize("option", ["--log-dir", "--trace"])
-def test_log_and_trace_dirs_another_user_can_change_are_refused(option: str, kind: str, words: str,
-                                                                 tmp_path: Path) -> None:
+def test_log_and_trace_dirs_another_user_can_change_are_refused(
+    option: str, kind: str, words: str, tmp_path: Path
+) -> None:
     """A root job pointed at such a directory refuses it before any rank starts, in one line
     naming the reason; root's mode-600 file behind the planted links is untouched."""
     victim = tmp_path / "victim"
@@ -308,8 +379,7 @@ def test_log_and_trace_dirs_another_user_can_change_are_refused(option: str, kin
     folder = _plant(tmp_path / "out", kind, victim)
     piddir = tmp_path / "pids"
     piddir.mkdir()
-    p = launch("-n", "2", option, str(folder), "--env", f"MC_TEST_PIDDIR={piddir}", rank_prog(tmp_path), "wait",
-               "init")
+    p = launch("-n", "2", option, str(folder), "--env", f"MC_TEST_PIDDIR={piddir}", rank_prog(tmp_path), "wait", "init")
     line = error_line(p)
     assert option in line and words in line, line
     assert p.returncode == 2 and not recorded_pids(piddir), show(p)
@@ -320,8 +390,17 @@ def test_log_and_trace_files_are_the_users_only(tmp_path: Path) -> None:
     """New directories are made 0700, log and trace files 0600; the temporary names of the
     trace files are not the predictable .rank-R.json.<pid>.tmp."""
     logs, trace = tmp_path / "a" / "logs", tmp_path / "b" / "trace"
-    p = launch("-n", "2", "--log-dir", str(logs), "--trace", str(trace), "--", "-c",
-               "import meshcomm as mc; mc.all_sum(1.0); print('done')")
+    p = launch(
+        "-n",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--trace",
+        str(trace),
+        "--",
+        "-c",
+        "import meshcomm as mc; mc.all_sum(1.0); print('done')",
+    )
     assert p.returncode == 0, show(p)
     for d in (logs, trace):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
@@ -348,6 +427,7 @@ def test_log_and_trace_files_are_the_users_only(tmp_path: Path) -> None:
 
 
 # -- item 7: no secret on any command line, none in --verbose -----------------------------------
+
 
 def _mpi_reason(name: str) -> str | None:
     if name == "mpich":
@@ -417,9 +497,18 @@ def _mpiexec_over_ssh(kind: str, server: LoopbackSshd, folder: Path) -> str:
     return f"-launcher ssh -launcher-exec {wrapper}"
 
 
-@pytest.mark.parametrize("kind", [_param("sockets", "sockets"), _param("sockets-ssh", "sockets"),
-                                  _param("gloo", "gloo"), _param("mpi", "mpi"), _param("mpi-ssh", "mpi"),
-                                  _param("mpich", "mpich"), _param("mpich-ssh", "mpich")])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        _param("sockets", "sockets"),
+        _param("sockets-ssh", "sockets"),
+        _param("gloo", "gloo"),
+        _param("mpi", "mpi"),
+        _param("mpi-ssh", "mpi"),
+        _param("mpich", "mpich"),
+        _param("mpich-ssh", "mpich"),
+    ],
+)
 def test_no_secret_on_any_command_line(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """While a 2-rank job runs (every rank past mc.init()), no process of this machine has the
     job secret or a hostfile variable's value on its command line. The "-ssh" kinds start the
@@ -429,18 +518,36 @@ def test_no_secret_on_any_command_line(kind: str, request: pytest.FixtureRequest
     token = secrets.token_hex(12)  # a user's secret from the hostfile: not on a command line either
     hf = tmp_path / "hosts.json"
     over_ssh = kind.endswith("-ssh")
-    hf.write_text(json.dumps({"hosts": [{"ssh": SSH_ADDR if over_ssh else "localhost"}], "envs": [f"MC_TEST_TOKEN={token}"]}))
-    args = ["-n", "2", "--backend", backend, "--verbose", "--timeout", "120", "--hostfile", str(hf),
-            "--env", f"MC_TEST_PIDDIR={tmp_path}"]
+    hf.write_text(
+        json.dumps({"hosts": [{"ssh": SSH_ADDR if over_ssh else "localhost"}], "envs": [f"MC_TEST_TOKEN={token}"]})
+    )
+    args = [
+        "-n",
+        "2",
+        "--backend",
+        backend,
+        "--verbose",
+        "--timeout",
+        "120",
+        "--hostfile",
+        str(hf),
+        "--env",
+        f"MC_TEST_PIDDIR={tmp_path}",
+    ]
     env = job_env()
     if over_ssh:
         server = request.getfixturevalue("sshd")
         args += ["--ssh", server.ssh_command]
         if backend == "mpi":
             env["MESHCOMM_MPIEXEC_ARGS"] = _mpiexec_over_ssh(kind, server, tmp_path)
-    proc = subprocess.Popen([python, "-m", "meshcomm", "launch", *args, rank_prog(tmp_path), "wait", "init"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [python, "-m", "meshcomm", "launch", *args, rank_prog(tmp_path), "wait", "init"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=REPO,
+    )
     err: list[bytes] = []
     t = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]
     t.start()
@@ -467,8 +574,11 @@ def test_no_secret_on_any_command_line(kind: str, request: pytest.FixtureRequest
         names = [lines.get(pid, b"").split(b"\0")[0].rsplit(b"/", 1)[-1] for pid in job]
         if backend == "mpi":
             assert any(b"mpiexec" in n or b"prterun" in n for n in names), names
-        leaks = {pid: line.replace(b"\0", b" ")[:300] for pid, line in lines.items()
-                 if secret in line or token.encode() in line}
+        leaks = {
+            pid: line.replace(b"\0", b" ")[:300]
+            for pid, line in lines.items()
+            if secret in line or token.encode() in line
+        }
         assert not leaks, f"secret on command lines: {leaks}"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -491,14 +601,28 @@ def test_verbose_masks_secret_looking_env_values(sshd: LoopbackSshd, tmp_path: P
     """--verbose shows the start script of a remote rank, without the job secret and without
     the values of --env names like *TOKEN / *SECRET / *PASSWORD; other values are shown."""
     token = secrets.token_hex(8)
-    p = launch("-n", "1", "--verbose", "--hosts", SSH_ADDR, "--ssh", sshd.ssh_command,
-               "--env", f"MY_API_TOKEN={token}", "--env", "MC_TEST_A=plainvalue", rank_prog(tmp_path), "env")
+    p = launch(
+        "-n",
+        "1",
+        "--verbose",
+        "--hosts",
+        SSH_ADDR,
+        "--ssh",
+        sshd.ssh_command,
+        "--env",
+        f"MY_API_TOKEN={token}",
+        "--env",
+        "MC_TEST_A=plainvalue",
+        rank_prog(tmp_path),
+        "env",
+    )
     assert p.returncode == 0, show(p)
     err = p.stderr.decode()
     assert "export MC_TEST_A=plainvalue" in err, show(p)
     assert "export MY_API_TOKEN=" in err and token not in err, show(p)
     assert re.search(r"export MESHCOMM_JOB_SECRET=\S+", err) and not re.search(
-        r"export MESHCOMM_JOB_SECRET='?[0-9a-f]{32}", err), show(p)
+        r"export MESHCOMM_JOB_SECRET='?[0-9a-f]{32}", err
+    ), show(p)
 
 
 def _mode(path: Path) -> int:
@@ -508,10 +632,25 @@ def _mode(path: Path) -> int:
 def test_local_job_dir_is_private(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir(mode=0o700)
-    proc = subprocess.Popen([sys.executable, "-m", "meshcomm", "launch", "-n", "1", "--env",
-                             f"MC_TEST_PIDDIR={tmp_path}", rank_prog(tmp_path), "wait"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**job_env(), "TMPDIR": str(tmpdir)},
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshcomm",
+            "launch",
+            "-n",
+            "1",
+            "--env",
+            f"MC_TEST_PIDDIR={tmp_path}",
+            rank_prog(tmp_path),
+            "wait",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env={**job_env(), "TMPDIR": str(tmpdir)},
+        cwd=REPO,
+    )
     try:
         deadline = time.monotonic() + 30
         dirs: list[Path] = []

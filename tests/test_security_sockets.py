@@ -63,6 +63,7 @@ except mc.DistributedError as exc:
 
 PROG = PROG.replace("OBJECT_REPR", repr(OBJECT))
 
+
 def _reports(out: str) -> list[dict]:
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
 
@@ -161,9 +162,16 @@ def test_a_rank_with_another_secret_is_told_its_secret_was_refused(tmp_path):
     found nobody listening."""
     ports = free_ports(2)
     hf = write_hostfile(tmp_path / "h.json", ports)
-    procs = start_ranks(2, [_prog(tmp_path)], hf, env={"SIZE": "8"},
-                        rank_env={0: {"MESHCOMM_JOB_SECRET": "one", "MLX_TIMEOUT": "1"},
-                                  1: {"MESHCOMM_JOB_SECRET": "another", "MLX_TIMEOUT": "4"}})
+    procs = start_ranks(
+        2,
+        [_prog(tmp_path)],
+        hf,
+        env={"SIZE": "8"},
+        rank_env={
+            0: {"MESHCOMM_JOB_SECRET": "one", "MLX_TIMEOUT": "1"},
+            1: {"MESHCOMM_JOB_SECRET": "another", "MLX_TIMEOUT": "4"},
+        },
+    )
     results = finish(procs, timeout=60)
     rc, out, err = results[1]
     assert _last(results, 1)["error"] == "DistributedError", (rc, out[-2000:], err[-3000:])
@@ -276,8 +284,18 @@ while open_:  # half-close like TCP: an end's EOF is passed on, the other direct
 
 RELAY = RELAY.replace("OBJECT_REPR", repr(OBJECT))
 
-def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "-", size: int = 1 << 18,
-                 secret: str = "relay-test-secret", integrity: str = "auto", objects: bool = False):
+
+def _relayed_job(
+    tmp_path: Path,
+    mode: str,
+    *,
+    shm: bool = False,
+    decoy: str = "-",
+    size: int = 1 << 18,
+    secret: str = "relay-test-secret",
+    integrity: str = "auto",
+    objects: bool = False,
+):
     """Ranks 0 and 1, rank 1 reaching rank 0 only through the relay (its hostfile names the
     relay's port); returns (results, relay output)."""
     prog = _prog(tmp_path)
@@ -286,12 +304,23 @@ def _relayed_job(tmp_path: Path, mode: str, *, shm: bool = False, decoy: str = "
     p0, p1, pr = free_ports(3)
     h0 = write_hostfile(tmp_path / "h0.json", [p0, p1])
     h1 = write_hostfile(tmp_path / "h1.json", [pr, p1])
-    rp = subprocess.Popen([sys.executable, str(relay), str(pr), str(p0), mode, decoy], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    rp = subprocess.Popen(
+        [sys.executable, str(relay), str(pr), str(p0), mode, decoy],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     assert rp.stdout is not None and rp.stdout.readline().strip() == "ready"
-    env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": secret, "MESHCOMM_SOCKETS_SHM": "1" if shm else "0",
-           "SIZE": str(size), "MESHCOMM_JOB_ID": "relaytest", "MESHCOMM_SOCKETS_INTEGRITY": integrity,
-           **({"OBJECTS": "1"} if objects else {})}
+    env = {
+        "MLX_TIMEOUT": "20",
+        "MESHCOMM_JOB_SECRET": secret,
+        "MESHCOMM_SOCKETS_SHM": "1" if shm else "0",
+        "SIZE": str(size),
+        "MESHCOMM_JOB_ID": "relaytest",
+        "MESHCOMM_SOCKETS_INTEGRITY": integrity,
+        **({"OBJECTS": "1"} if objects else {}),
+    }
     procs = start_ranks(2, [prog], h0, env=env, rank_env={1: {"MLX_HOSTFILE": str(h1)}})
     try:
         results = finish(procs, timeout=120)
@@ -366,9 +395,13 @@ while True:
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv")
-                    or not os.path.exists("/usr/bin/python3"),
-                    reason="needs root (a private /etc/hosts in a mount namespace, another uid) and the system python")
+@pytest.mark.skipif(
+    os.geteuid() != 0
+    or not shutil.which("unshare")
+    or not shutil.which("setpriv")
+    or not os.path.exists("/usr/bin/python3"),
+    reason="needs root (a private /etc/hosts in a mount namespace, another uid) and the system python",
+)
 def test_a_local_user_on_the_other_loopback_address_of_a_name_never_gets_the_link(tmp_path):
     """A hostfile name that resolves to ::1 and 127.0.0.1: rank 0 listens on ::1, another
     user (uid nobody) on 127.0.0.1 at the same port. Rank 1, started first, connects to the
@@ -378,9 +411,22 @@ def test_a_local_user_on_the_other_loopback_address_of_a_name_never_gets_the_lin
     p0, p1 = free_ports(2)
     hf = tmp_path / "h.json"
     hf.write_text(json.dumps([{"ip": "duo", "port": p0}, {"ip": "duo", "port": p1}]))
-    squatter = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                                 "-c", NAME_SQUATTER, str(p0)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    prefix = ["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && exec \"$@\"", "sh"]
+    squatter = subprocess.Popen(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            NAME_SQUATTER,
+            str(p0),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    prefix = ["unshare", "-m", "sh", "-c", f'mount --bind {hosts} /etc/hosts && exec "$@"', "sh"]
     try:
         assert squatter.stdout is not None and squatter.stdout.readline().strip() == "ready"
         env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": "s", "MESHCOMM_SOCKETS_SHM": "0"}
@@ -414,8 +460,13 @@ def test_objects_without_a_secret_are_refused_unless_the_user_opts_in(tmp_path, 
     pickle, so both ranks refuse all_gather_object before sending anything;
     MESHCOMM_UNSAFE_OBJECTS=1 allows it."""
     hf = write_hostfile(tmp_path / "h.json", free_ports(2))
-    env = {"MLX_TIMEOUT": "20", "MESHCOMM_JOB_SECRET": "", "OBJECTS": "1", **NO_USER_KEY,
-           **({"MESHCOMM_UNSAFE_OBJECTS": "1"} if unsafe else {})}
+    env = {
+        "MLX_TIMEOUT": "20",
+        "MESHCOMM_JOB_SECRET": "",
+        "OBJECTS": "1",
+        **NO_USER_KEY,
+        **({"MESHCOMM_UNSAFE_OBJECTS": "1"} if unsafe else {}),
+    }
     results = finish(start_ranks(2, [_prog(tmp_path)], hf, env=env), timeout=120)
     for r in range(2):
         rc, out, err = results[r]
@@ -464,8 +515,15 @@ def test_names_and_sizes_from_a_peer_are_checked():
 
     assert shm.check_name(shm.new_name(None), None).startswith("meshcomm-nojob-")
     assert shm.check_name(shm.new_name("abc123"), "abc123")
-    for bad in ("../../etc/x", "meshcomm-nojob-../../x", "meshcomm-nojob-0123456789ab/x", "meshcomm-other-0123456789ab",
-                "meshcomm-nojob-0123456789AB", "meshcomm-nojob-0123456789abc", "/dev/shm/meshcomm-nojob-0123456789ab"):
+    for bad in (
+        "../../etc/x",
+        "meshcomm-nojob-../../x",
+        "meshcomm-nojob-0123456789ab/x",
+        "meshcomm-other-0123456789ab",
+        "meshcomm-nojob-0123456789AB",
+        "meshcomm-nojob-0123456789abc",
+        "/dev/shm/meshcomm-nojob-0123456789ab",
+    ):
         with pytest.raises(shm.ShmSetupError, match="not of the form"):
             shm.check_name(bad, None)
     assert shm.check_piece("524288") == 524288
@@ -523,8 +581,16 @@ def test_another_user_cannot_squat_the_fifos(tmp_path):
         pytest.skip("needs root (to run the squatter as uid 65534) and /usr/bin/python3")
     job = "squat" + secrets.token_hex(4)
     prefix = f"meshcomm-{job}-"
-    squatter = subprocess.Popen(["/usr/bin/python3", "-c", SQUATTER, prefix, "90"], user=65534, group=65534,
-                                extra_groups=[], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    squatter = subprocess.Popen(
+        ["/usr/bin/python3", "-c", SQUATTER, prefix, "90"],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
     prog = _prog(tmp_path)
     paths = []
     try:
@@ -564,8 +630,10 @@ def test_a_flood_of_silent_connections_during_start_up_does_not_stop_the_job(tmp
     anything arrive before rank 1 starts."""
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
         pytest.skip("the test process needs more than 1100 descriptors")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1200),
-                                                resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE,
+        (max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1200), resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
+    )
     prog = _prog(tmp_path)
     limited = tmp_path / "limited.py"
     limited.write_text(LIMITED)
@@ -634,8 +702,13 @@ def test_running_out_of_descriptors_is_a_distributed_error_naming_the_limit(tmp_
     limited = tmp_path / "limited.py"
     limited.write_text(LIMITED)
     ports = free_ports(2)
-    p = subprocess.Popen([sys.executable, str(limited), "64", str(prog), str(ports[0]), str(ports[1])],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, str(limited), "64", str(prog), str(ports[0]), str(ports[1])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "full", p.stderr.read() if p.stderr else ""
         # a knock for the full process to accept; its accept fails, it closes its listener and

@@ -46,11 +46,13 @@ def slurm(cluster: SlurmCluster):
 def job_env(**extra: str) -> dict[str, str]:
     """The environment srun hands to the tasks: ours without any job variables of an outer
     starter, with the venv's Open MPI prefix (its help texts) and a bounded wait."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MLX_", "SLURM_", "OMPI_", "PMIX_", "PMI_", "PRTE_", "MESHCOMM_"))
-           and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OPAL_PREFIX=sys.prefix, MLX_TIMEOUT="60", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MLX_", "SLURM_", "OMPI_", "PMIX_", "PMI_", "PRTE_", "MESHCOMM_"))
+        and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    env.update(OPAL_PREFIX=sys.prefix, MLX_TIMEOUT="60", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update(extra)
     return env
 
@@ -119,8 +121,7 @@ def test_mpi_under_srun_pmix_two_per_node(slurm: SlurmCluster) -> None:
 
 def test_mpi_under_srun_rank_raises(slurm: SlurmCluster) -> None:
     """Rank 1 (on h2) raises: the ranks on h1 and h3 name it, the job ends non-zero."""
-    p = srun_mpi(slurm, ["-N3", "-n3", PY, FAILURE, "--kind", "raise"], env=job_env(MLX_BACKEND="mpi"),
-                 timeout=150)
+    p = srun_mpi(slurm, ["-N3", "-n3", PY, FAILURE, "--kind", "raise"], env=job_env(MLX_BACKEND="mpi"), timeout=150)
     assert p.returncode != 0, show(p)
     assert p.stdout.count("READY") == 3, show(p)
     assert "RESULT" not in p.stdout, show(p)
@@ -133,8 +134,7 @@ def test_mpi_under_srun_rank_raises(slurm: SlurmCluster) -> None:
 def test_mpi_under_srun_rank_killed(slurm: SlurmCluster) -> None:
     """Rank 1 (on h2) is SIGKILLed: no result, the job ends non-zero and Slurm names task 1
     (the survivors may be ended by the MPI runtime before they can report)."""
-    p = srun_mpi(slurm, ["-N3", "-n3", PY, FAILURE, "--kind", "sigkill"], env=job_env(MLX_BACKEND="mpi"),
-                 timeout=150)
+    p = srun_mpi(slurm, ["-N3", "-n3", PY, FAILURE, "--kind", "sigkill"], env=job_env(MLX_BACKEND="mpi"), timeout=150)
     assert p.returncode != 0, show(p)
     assert p.stdout.count("READY") == 3, show(p)
     assert "RESULT" not in p.stdout, show(p)
@@ -159,8 +159,12 @@ def test_sockets_under_plain_srun_without_any_setting(slurm: SlurmCluster) -> No
 
 
 def test_sockets_under_srun_two_per_node(slurm: SlurmCluster) -> None:
-    p = slurm.run(["srun", "-N2", "-n4", "--ntasks-per-node=2", PY, RANK, "sockets"],
-                  env=job_env(MESHCOMM_JOB_SECRET=SECRET), timeout=120, check=False)
+    p = slurm.run(
+        ["srun", "-N2", "-n4", "--ntasks-per-node=2", PY, RANK, "sockets"],
+        env=job_env(MESHCOMM_JOB_SECRET=SECRET),
+        timeout=120,
+        check=False,
+    )
     check_job(p, 4, "sockets", ["h1", "h1", "h2", "h2"])
 
 
@@ -171,8 +175,9 @@ def gloo_available() -> None:
 
 def test_gloo_under_plain_srun(slurm: SlurmCluster) -> None:
     gloo_available()
-    p = slurm.run(["srun", "-N3", "-n3", PY, RANK, "gloo"], env=job_env(MESHCOMM_JOB_SECRET=SECRET), timeout=150,
-                  check=False)
+    p = slurm.run(
+        ["srun", "-N3", "-n3", PY, RANK, "gloo"], env=job_env(MESHCOMM_JOB_SECRET=SECRET), timeout=150, check=False
+    )
     check_job(p, 3, "gloo", ["h1", "h2", "h3"])
 
 
@@ -183,8 +188,12 @@ def test_failure_on_another_node_is_named(slurm: SlurmCluster, backend: str, kin
     ends non-zero, with no result."""
     if backend == "gloo":
         gloo_available()
-    p = slurm.run(["srun", "-N3", "-n3", PY, FAILURE, "--kind", kind],
-                  env=job_env(MLX_BACKEND=backend, MESHCOMM_JOB_SECRET=SECRET), timeout=150, check=False)
+    p = slurm.run(
+        ["srun", "-N3", "-n3", PY, FAILURE, "--kind", kind],
+        env=job_env(MLX_BACKEND=backend, MESHCOMM_JOB_SECRET=SECRET),
+        timeout=150,
+        check=False,
+    )
     assert p.returncode != 0, show(p)
     assert p.stdout.count("READY") == 3, show(p)
     assert "RESULT" not in p.stdout, show(p)
@@ -225,15 +234,20 @@ def test_launch_in_salloc_starts_ranks_with_srun(slurm: SlurmCluster) -> None:
 
 def test_launch_in_salloc_takes_tasks_per_node(slurm: SlurmCluster) -> None:
     """Without -n the allocation's tasks per node decide (2 on each of 2 nodes)."""
-    p = slurm.run(["salloc", "-N2", "--ntasks-per-node=2", *launch("--launcher", "slurm", RANK)], env=job_env(),
-                  timeout=150, check=False)
+    p = slurm.run(
+        ["salloc", "-N2", "--ntasks-per-node=2", *launch("--launcher", "slurm", RANK)],
+        env=job_env(),
+        timeout=150,
+        check=False,
+    )
     check_launched(p, 4, "sockets", ["h1", "h1", "h2", "h2"])
 
 
 def test_launch_in_salloc_gloo(slurm: SlurmCluster) -> None:
     gloo_available()
-    p = slurm.run(["salloc", "-N3", *launch("-n", "3", "--backend", "gloo", RANK)], env=job_env(), timeout=150,
-                  check=False)
+    p = slurm.run(
+        ["salloc", "-N3", *launch("-n", "3", "--backend", "gloo", RANK)], env=job_env(), timeout=150, check=False
+    )
     check_launched(p, 3, "gloo", ["h1", "h2", "h3"])
 
 
@@ -241,8 +255,12 @@ def test_launch_in_sbatch(slurm: SlurmCluster, tmp_path: Path) -> None:
     """An sbatch script (run on h1) whose launcher starts ranks on the 2 nodes through srun."""
     out = tmp_path / "job.out"
     script = f"#!/bin/bash\nexec {' '.join(launch('-n', '2', RANK))}\n"
-    p = slurm.run(["sbatch", "--wait", "-N2", f"--output={out}", "--wrap", script.split("exec ", 1)[1].strip()],
-                  env=job_env(), timeout=150, check=False)
+    p = slurm.run(
+        ["sbatch", "--wait", "-N2", f"--output={out}", "--wrap", script.split("exec ", 1)[1].strip()],
+        env=job_env(),
+        timeout=150,
+        check=False,
+    )
     text = out.read_text() if out.exists() else ""
     assert p.returncode == 0, show(p) + text
     got = launched_infos(text, 2)
@@ -251,8 +269,9 @@ def test_launch_in_sbatch(slurm: SlurmCluster, tmp_path: Path) -> None:
 
 
 def test_launch_in_salloc_names_the_failed_rank(slurm: SlurmCluster) -> None:
-    p = slurm.run(["salloc", "-N3", *launch("-n", "3", FAILURE, "--kind", "raise")], env=job_env(), timeout=150,
-                  check=False)
+    p = slurm.run(
+        ["salloc", "-N3", *launch("-n", "3", FAILURE, "--kind", "raise")], env=job_env(), timeout=150, check=False
+    )
     assert p.returncode == 1, show(p)
     last = [line for line in p.stderr.splitlines() if line.startswith("meshcomm launch:")]
     assert last and last[-1].startswith("meshcomm launch: rank 1 on h2 exited with code 1"), show(p)
@@ -263,8 +282,15 @@ def test_launcher_slurm_outside_an_allocation(tmp_path: Path) -> None:
     import subprocess
 
     env = job_env()
-    p = subprocess.run(launch("--launcher", "slurm", "-n", "2", RANK), env=env, capture_output=True, text=True,
-                       timeout=60, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    p = subprocess.run(
+        launch("--launcher", "slurm", "-n", "2", RANK),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
     assert p.returncode != 0, show(p)
     assert "not inside a Slurm allocation" in p.stderr, show(p)
 
@@ -278,8 +304,14 @@ def test_killed_launcher_in_salloc_leaves_no_rank(slurm: SlurmCluster) -> None:
     from slurm import _ns_pids
 
     prog = str(TESTS / "programs" / "launch_rank.py")
-    proc = subprocess.Popen(slurm.command(["salloc", "-N3", *launch("-n", "3", prog, "wait")]), env=job_env(),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        slurm.command(["salloc", "-N3", *launch("-n", "3", prog, "wait")]),
+        env=job_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         ready = 0
@@ -290,8 +322,11 @@ def test_killed_launcher_in_salloc_leaves_no_rank(slurm: SlurmCluster) -> None:
             if ready == 3:
                 break
         assert ready == 3, "".join(lines)
-        launchers = [pid for pid in _ns_pids(CTL_NS)
-                     if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"{PY}\0-m\0meshcomm\0launch\0".encode())]
+        launchers = [
+            pid
+            for pid in _ns_pids(CTL_NS)
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"{PY}\0-m\0meshcomm\0launch\0".encode())
+        ]
         assert len(launchers) == 1, launchers
         os.kill(launchers[0], 9)
         rest = proc.communicate(timeout=60)[0]
@@ -331,8 +366,14 @@ def test_killed_cluster_owner_leaves_nothing() -> None:
                     pass
         return ours, procs, base.exists()
 
-    owner = subprocess.Popen([PY, str(TESTS / "slurm.py"), "hold"], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [PY, str(TESTS / "slurm.py"), "hold"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert owner.stdout is not None
         first = owner.stdout.readline()
@@ -362,7 +403,11 @@ def test_starter_hosts_from_the_allocation() -> None:
     env = {"SLURM_JOB_NODELIST": "n[01-03],gpu7", "SLURM_TASKS_PER_NODE": "2(x3),1"}
     hosts = allocation_hosts(None, env)
     assert [(h.ssh, h.slots, h.ips) for h in hosts] == [
-        ("n01", 2, ["n01"]), ("n02", 2, ["n02"]), ("n03", 2, ["n03"]), ("gpu7", 1, ["gpu7"])]
+        ("n01", 2, ["n01"]),
+        ("n02", 2, ["n02"]),
+        ("n03", 2, ["n03"]),
+        ("gpu7", 1, ["gpu7"]),
+    ]
     # with -n given the ranks are spread evenly: no slots
     assert [h.slots for h in allocation_hosts(8, env)] == [None] * 4
     # a task count that does not match the node list is ignored

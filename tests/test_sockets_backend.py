@@ -156,7 +156,10 @@ def test_version_skew_is_refused_on_both_sides(secret):
         except BaseException as exc:
             errors[r] = exc
 
-    ts = [threading.Thread(target=rank, args=(0, "meshcomm 1.0")), threading.Thread(target=rank, args=(1, "meshcomm 2.0"))]
+    ts = [
+        threading.Thread(target=rank, args=(0, "meshcomm 1.0")),
+        threading.Thread(target=rank, args=(1, "meshcomm 2.0")),
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -242,5 +245,3 @@ def test_rank_outside_hostfile_is_a_config_error(tmp_path, monkeypatch):
     world.shutdown()
     with pytest.raises(ConfigError, match="MLX_RANK=5 but MLX_HOSTFILE=.* lists 2 ranks"):
         mc.init(backend="sockets")
-
-

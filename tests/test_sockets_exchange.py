@@ -108,8 +108,9 @@ def _rounds(fab0: engine.Fabric, fab1: engine.Fabric, path0: str, path1: str, co
 
 @pytest.mark.parametrize("integrity", [True, False], ids=["payload-tags", "header-tags"])
 @pytest.mark.parametrize("count", [0, 2, 16384])
-@pytest.mark.parametrize("paths", [("short", "general"), ("general", "short"), ("short", "short")],
-                         ids=lambda p: "-".join(p))
+@pytest.mark.parametrize(
+    "paths", [("short", "general"), ("general", "short"), ("short", "short")], ids=lambda p: "-".join(p)
+)
 def test_short_and_general_paths_speak_the_same_frames(integrity, count, paths):
     fab0, fab1 = _fabrics(integrity)
     try:

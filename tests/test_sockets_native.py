@@ -40,7 +40,7 @@ def test_publish_copies_into_the_slot_of_the_previous_pieces_parity_then_writes_
     for prev, seq in ((4, 5), (5, 6)):
         d = 2 + DESC * (prev & 1)
         assert ch.publish(src + seq, d, 7, 11, 10, 99, -1, seq, prev) == 0  # nobody sleeps
-        slot = data[(2 * 1 + (prev & 1)) * PIECE:][: src.nbytes].view(np.float32)
+        slot = data[(2 * 1 + (prev & 1)) * PIECE :][: src.nbytes].view(np.float32)
         assert (slot == src + seq).all()
         assert list(ctrl[1, d : d + DESC]) == [7, 11, 10, 99, -1]
         assert ctrl[1, SEQ] == seq
@@ -118,7 +118,7 @@ def _peers_publish(ctrl, data, prev, seq, desc, arrays, me):
         if i == me:
             continue
         raw = a.view(np.uint8)
-        data[(2 * i + (prev & 1)) * PIECE:][: raw.size] = raw
+        data[(2 * i + (prev & 1)) * PIECE :][: raw.size] = raw
         ctrl[i, d : d + DESC] = desc
         ctrl[i, SEQ] = seq
 
@@ -132,8 +132,9 @@ def _spread(dtype, count: int, seed: int) -> np.ndarray:
     return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
 
 
-@pytest.mark.parametrize("dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
-                                         (np.int64, 4), (np.uint64, 4)])
+@pytest.mark.parametrize(
+    "dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3), (np.int64, 4), (np.uint64, 4)]
+)
 def test_all_sum_publishes_then_sums_every_slot_in_rank_order_as_numpy_does(segment, dtype, kind):
     """The same bits as NumPy's ((slot 0 + slot 1) + slot 2): floats of very different
     magnitudes (the order matters) and integers that wrap."""
@@ -213,12 +214,12 @@ def test_all_sum_refuses_buffers_that_do_not_fit_before_publishing(segment):
 
 def _where(arrays, me: int, pid: int) -> np.ndarray:
     """The (pid, address) pairs of the direct path; this process plays every peer."""
-    return np.array([(pid if i != me else 0, a.ctypes.data if i != me else 0) for i, a in enumerate(arrays)],
-                    np.int64)
+    return np.array([(pid if i != me else 0, a.ctypes.data if i != me else 0) for i, a in enumerate(arrays)], np.int64)
 
 
-@pytest.mark.parametrize("dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
-                                         (np.int64, 4), (np.uint64, 4)])
+@pytest.mark.parametrize(
+    "dtype, kind", [(np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3), (np.int64, 4), (np.uint64, 4)]
+)
 @pytest.mark.parametrize("me", [0, 1, 2])
 def test_read_sum_reads_every_peer_and_sums_in_rank_order_as_numpy_does(segment, dtype, kind, me):
     """The direct path's block sum: NumPy's ((rank 0 + rank 1) + rank 2), every peer's part
@@ -247,8 +248,9 @@ def test_read_sum_names_the_peer_it_could_not_read_and_refuses_bad_buffers(segme
     ch = native.Channel(m, N, 0, LINE, PIECE)
     arrays = [np.ones(64, np.float32) for _ in range(N)]
     where = _where(arrays, 0, os.getpid())
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead = where.copy()
     dead[2, 0] = int(gone.stdout)  # a process that has exited (its pid not reused this soon)
     out = np.full(64, -1.0, np.float32)

@@ -113,8 +113,15 @@ def _report(results: dict, r: int) -> dict:
     return lines[0]
 
 
-def _job(tmp_path: Path, n: int, mode: str, env: dict[str, str], *, timeout: float = 180,
-         rank_env: dict[int, dict[str, str]] | None = None) -> dict[int, tuple[int, str, str]]:
+def _job(
+    tmp_path: Path,
+    n: int,
+    mode: str,
+    env: dict[str, str],
+    *,
+    timeout: float = 180,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> dict[int, tuple[int, str, str]]:
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
     hf = write_hostfile(tmp_path / "h.json", free_ports(n))
@@ -129,8 +136,11 @@ def _path(results: dict, r: int) -> str:
 
 
 @pytest.mark.parametrize("path", ["shm", "tcp"])
-@pytest.mark.parametrize("mode,size", [("root-each", 8), ("root-one", 8), ("root-one", 1 << 20)],
-                         ids=["each-own-root", "one-disagrees", "one-disagrees-4MiB"])
+@pytest.mark.parametrize(
+    "mode,size",
+    [("root-each", 8), ("root-one", 8), ("root-one", 1 << 20)],
+    ids=["each-own-root", "one-disagrees", "one-disagrees-4MiB"],
+)
 def test_ranks_disagreeing_on_the_root_all_raise_a_mismatch(tmp_path, path, mode, size):
     results = _job(tmp_path, 3, mode, {"MLX_TIMEOUT": "20", "SIZE": str(size), **PATHS[path]})
     for r in range(3):
@@ -145,12 +155,17 @@ def test_ranks_disagreeing_on_the_root_all_raise_a_mismatch(tmp_path, path, mode
 
 #: how each path is chosen: the compiled loop (when installed), the pure-Python loop, TCP
 #: only, and two "hosts" (TCP between them, shared memory within)
-SHAPE_PATHS = {"c": ({}, None), "python": ({"MESHCOMM_SOCKETS_NATIVE": "0"}, None),
-               "tcp": (PATHS["tcp"], None), "hier": ({}, {r: {"MESHCOMM_HOST_ID": "ab"[r // 2]} for r in range(3)})}
+SHAPE_PATHS = {
+    "c": ({}, None),
+    "python": ({"MESHCOMM_SOCKETS_NATIVE": "0"}, None),
+    "tcp": (PATHS["tcp"], None),
+    "hier": ({}, {r: {"MESHCOMM_HOST_ID": "ab"[r // 2]} for r in range(3)}),
+}
 
 
-@pytest.mark.parametrize("op,shape", [("all_sum", "6,3"), ("all_gather", "6,3"), ("all_to_all", "6,3"),
-                                      ("all_sum", "1")])
+@pytest.mark.parametrize(
+    "op,shape", [("all_sum", "6,3"), ("all_gather", "6,3"), ("all_to_all", "6,3"), ("all_sum", "1")]
+)
 @pytest.mark.parametrize("path", list(SHAPE_PATHS))
 def test_same_count_in_another_shape_is_a_mismatch_on_every_path(tmp_path, path, op, shape):
     """Rank 2 passes (3, 6) where ranks 0 and 1 pass (6, 3) (or () against (1,)): the same
@@ -159,8 +174,7 @@ def test_same_count_in_another_shape_is_a_mismatch_on_every_path(tmp_path, path,
     if shape == "1" and path != "c":
         pytest.skip("() against (1,) once is enough: the key is the same on every path")
     env, rank_env = SHAPE_PATHS[path]
-    results = _job(tmp_path, 3, "reshaped", {"MLX_TIMEOUT": "20", "OP": op, "SHAPE": shape, **env},
-                   rank_env=rank_env)
+    results = _job(tmp_path, 3, "reshaped", {"MLX_TIMEOUT": "20", "OP": op, "SHAPE": shape, **env}, rank_env=rank_env)
     reports = [_report(results, r) for r in range(3)]
     assert [rep["error"] for rep in reports] == ["CollectiveMismatchError"] * 3, reports
     assert any("another shape" in rep["message"] for rep in reports), reports
@@ -172,8 +186,12 @@ def test_same_count_in_another_shape_is_a_mismatch_on_every_path(tmp_path, path,
 @pytest.mark.parametrize("layout", ["shm", "tcp", "hier"])
 def test_calls_across_the_sequence_number_wrap(tmp_path, layout):
     """Every counter starts 5 below 2**32 (a test setting); dozens of calls cross the wrap."""
-    env = {"MLX_TIMEOUT": "30", "MESHCOMM_SOCKETS_TEST_SEQ_START": str(2**32 - 5), "ROUNDS": "3",
-           **PATHS["tcp" if layout == "tcp" else "shm"]}
+    env = {
+        "MLX_TIMEOUT": "30",
+        "MESHCOMM_SOCKETS_TEST_SEQ_START": str(2**32 - 5),
+        "ROUNDS": "3",
+        **PATHS["tcp" if layout == "tcp" else "shm"],
+    }
     rank_env = {r: {"MESHCOMM_HOST_ID": "ab"[r // 2]} for r in range(3)} if layout == "hier" else None
     results = _job(tmp_path, 3, "calls", env, rank_env=rank_env)
     want = {"shm": "local", "tcp": "tcp", "hier": "hier"}[layout]
@@ -255,11 +273,19 @@ def test_small_dev_shm_means_a_clear_warning_and_tcp_never_sigbus(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
     launch = f"{sys.executable} -m meshcomm launch -n 3 --backend sockets -- {prog} calls"
-    script = (f"mount -t tmpfs -o size=8m meshcomm-test /dev/shm || exit 77\n{launch}\nrc=$?\n"
-              "echo \"LEFT: $(ls -A /dev/shm | tr '\\n' ' ')\"\nexit $rc\n")
+    script = (
+        f"mount -t tmpfs -o size=8m meshcomm-test /dev/shm || exit 77\n{launch}\nrc=$?\n"
+        "echo \"LEFT: $(ls -A /dev/shm | tr '\\n' ' ')\"\nexit $rc\n"
+    )
     env = {**os.environ, "MLX_TIMEOUT": "60", "MESHCOMM_SOCKETS_SHM_PIECE_KIB": "4096", "ROUNDS": "2"}
-    res = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     if res.returncode == 77:
         pytest.skip(f"cannot mount a tmpfs in a private mount namespace: {res.stderr[-500:]}")
     assert res.returncode == 0, (res.returncode, res.stdout[-3000:], res.stderr[-3000:])
@@ -312,8 +338,12 @@ def test_a_rank_failing_mid_frame_does_not_get_blamed(tmp_path):
     for k in range(runs):
         d = tmp_path / str(k)
         d.mkdir()
-        env = {"MLX_TIMEOUT": "20", "MESHCOMM_SOCKETS_SHM": "0", "MESHCOMM_SOCKETS_CHUNK_KIB": "16384",
-               "SIZE": str(16 << 20)}
+        env = {
+            "MLX_TIMEOUT": "20",
+            "MESHCOMM_SOCKETS_SHM": "0",
+            "MESHCOMM_SOCKETS_CHUNK_KIB": "16384",
+            "SIZE": str(16 << 20),
+        }
         procs = _start_loop(d, 4, env)
         time.sleep(0.5)
         os.kill(procs[2].pid, signal.SIGKILL)
@@ -326,8 +356,9 @@ def test_a_rank_failing_mid_frame_does_not_get_blamed(tmp_path):
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("path,size", [("shm", 1 << 16), ("tcp", 1 << 16), ("tcp", 1 << 22)],
-                         ids=["shm", "tcp-small", "tcp-full-buffers"])
+@pytest.mark.parametrize(
+    "path,size", [("shm", 1 << 16), ("tcp", 1 << 16), ("tcp", 1 << 22)], ids=["shm", "tcp-small", "tcp-full-buffers"]
+)
 def test_a_rank_resumed_after_sigstop_is_told_the_peers_gave_up_on_it(tmp_path, path, size):
     timeout = 3
     procs = _start_loop(tmp_path, 3, {"MLX_TIMEOUT": str(timeout), "SIZE": str(size), **PATHS[path]})

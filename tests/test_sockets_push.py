@@ -21,8 +21,9 @@ from meshcomm_sockets.results import SLOTS, OwnResults, PeerResults
 PROG = "tests/programs/push_rank.py"
 
 
-def _run(tmp_path, n: int, mode: list[str], env: dict[str, str] | None = None,
-         died: tuple[int, ...] = ()) -> dict[int, dict]:
+def _run(
+    tmp_path, n: int, mode: list[str], env: dict[str, str] | None = None, died: tuple[int, ...] = ()
+) -> dict[int, dict]:
     hf = write_hostfile(tmp_path / "h.json", free_ports(n))
     procs = start_ranks(n, [PROG, *mode], hf, env={"MLX_TIMEOUT": "60", **(env or {})})
     reports = {}
@@ -128,8 +129,16 @@ def test_another_user_cannot_open_a_ranks_result_buffer():
     try:
         a = own.empty((1 << 16,), np.dtype(np.float32))
         path = f"/proc/{os.getpid()}/fd/{own.find(a.ctypes.data, a.nbytes).fd}"
-        other = subprocess.run(["/usr/bin/python3", "-c", OPENER, path], user=65534, group=65534, extra_groups=[],
-                               capture_output=True, text=True, timeout=60, cwd="/")
+        other = subprocess.run(
+            ["/usr/bin/python3", "-c", OPENER, path],
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
         same = subprocess.run([sys.executable, "-c", OPENER, path], capture_output=True, text=True, timeout=60)
     finally:
         own.close()

@@ -109,8 +109,13 @@ def test_waking_a_rank_that_ended_after_publishing_the_same_piece_is_not_a_loss(
 @pytest.mark.exclusive  # compares every meshcomm segment in /dev/shm before and after
 def test_nothing_left_after_the_launcher_is_interrupted():
     before = _segments()
-    proc = subprocess.Popen([sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--", PROG, "loop"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshcomm", "launch", "-n", "3", "--", PROG, "loop"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready = 0
         deadline = time.monotonic() + 120
@@ -142,8 +147,13 @@ def test_launcher_removes_segments_of_a_job_that_died_during_start_up(tmp_path):
         "os._exit(3)\n"
     )
     before = _segments()
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--", str(prog)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--", str(prog)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 3 and "wrote /dev/shm/meshcomm-" in res.stdout
     assert _segments() == before
 

@@ -20,15 +20,38 @@ def third_party(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     installed into a directory of their own on PYTHONPATH, so tests that run at the same time
     in other processes never see them (and nothing is left in the venv)."""
     target = tmp_path_factory.mktemp("third-party")
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(PLUGINS / "meshcomm-uds"),
-                    str(PLUGINS / "meshcomm-broken")], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "-q",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(PLUGINS / "meshcomm-uds"),
+            str(PLUGINS / "meshcomm-broken"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return {"PYTHONPATH": os.pathsep.join([str(target), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _info(third_party: dict[str, str], env: dict[str, str] | None = None) -> dict[str, dict]:
-    out = subprocess.run([sys.executable, "-m", "meshcomm", "info", "--json"], capture_output=True, text=True,
-                         check=True, env={**os.environ, **third_party, **(env or {})}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "info", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **third_party, **(env or {})},
+        timeout=120,
+    )
     return {i["name"]: i for i in json.loads(out.stdout)}
 
 
@@ -42,8 +65,13 @@ def test_info_lists_the_installed_plugin_and_the_broken_one(third_party):
 
 
 def test_info_table_shows_the_reason(third_party):
-    out = subprocess.run([sys.executable, "-m", "meshcomm", "info"], capture_output=True, text=True, check=True,
-                         env={**os.environ, **third_party})
+    out = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "info"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **third_party},
+    )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("broken"))
     assert "plugin failed to load" in line and "libbroken" in line
 

@@ -31,7 +31,7 @@ def test_second_thread_is_refused_and_the_call_in_flight_discarded():
         mc.all_sum(np.ones(2), group=g0)
     sub = None
     with pytest.raises(mc.DistributedError, match="one operation at a time"):
-        sub = g0.split(0)   # a split shares the world's guard
+        sub = g0.split(0)  # a split shares the world's guard
     assert sub is None
     mc.send(np.arange(3.0), 0, group=g1)
     t.join(10)
@@ -70,7 +70,7 @@ def test_two_threads_per_rank_never_return_wrong_sums():
             except mc.DistributedError:
                 with lock:
                     errors.append(1)
-                return      # after a refusal this job's pairing is broken: stop like a user would
+                return  # after a refusal this job's pairing is broken: stop like a user would
             with lock:
                 (right if np.all(got == 2 * value) else wrong).append(got)
 
@@ -107,8 +107,11 @@ def test_the_guard_discards_exactly_the_operations_in_flight_when_another_thread
     assert "from thread 'intruder' while thread 'MainThread' is inside all_sum" in refused["error"]
     third = guard.enter("all_gather", "rank 0")  # issued after the intrusion: its peers saw no mix-up
     guard.leave(second, "broadcast", "rank 0", False)  # failed anyway: its own error stands
-    with pytest.raises(mc.DistributedError, match=r"result of all_sum \(thread 'MainThread'\) is discarded: "
-                                                   r"thread 'intruder' called barrier"):
+    with pytest.raises(
+        mc.DistributedError,
+        match=r"result of all_sum \(thread 'MainThread'\) is discarded: "
+        r"thread 'intruder' called barrier",
+    ):
         guard.leave(first, "all_sum", "rank 0", True)
     guard.leave(third, "all_gather", "rank 0", True)
     done = {}

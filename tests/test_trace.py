@@ -26,16 +26,18 @@ BACKENDS = ["sockets", "mpi", "gloo"]
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def _job(backend: str, tmp: Path, *args: str, env: dict[str, str] | None = None,
-         trace: bool = True) -> subprocess.CompletedProcess[str]:
+def _job(
+    backend: str, tmp: Path, *args: str, env: dict[str, str] | None = None, trace: bool = True
+) -> subprocess.CompletedProcess[str]:
     extra = ("--trace", str(tmp / "trace")) if trace else ()
-    return launch(3, PROG, *args, backend=backend, launch_args=extra, env={**MPI_ENV, "MLX_TIMEOUT": "60",
-                                                                          **(env or {})})
+    return launch(
+        3, PROG, *args, backend=backend, launch_args=extra, env={**MPI_ENV, "MLX_TIMEOUT": "60", **(env or {})}
+    )
 
 
 def _lines(out: str, rank: int, tag: str) -> list[str]:
     prefix = f"[rank {rank}] {tag} "
-    return [ln[len(prefix):] for ln in out.splitlines() if ln.startswith(prefix)]
+    return [ln[len(prefix) :] for ln in out.splitlines() if ln.startswith(prefix)]
 
 
 def _ops(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,7 +87,9 @@ def test_merged_trace_has_every_operation_of_every_rank(backend: str, tmp_path: 
     # what the operations hand the recorder: the peers, what each rank passed (for recv the
     # received array; for the object collectives the pickled bytes), the split's color
     assert {(e["pid"], e["args"]["peer"], e["args"]["bytes"], e["args"]["dtype"]) for e in pair} == {
-        (0, 1, 24, "float64"), (1, 0, 24, "float64")}
+        (0, 1, 24, "float64"),
+        (1, 0, 24, "float64"),
+    }
     objs = [e for e in ops if e["args"]["op"] == "all_gather_object"]
     assert len(objs) == 3 and all(e["args"]["bytes"] > 0 and e["args"]["dtype"] == "object" for e in objs)
     assert sub[0].endswith(".0") and sub[1].endswith(".1")
@@ -122,7 +126,7 @@ def test_stall_inspector_names_the_rank_that_has_not_joined(backend: str, tmp_pa
 def _errors(out: str, rank: int) -> str:
     """Rank ``rank``'s error lines (``meshcomm.errors.X: ...``)."""
     prefix = f"[rank {rank}] meshcomm.errors."
-    return "\n".join(ln[len(prefix):] for ln in out.splitlines() if ln.startswith(prefix))
+    return "\n".join(ln[len(prefix) :] for ln in out.splitlines() if ln.startswith(prefix))
 
 
 def _numbers(out: str, rank: int) -> list[str]:
@@ -157,15 +161,25 @@ def test_stall_inspector_under_a_plain_mpirun(tmp_path: Path) -> None:
     pytest.importorskip("meshcomm_mpi")
     from meshcomm_mpi.launcher import mpiexec_command
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_",
-                                                                      "MESHCOMM_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_"))
+    }
     env.update(MPI_ENV, PYTHONUNBUFFERED="1", MLX_TIMEOUT="60", MESHCOMM_STALL_AFTER="1", TMPDIR=str(tmp_path))
     cmd = mpiexec_command(3, [sys.executable, PROG, "stall", "4"])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    if "PMIX_SERVER_TMPDIR" not in subprocess.run(
-            mpiexec_command(1, [sys.executable, "-c", "import os; print(*os.environ)"]), env=env,
-            capture_output=True, text=True, timeout=120).stdout:
+    if (
+        "PMIX_SERVER_TMPDIR"
+        not in subprocess.run(
+            mpiexec_command(1, [sys.executable, "-c", "import os; print(*os.environ)"]),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    ):
         pytest.skip("this mpiexec is not a PMIx launcher (MPICH's Hydra): no session directory to share")
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("meshcomm: stall:")]
     assert sorted(ln.split()[3] for ln in lines) == ["0", "1"], res.stderr
@@ -190,10 +204,21 @@ def test_failed_rank_writes_its_trace_and_the_launcher_merges(tmp_path: Path) ->
 
 
 def _rank_file(folder: Path, rank: int, events: list[list[Any]], size: int = 3) -> None:
-    data = {"format": "meshcomm-trace-rank/1", "rank": rank, "size": size, "backend": "test", "host": "h",
-            "pid": 100 + rank, "started": 1000.0, "written": 1010.0, "reason": "exit", "dropped": 0,
-            "groups": {"world": {"rank": rank, "size": size}},
-            "fields": ["group", "seq", "op", "peer", "bytes", "dtype", "start", "end", "ok"], "events": events}
+    data = {
+        "format": "meshcomm-trace-rank/1",
+        "rank": rank,
+        "size": size,
+        "backend": "test",
+        "host": "h",
+        "pid": 100 + rank,
+        "started": 1000.0,
+        "written": 1010.0,
+        "reason": "exit",
+        "dropped": 0,
+        "groups": {"world": {"rank": rank, "size": size}},
+        "fields": ["group", "seq", "op", "peer", "bytes", "dtype", "start", "end", "ok"],
+        "events": events,
+    }
     (folder / f"rank-{rank}.json").write_text(json.dumps(data))
 
 
@@ -234,8 +259,9 @@ def test_merge_computes_waits_from_the_latest_start(tmp_path: Path) -> None:
 
 def test_summary_table_and_straggler(tmp_path: Path) -> None:
     _made_up(tmp_path)
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "summary", str(tmp_path)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "trace", "summary", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "11 operations on 3 ranks"
@@ -268,8 +294,12 @@ def test_summary_plot_writes_a_png(tmp_path: Path) -> None:
 
     merged, _ = merge_dir(tmp_path)
     png = tmp_path / "timeline.png"
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "summary", str(merged), "--plot", str(png)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "trace", "summary", str(merged), "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -277,22 +307,28 @@ def test_summary_plot_writes_a_png(tmp_path: Path) -> None:
 def test_merge_command(tmp_path: Path) -> None:
     _made_up(tmp_path)
     out = tmp_path / "merged.json"
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "merge", str(tmp_path), "-o", str(out)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "trace", "merge", str(tmp_path), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert res.returncode == 0 and f"merged trace written to {out}" in res.stdout, res.stderr
     assert len(_ops(json.loads(out.read_text()))) == 32
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "merge", str(empty)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "trace", "merge", str(empty)], capture_output=True, text=True, cwd=ROOT
+    )
     assert res.returncode == 2 and "no rank files" in res.stderr
 
 
 def test_summary_of_a_file_that_is_not_a_trace_says_so(tmp_path: Path) -> None:
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "trace", "summary", str(bad)],
-                         capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "trace", "summary", str(bad)], capture_output=True, text=True, cwd=ROOT
+    )
     assert res.returncode == 2 and "not a merged meshcomm trace" in res.stderr
 
 

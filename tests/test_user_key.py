@@ -118,9 +118,25 @@ def test_another_local_user_cannot_join_a_hand_started_job_without_a_secret(tmp_
     procs = start_ranks(2, [_prog(tmp_path)], hf, ranks=[0], env=env)
     try:
         attacker = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", ATTACKER,
-             str(ports[0]), _version(4096, "auto"), wire._HELLO.format, wire._CHALLENGE.format, str(wire.PROTOCOL)],
-            capture_output=True, text=True, timeout=90, cwd="/")
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+                ATTACKER,
+                str(ports[0]),
+                _version(4096, "auto"),
+                wire._HELLO.format,
+                wire._CHALLENGE.format,
+                str(wire.PROTOCOL),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd="/",
+        )
         assert attacker.returncode == 0, attacker.stderr[-2000:]
         reply = bytes.fromhex(attacker.stdout.strip())
         assert not _welcome_ok(reply), "the stranger (uid 65534) completed the handshake as rank 1"
@@ -197,8 +213,15 @@ def test_no_home_means_no_key_and_the_warning_says_why(caplog):
     with caplog.at_level(logging.WARNING, logger="test-user-key"), pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", "")
         mp.setenv("XDG_CONFIG_HOME", "")
-        got = check_job_secret(JobSecretSettings(), who="test backend", rank=0, size=2,
-                               warning="no secret, no-home case", log=log, hosts=["127.0.0.1"])
+        got = check_job_secret(
+            JobSecretSettings(),
+            who="test backend",
+            rank=0,
+            size=2,
+            warning="no secret, no-home case",
+            log=log,
+            hosts=["127.0.0.1"],
+        )
     assert got is None and "The per-user key file was not used: HOME is not set" in caplog.text, caplog.text
 
 
@@ -209,8 +232,10 @@ def test_only_one_host_jobs_use_the_key_and_require_secret_still_wants_a_secret(
     with caplog.at_level(logging.WARNING, logger="test-user-key"), pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
         kw = {"who": "test backend", "rank": 0, "size": 2, "log": log}
-        assert check_job_secret(JobSecretSettings(), warning="multi-host case", hosts=["127.0.0.1", "192.0.2.7"],
-                                **kw) is None
+        assert (
+            check_job_secret(JobSecretSettings(), warning="multi-host case", hosts=["127.0.0.1", "192.0.2.7"], **kw)
+            is None
+        )
         assert "multi-host case" in caplog.text and not (tmp_path / "config").exists()
         assert check_job_secret(JobSecretSettings(), warning="one-host case", hosts=["localhost"], **kw)
         assert "one-host case" not in caplog.text and "other users of this machine cannot join" in caplog.text

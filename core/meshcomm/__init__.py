@@ -1,8 +1,8 @@
 """meshcomm: collective communication for NumPy arrays, with the transport as a plugin.
 
-    import meshcomm as mc
-    world = mc.init()
-    total = mc.all_sum(np.ones(4))
+import meshcomm as mc
+world = mc.init()
+total = mc.all_sum(np.ones(4))
 """
 
 from __future__ import annotations
@@ -57,10 +57,37 @@ def __getattr__(name: str) -> Any:
         return Config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
-    "init", "is_available", "backends", "Group", "Config", "Backend", "BackendInfo",
-    "all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast", "send", "recv",
-    "recv_like", "all_to_all", "gather", "scatter", "reduce", "all_gather_object", "broadcast_object",
-    "barrier", "Work", "DistributedError", "PeerLostError", "CommTimeoutError",
-    "CollectiveMismatchError", "BackendUnavailableError", "ConfigError", "ObjectAuthError",
+    "init",
+    "is_available",
+    "backends",
+    "Group",
+    "Config",
+    "Backend",
+    "BackendInfo",
+    "all_sum",
+    "all_max",
+    "all_min",
+    "all_gather",
+    "sum_scatter",
+    "broadcast",
+    "send",
+    "recv",
+    "recv_like",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "reduce",
+    "all_gather_object",
+    "broadcast_object",
+    "barrier",
+    "Work",
+    "DistributedError",
+    "PeerLostError",
+    "CommTimeoutError",
+    "CollectiveMismatchError",
+    "BackendUnavailableError",
+    "ConfigError",
+    "ObjectAuthError",
 ]

@@ -114,9 +114,7 @@ def recursive_doubling(b: PointToPoint, acc: np.ndarray, op: str) -> None:
         b.send(acc, r + 1)
 
 
-def ring_reduce_scatter(
-    b: PointToPoint, buf: np.ndarray, bounds: list[int], op: str, *, offset: int
-) -> None:
+def ring_reduce_scatter(b: PointToPoint, buf: np.ndarray, bounds: list[int], op: str, *, offset: int) -> None:
     """Ring reduce-scatter in place: afterwards rank r holds the full reduction of block
     ``(r + 1 + offset) % n`` (the other blocks hold partial sums)."""
     f = reducer(op)
@@ -161,7 +159,10 @@ def reduce_scatter(b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray, op
 
 
 def reduce_scatter_by_all_reduce(
-    b: PointToPoint, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str,
+    b: PointToPoint,
+    sendbuf: np.ndarray,
+    recvbuf: np.ndarray,
+    op: str,
     reduce_all: Callable[[np.ndarray, np.ndarray, str], None] | None = None,
 ) -> None:
     """Reduce-scatter as an all-reduce of the whole buffer, then this rank's block.

@@ -24,8 +24,10 @@ def _info(args: argparse.Namespace) -> int:
     print(f"{'backend':<10} {'distribution':<18} {'version':<9} {'available':<9} {'configured':<10} note")
     for i in infos:
         note = i.reason if not i.available else i.description
-        print(f"{i.name:<10} {i.distribution or '-':<18} {i.version or '-':<9} "
-              f"{'yes' if i.available else 'no':<9} {'yes' if i.configured else 'no':<10} {note}")
+        print(
+            f"{i.name:<10} {i.distribution or '-':<18} {i.version or '-':<9} "
+            f"{'yes' if i.available else 'no':<9} {'yes' if i.configured else 'no':<10} {note}"
+        )
     return 0
 
 
@@ -39,8 +41,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_launch(sub)
     from .bench.cli import add_parser as add_bench
+
     add_bench(sub)
     from .trace.cli import add_parser as add_trace
+
     add_trace(sub)
     return p
 

@@ -79,8 +79,7 @@ def _config_error(
         extra = model.model_fields[field].json_schema_extra if field in model.model_fields else None
         accepts = extra.get("accepts") if isinstance(extra, dict) else None
         lines.append(
-            f"{where}={values.get(field)!r} is invalid: {err['msg']}"
-            + (f"; accepted: {accepts}" if accepts else "")
+            f"{where}={values.get(field)!r} is invalid: {err['msg']}" + (f"; accepted: {accepts}" if accepts else "")
         )
     return ConfigError("; ".join(lines))
 
@@ -161,23 +160,32 @@ class Config(Settings):
         description="which backend init() starts",
     )
     rank: int | None = setting(
-        None, env="MLX_RANK", accepts=f"an integer from 0 to {MAX_RANKS - 1}", description="this process's rank",
-        ge=0, lt=MAX_RANKS,
+        None,
+        env="MLX_RANK",
+        accepts=f"an integer from 0 to {MAX_RANKS - 1}",
+        description="this process's rank",
+        ge=0,
+        lt=MAX_RANKS,
     )
     world_size: int | None = setting(
-        None, env="MLX_WORLD_SIZE", accepts=f"an integer from 1 to {MAX_RANKS}, the same on every rank",
+        None,
+        env="MLX_WORLD_SIZE",
+        accepts=f"an integer from 1 to {MAX_RANKS}, the same on every rank",
         description="number of ranks (when unset: from Slurm's, Open MPI's, MPICH's or torchrun's variables)",
-        ge=1, le=MAX_RANKS,
+        ge=1,
+        le=MAX_RANKS,
     )
     coordinator: str | None = setting(
-        None, env="MLX_COORDINATOR", accepts="host:port, e.g. node1:29500 or [fe80::1]:29500",
+        None,
+        env="MLX_COORDINATOR",
+        accepts="host:port, e.g. node1:29500 or [fe80::1]:29500",
         description="where rank 0 serves the rendezvous of a job started without a hostfile (when unset: "
         "MASTER_ADDR with MASTER_PORT + 1, or derived from the Slurm step)",
     )
     placement_source: str | None = Field(
-        None, description="whose variables gave rank and world size (meshcomm, Slurm, Open MPI, torchrun ...)")
-    coordinator_source: str | None = Field(
-        None, description="which variables named the coordinator")
+        None, description="whose variables gave rank and world size (meshcomm, Slurm, Open MPI, torchrun ...)"
+    )
+    coordinator_source: str | None = Field(None, description="which variables named the coordinator")
     hostfile: Path | None = setting(
         None,
         env="MLX_HOSTFILE",
@@ -226,7 +234,8 @@ class Config(Settings):
         env="MESHCOMM_TRACE_EVENTS",
         accepts="a number of events from 1 to 2**31 - 1",
         description="operations each rank keeps while tracing (the oldest are dropped beyond it)",
-        ge=1, le=2**31 - 1,
+        ge=1,
+        le=2**31 - 1,
     )
     stall_after: float = setting(
         60.0,
@@ -234,7 +243,8 @@ class Config(Settings):
         accepts=f"a number of seconds from 0 to {MAX_TIMEOUT} (0 turns the stall inspector off)",
         description="after this long in one operation (at most half of MLX_TIMEOUT), a rank logs which "
         "ranks have not joined it",
-        ge=0, le=MAX_TIMEOUT,
+        ge=0,
+        le=MAX_TIMEOUT,
         allow_inf_nan=False,
     )
 
@@ -267,7 +277,8 @@ class Config(Settings):
         accepts="a number of bytes from 1 to 2**63 - 1 (the ranks agree on it as a 64-bit integer)",
         description="largest pickled object all_gather_object/broadcast_object move (the smallest "
         "setting of any rank applies); larger ones raise ValueError on every rank",
-        ge=1, le=2**63 - 1,
+        ge=1,
+        le=2**63 - 1,
     )
     unsafe_objects: bool = setting(
         False,

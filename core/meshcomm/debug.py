@@ -39,12 +39,19 @@ def _opword(op: str, reduction: str | None) -> int:
     return code if reduction is None else code + _VARIANT * (REDUCTIONS.index(reduction) + 1)
 
 
-def _fingerprint(op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
-                 reduction: str | None = None, number: int = 0) -> np.ndarray:
+def _fingerprint(
+    op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int, reduction: str | None = None, number: int = 0
+) -> np.ndarray:
     fp = np.zeros(_WIDTH, dtype=np.int64)
     dims = list(shape)[:_DIMS]
-    fp[:6] = [_MAGIC, _opword(op, reduction), 0 if dtype is None else dtype_code(dtype), len(shape), arg,
-              zlib.crc32(repr(tuple(shape)).encode())]
+    fp[:6] = [
+        _MAGIC,
+        _opword(op, reduction),
+        0 if dtype is None else dtype_code(dtype),
+        len(shape),
+        arg,
+        zlib.crc32(repr(tuple(shape)).encode()),
+    ]
     fp[6 : 6 + len(dims)] = dims
     fp[_NUMBER] = number
     return fp
@@ -80,16 +87,26 @@ def _describe(fp: np.ndarray) -> str:
     shape = tuple(int(d) for d in fp[6 : 6 + min(ndim, _DIMS)])
     shown = str(shape) if ndim <= _DIMS else f"{ndim}-d shape starting {shape}"
     dt = dtype_from_code(int(fp[2]))
-    extra = f", root={int(fp[4])}" if spec.rooted else {
-        "send": f", dst={int(fp[4])}", "recv": f", src={int(fp[4])}"}.get(op, "")
+    extra = (
+        f", root={int(fp[4])}"
+        if spec.rooted
+        else {"send": f", dst={int(fp[4])}", "recv": f", src={int(fp[4])}"}.get(op, "")
+    )
     if variant:
         extra += f", op={REDUCTIONS[variant - 1]!r}"
     return f"{op}(shape={shown}, dtype={dt}{extra})"
 
 
 def check_collective(
-    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0,
-    *, label: str = "MLX_DEBUG: ", reduction: str | None = None,
+    b: Backend,
+    group_name: str,
+    op: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype | None,
+    arg: int = 0,
+    *,
+    label: str = "MLX_DEBUG: ",
+    reduction: str | None = None,
 ) -> None:
     """All-gather this call's fingerprint; raise the same error on every rank on a mismatch.
 
@@ -106,15 +123,15 @@ def check_collective(
         calls.setdefault(_describe(table[q]), []).append(q)
     parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} called {d}" for d, rs in calls.items()]
     raise CollectiveMismatchError(
-        f"{label}ranks of {group_name} (size {n}) disagree on the call: " + "; ".join(parts)
+        f"{label}ranks of {group_name} (size {n}) disagree on the call: "
+        + "; ".join(parts)
         + ". Every rank must make the same collective calls in the same order with the same shapes, "
         "dtypes and roots."
     )
 
 
 @functools.lru_cache(maxsize=256)
-def _call_hash(op: str, dtype: np.dtype | None, shape: tuple[int, ...], arg: int,
-               reduction: str | None) -> np.ndarray:
+def _call_hash(op: str, dtype: np.dtype | None, shape: tuple[int, ...], arg: int, reduction: str | None) -> np.ndarray:
     """[h, -h] for a 32-bit hash h of the call (remembered: a loop repeats the same calls;
     read-only, as every caller shares it)."""
     h = zlib.crc32(repr((op, None if dtype is None else dtype.str, shape, arg, reduction)).encode())
@@ -124,8 +141,14 @@ def _call_hash(op: str, dtype: np.dtype | None, shape: tuple[int, ...], arg: int
 
 
 def quick_check(
-    b: Backend, group_name: str, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0,
-    *, reduction: str | None = None,
+    b: Backend,
+    group_name: str,
+    op: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype | None,
+    arg: int = 0,
+    *,
+    reduction: str | None = None,
 ) -> None:
     """The default call check: one all-reduce (max) of a 32-bit hash of the call and its negation.
 

@@ -8,11 +8,33 @@ import numpy as np
 
 from .operations import REDUCTIONS
 
-__all__ = ["SUPPORTED", "BASE_SUPPORTED", "check_dtype", "reducer", "dtype_code", "dtype_from_code", "bfloat16", "REDUCTIONS", "UFUNCS"]
+__all__ = [
+    "SUPPORTED",
+    "BASE_SUPPORTED",
+    "check_dtype",
+    "reducer",
+    "dtype_code",
+    "dtype_from_code",
+    "bfloat16",
+    "REDUCTIONS",
+    "UFUNCS",
+]
 
 _BASE = [
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
 ]
 _CODES: dict[np.dtype, int] = {np.dtype(t): i + 1 for i, t in enumerate(_BASE)}
 #: the wire code of ``ml_dtypes.bfloat16`` (after the base dtypes, whether or not it is installed)

@@ -36,7 +36,16 @@ from typing import Any
 
 from .launchvars import rank_from_env
 
-__all__ = ["JOB_DIR_ENV", "STACKS_FILE", "install", "install_stack_dump", "end_rank", "failure_record", "read_records", "rank_from_env"]
+__all__ = [
+    "JOB_DIR_ENV",
+    "STACKS_FILE",
+    "install",
+    "install_stack_dump",
+    "end_rank",
+    "failure_record",
+    "read_records",
+    "rank_from_env",
+]
 
 #: set by ``meshcomm launch``: the job's directory, where ranks leave their failure records
 JOB_DIR_ENV = "MESHCOMM_JOB_DIR"
@@ -185,7 +194,9 @@ def _run_before_abort() -> None:
         try:
             hook()
         except Exception as err:  # noqa: BLE001 - the rank is ending anyway; say why the hook failed
-            sys.stderr.write(f"meshcomm: before the abort, {getattr(hook, '__qualname__', hook)} failed: {describe(err)}\n")
+            sys.stderr.write(
+                f"meshcomm: before the abort, {getattr(hook, '__qualname__', hook)} failed: {describe(err)}\n"
+            )
             _flush()
 
 

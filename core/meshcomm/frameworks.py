@@ -39,6 +39,7 @@ def _torch() -> Callable[[np.ndarray], Any]:
         if a.dtype.name == "bfloat16":  # torch.from_numpy knows no bfloat16: its bits as int16
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
+
     return make
 
 
@@ -49,6 +50,7 @@ def _mlx() -> Callable[[np.ndarray], Any]:
         if a.dtype.name == "bfloat16":
             return mx.array(a.view(np.int16)).view(mx.bfloat16)
         return mx.array(a)
+
     return make
 
 
@@ -93,8 +95,9 @@ def to_numpy(x: Any, what: str = "x") -> np.ndarray:
     else:
         kind = str(getattr(device, "type", None) or getattr(device, "platform", None) or device).lower()
     if not kind.startswith(("cpu", "tfrt_cpu")):
-        raise ValueError(f"{what} is in {kind} memory; meshcomm moves host memory: pass {what}.cpu() "
-                         "(or copy it to the host first)")
+        raise ValueError(
+            f"{what} is in {kind} memory; meshcomm moves host memory: pass {what}.cpu() (or copy it to the host first)"
+        )
     if getattr(x, "requires_grad", False):
         raise ValueError(f"{what} requires grad; pass {what}.detach() (collectives are not differentiable here)")
     bits = _bfloat16_bits(x)

@@ -91,9 +91,19 @@ class Group:
     ``with mc.init() as world: ...`` closes the world at the end (see :meth:`close`).
     """
 
-    def __init__(self, backend: Backend, name: str, *, debug: bool = False, label: str = "world",
-                 check_calls: bool = True, guard: WorldGuard | None = None,
-                 max_object_bytes: int | None = None, _world: _World | None = None, _ident: str = "world") -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        name: str,
+        *,
+        debug: bool = False,
+        label: str = "world",
+        check_calls: bool = True,
+        guard: WorldGuard | None = None,
+        max_object_bytes: int | None = None,
+        _world: _World | None = None,
+        _ident: str = "world",
+    ) -> None:
         self._b = backend
         self._name = name
         self._debug = debug
@@ -205,9 +215,16 @@ class Group:
             self._check("split", (), None, 0, "split")
             sub = self._b.split(color, key)
             self._splits += 1
-            return Group(sub, self._name, debug=self._debug, label=f"split of {self._label} (color={color})",
-                         check_calls=self._check_calls, max_object_bytes=self._max_object_bytes,
-                         _world=self._world, _ident=f"{self._ident}/{self._splits}:{color}")
+            return Group(
+                sub,
+                self._name,
+                debug=self._debug,
+                label=f"split of {self._label} (color={color})",
+                check_calls=self._check_calls,
+                max_object_bytes=self._max_object_bytes,
+                _world=self._world,
+                _ident=f"{self._ident}/{self._splits}:{color}",
+            )
 
         return self._submit("split", run, async_op, None, color)
 
@@ -297,13 +314,13 @@ class Group:
             if self._size == 1:
                 return self._local(o, a)
             self._check(name, a.shape, a.dtype, 0, "all_reduce")
-            return self._into(o, a.shape, a.dtype,
-                              (lambda buf: self._b.all_reduce(send, buf, op)) if a.size else None)
+            return self._into(o, a.shape, a.dtype, (lambda buf: self._b.all_reduce(send, buf, op)) if a.size else None)
 
         return self._submit(name, run, async_op, a)
 
-    def reduce(self, x: Any, root: int = 0, *, op: str = "sum", out: np.ndarray | None = None,
-               async_op: bool = False) -> Any:
+    def reduce(
+        self, x: Any, root: int = 0, *, op: str = "sum", out: np.ndarray | None = None, async_op: bool = False
+    ) -> Any:
         """The reduction ``op`` ("sum", "max", "min") of every rank's ``x`` on ``root``; None elsewhere.
 
         Bit-identical to ``all_sum`` & co. on the same inputs (it is the backend's
@@ -346,8 +363,9 @@ class Group:
             if self._size == 1:
                 return self._local(o, a)
             self._check("sum_scatter", a.shape, a.dtype, 0, "reduce_scatter")
-            return self._into(o, shape, a.dtype,
-                              (lambda buf: self._b.reduce_scatter(send, buf, "sum")) if a.size else None)
+            return self._into(
+                o, shape, a.dtype, (lambda buf: self._b.reduce_scatter(send, buf, "sum")) if a.size else None
+            )
 
         return self._submit("sum_scatter", run, async_op, a)
 
@@ -385,8 +403,7 @@ class Group:
                 return self._local(o, a, shape)
             self._check("gather", a.shape, a.dtype, root, "gather")
             if me:
-                return self._into(o, shape, a.dtype,
-                                  (lambda buf: self._b.gather(send, buf, root)) if a.size else None)
+                return self._into(o, shape, a.dtype, (lambda buf: self._b.gather(send, buf, root)) if a.size else None)
             if a.size:
                 self._b.gather(send, None, root)
             return None
@@ -480,8 +497,7 @@ class Group:
 
         return self._submit("send", run, async_op, a, dst)
 
-    def recv(self, shape: Any, dtype: Any, src: int, *, out: np.ndarray | None = None,
-             async_op: bool = False) -> Any:
+    def recv(self, shape: Any, dtype: Any, src: int, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Receive a new array of ``shape`` and ``dtype`` from rank ``src`` (or into ``out``)."""
         shp = _shape(shape)
         try:
@@ -534,9 +550,17 @@ class Group:
             pad[: len(sealed)] = np.frombuffer(sealed, np.uint8)
             every = np.empty(width * self._size, np.uint8)
             self._b.all_gather(pad, every)
-            got = [seal.open(self._ident, self._object_calls, q,
-                             every[q * width : q * width + sizes[q] + seal.tag_bytes].tobytes(), self._who, op)
-                   for q in range(self._size)]  # every payload checked before any is unpickled
+            got = [
+                seal.open(
+                    self._ident,
+                    self._object_calls,
+                    q,
+                    every[q * width : q * width + sizes[q] + seal.tag_bytes].tobytes(),
+                    self._who,
+                    op,
+                )
+                for q in range(self._size)
+            ]  # every payload checked before any is unpickled
             return [objects.loads(d, q, op, self._who) for q, d in enumerate(got)]
 
         return self._submit("all_gather_object", run, async_op, data)
@@ -580,8 +604,9 @@ class Group:
         """This process's object seal (from the job secret); refuses, before any
         communication, when nothing would authenticate other ranks' objects."""
         if self._seal is None:
-            self._seal = ObjectSeal.for_job(in_process=bool(getattr(self._b, "in_process", False)),
-                                            local_key=getattr(self._b, "local_key", None))
+            self._seal = ObjectSeal.for_job(
+                in_process=bool(getattr(self._b, "in_process", False)), local_key=getattr(self._b, "local_key", None)
+            )
         if self._size > 1:
             self._seal.require(self._who, op)
         return self._seal
@@ -593,8 +618,7 @@ class Group:
             self._max_object_bytes = int(getattr(Config(), "max_object_bytes", DEFAULT_MAX_OBJECT_BYTES))
         return self._max_object_bytes
 
-    def _object_sizes(self, op: str, table: np.ndarray, failure: BaseException | None,
-                      root: int | None) -> list[int]:
+    def _object_sizes(self, op: str, table: np.ndarray, failure: BaseException | None, root: int | None) -> list[int]:
         """Every rank's pickled size from the (size, limit) table, or the same ValueError on
         every rank when one could not pickle or one object exceeds the smallest limit."""
         limit = int(table[:, 1].min())
@@ -603,9 +627,12 @@ class Group:
             size = int(table[q, 0])
             if size == objects.UNPICKLABLE:
                 if q == self._rank and failure is not None:
-                    raise ValueError(f"{self._who}: {op}: the object cannot be pickled: "
-                                     f"{type(failure).__name__}: {failure}") from failure
-                raise ValueError(f"{self._who}: {op}: rank {q}'s object cannot be pickled (rank {q} raises the details)")
+                    raise ValueError(
+                        f"{self._who}: {op}: the object cannot be pickled: {type(failure).__name__}: {failure}"
+                    ) from failure
+                raise ValueError(
+                    f"{self._who}: {op}: rank {q}'s object cannot be pickled (rank {q} raises the details)"
+                )
             if size > limit:
                 raise ValueError(
                     f"{self._who}: {op}: rank {q}'s object is {size} bytes pickled, more than the limit of "
@@ -615,8 +642,16 @@ class Group:
         return [int(s) for s in table[:, 0]]
 
     # -- helpers ------------------------------------------------------------------------
-    def _foreign(self, back: Callable[[np.ndarray], Any], method: Callable[..., Any], x: Any, *args: Any,
-                 out: Any = None, async_op: bool = False, **kw: Any) -> Any:
+    def _foreign(
+        self,
+        back: Callable[[np.ndarray], Any],
+        method: Callable[..., Any],
+        x: Any,
+        *args: Any,
+        out: Any = None,
+        async_op: bool = False,
+        **kw: Any,
+    ) -> Any:
         """``method`` on a torch/MLX/JAX array ``x`` (read as NumPy, without a copy where its
         framework allows), its result given back in ``x``'s framework (an ``out=`` of that
         framework is written in place and returned as given)."""
@@ -625,8 +660,10 @@ class Group:
         if out is not None and type(out) is not np.ndarray:
             out = to_numpy(out, "out")
             if not out.flags.writeable:
-                raise ValueError(f"{self._who}: out= is a {type(given).__name__}, whose memory cannot be written "
-                                 "in place (MLX and JAX arrays are immutable): leave out= out and use the result")
+                raise ValueError(
+                    f"{self._who}: out= is a {type(given).__name__}, whose memory cannot be written "
+                    "in place (MLX and JAX arrays are immutable): leave out= out and use the result"
+                )
         res = method(a, *args, out=out, async_op=async_op, **kw)
         if async_op:
             return MappedWork(res, (lambda r: given) if given is not None else back)
@@ -640,9 +677,12 @@ class Group:
     def _peer(self, value: Any, what: str, *, allow_self: bool = False) -> int:
         peer = _index(value, what)
         if self._size == 1 and not allow_self:
-            alone = (" This process runs alone (nothing started it as one rank of a job): start several "
-                     "ranks with 'meshcomm launch -n N program.py', or mpirun/srun/torchrun (docs/launch.md)"
-                     if self._label == "world" else "")
+            alone = (
+                " This process runs alone (nothing started it as one rank of a job): start several "
+                "ranks with 'meshcomm launch -n N program.py', or mpirun/srun/torchrun (docs/launch.md)"
+                if self._label == "world"
+                else ""
+            )
             raise ValueError(f"cannot use {what}={peer} in a group of size 1: there is no other rank.{alone}")
         if not 0 <= peer < self._size:
             raise ValueError(
@@ -663,8 +703,9 @@ class Group:
     def _gathered_shape(self, a: np.ndarray) -> tuple[int, ...]:
         return (self._size,) if a.ndim == 0 else (self._size * a.shape[0], *a.shape[1:])
 
-    def _out(self, op: str, out: Any, shape: tuple[int, ...], dtype: np.dtype, x: Any,
-             *, in_place: bool = False) -> np.ndarray | None:
+    def _out(
+        self, op: str, out: Any, shape: tuple[int, ...], dtype: np.dtype, x: Any, *, in_place: bool = False
+    ) -> np.ndarray | None:
         """``out`` if it can take the result (exact shape and dtype, C-contiguous, writable,
         not overlapping ``x`` unless ``in_place`` allows ``out is x``), else a ValueError."""
         if out is None:
@@ -676,19 +717,25 @@ class Group:
         if not isinstance(out, np.ndarray):
             raise ValueError(f"{op}: out must be a NumPy array on rank {self._rank}, got {type(out).__name__}; {fix()}")
         if out.shape != tuple(shape) or out.dtype != dtype:
-            raise ValueError(f"{op}: out has shape {out.shape} and dtype {out.dtype} on rank {self._rank}, but the "
-                             f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}; {fix()}")
+            raise ValueError(
+                f"{op}: out has shape {out.shape} and dtype {out.dtype} on rank {self._rank}, but the "
+                f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}; {fix()}"
+            )
         if not out.flags.c_contiguous:
             raise ValueError(f"{op}: out is not C-contiguous on rank {self._rank}; {fix()}")
         if not out.flags.writeable:
             raise ValueError(f"{op}: out is read-only on rank {self._rank}; {fix()}")
         if out is x:
             if not in_place:
-                raise ValueError(f"{op}: out cannot be x itself (only all_sum, all_max, all_min and broadcast "
-                                 f"work in place); {fix()}")
+                raise ValueError(
+                    f"{op}: out cannot be x itself (only all_sum, all_max, all_min and broadcast "
+                    f"work in place); {fix()}"
+                )
         elif isinstance(x, np.ndarray) and np.may_share_memory(out, x):
-            raise ValueError(f"{op}: out overlaps x on rank {self._rank}; "
-                             f"{'pass out=x itself or ' if in_place else ''}use a separate array")
+            raise ValueError(
+                f"{op}: out overlaps x on rank {self._rank}; "
+                f"{'pass out=x itself or ' if in_place else ''}use a separate array"
+            )
         return out
 
     def _local(self, o: np.ndarray | None, a: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -699,8 +746,9 @@ class Group:
             o[...] = a.reshape(o.shape)
         return o
 
-    def _into(self, o: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype,
-              fill: Callable[[np.ndarray], None] | None) -> np.ndarray:
+    def _into(
+        self, o: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, fill: Callable[[np.ndarray], None] | None
+    ) -> np.ndarray:
         """Run ``fill(buf)`` on a flat receive buffer: ``out`` itself when the backend takes
         callers' buffers (``direct_out``), else a fresh array (copied into ``out`` if given)."""
         if o is not None and self._b.direct_out:
@@ -724,8 +772,16 @@ class Group:
             known = self._native[method] = getattr(type(self._b), method, None) is not getattr(Backend, method, None)
         return known
 
-    def _check(self, op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int,
-               method: str | None, *, reduction: str | None = None) -> bool:
+    def _check(
+        self,
+        op: str,
+        shape: tuple[int, ...],
+        dtype: np.dtype | None,
+        arg: int,
+        method: str | None,
+        *,
+        reduction: str | None = None,
+    ) -> bool:
         """The cross-rank call check of ``op`` (full under MLX_DEBUG, else the quick one unless
         the backend checks ``method`` in-band); True if a check ran (a check is a barrier).
         A backend that checks calls in-band is given the shape's key first (Backend.shape_key)."""
@@ -741,8 +797,9 @@ class Group:
             return True
         return False
 
-    def _submit(self, op: str, run: Callable[[], T], async_op: bool, payload: _observer.Payload = None,
-                arg: int = -1) -> Any:
+    def _submit(
+        self, op: str, run: Callable[[], T], async_op: bool, payload: _observer.Payload = None, arg: int = -1
+    ) -> Any:
         """Issue ``op``: refused on a closed group or from a second thread; then ``run()`` here,
         or on the world's worker when ``async_op`` (a handle is returned) or when earlier
         asynchronous operations are still queued (the call then waits for its turn).

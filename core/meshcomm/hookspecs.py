@@ -153,9 +153,7 @@ class BackendRegistrar:
             )
         if key in self._registry.specs:
             other = self._registry.specs[key]
-            raise ValueError(
-                f"backend {key!r} registered twice: by {other.plugin!r} and by {self._plugin!r}"
-            )
+            raise ValueError(f"backend {key!r} registered twice: by {other.plugin!r} and by {self._plugin!r}")
         spec = BackendSpec(
             name=key,
             factory=factory,

@@ -3,9 +3,9 @@
 ``MESHCOMM_JOB_SECRET`` (``meshcomm launch`` sets a fresh one) keys the authentication of a
 job's connections; ``MESHCOMM_REQUIRE_SECRET=1`` turns a job without one into an error
 instead of a warning. A one-host job without one authenticates with the per-user key
-(:mod:`.userkey`), so other local users cannot join it. A backend's settings model inherits :class:`JobSecretSettings` and its
-factory calls :func:`check_job_secret` once, so every backend defines and enforces these
-two variables the same way.
+(:mod:`.userkey`), so other local users cannot join it. A backend's settings model inherits
+:class:`JobSecretSettings` and its factory calls :func:`check_job_secret` once, so every
+backend defines and enforces these two variables the same way.
 """
 
 from __future__ import annotations
@@ -40,25 +40,39 @@ class JobSecretSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     secret: str | None = setting(
-        None, env="MESHCOMM_JOB_SECRET", accepts="any string, the same on every rank",
+        None,
+        env="MESHCOMM_JOB_SECRET",
+        accepts="any string, the same on every rank",
         description="per-job secret that authenticates the job's connections (meshcomm launch generates one)",
     )
     require_secret: bool = setting(
-        False, env="MESHCOMM_REQUIRE_SECRET", accepts="1/0, true/false",
+        False,
+        env="MESHCOMM_REQUIRE_SECRET",
+        accepts="1/0, true/false",
         description="a job without MESHCOMM_JOB_SECRET is a ConfigError instead of a warning on rank 0",
     )
 
 
 def user_key_warning(who: str, path: object) -> str:
     """What rank 0 logs when a job authenticates with the per-user key at ``path``."""
-    return (f"meshcomm {who}, rank 0: MESHCOMM_JOB_SECRET is not set, so this one-host job authenticates with "
-            f"the per-user key at {path} (mode 0600): other users of this machine cannot join it or read or "
-            "replace its objects; any process of this user can, and a job across hosts needs "
-            "MESHCOMM_JOB_SECRET. Set MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error.")
+    return (
+        f"meshcomm {who}, rank 0: MESHCOMM_JOB_SECRET is not set, so this one-host job authenticates with "
+        f"the per-user key at {path} (mode 0600): other users of this machine cannot join it or read or "
+        "replace its objects; any process of this user can, and a job across hosts needs "
+        "MESHCOMM_JOB_SECRET. Set MESHCOMM_REQUIRE_SECRET=1 to make a missing secret an error."
+    )
 
 
-def check_job_secret(settings: JobSecretSettings, *, who: str, rank: int | None, size: int | None,
-                     warning: str, log: logging.Logger, hosts: Iterable[str] | None = None) -> bytes | None:
+def check_job_secret(
+    settings: JobSecretSettings,
+    *,
+    who: str,
+    rank: int | None,
+    size: int | None,
+    warning: str,
+    log: logging.Logger,
+    hosts: Iterable[str] | None = None,
+) -> bytes | None:
     """A job without a secret: ConfigError under ``MESHCOMM_REQUIRE_SECRET`` (whatever its
     size: the setting asks for one). Else, when ``hosts`` (every rendezvous address) are all
     loopback and the job has several ranks, the per-user key (:func:`.userkey.user_key`) to

@@ -16,8 +16,16 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Family", "FAMILIES", "MPI_FAMILIES", "family", "variables", "RUNNER_RANK_VARS", "FROM_MPI_LAUNCHER",
-           "rank_from_env"]
+__all__ = [
+    "Family",
+    "FAMILIES",
+    "MPI_FAMILIES",
+    "family",
+    "variables",
+    "RUNNER_RANK_VARS",
+    "FROM_MPI_LAUNCHER",
+    "rank_from_env",
+]
 
 
 @dataclass(frozen=True)
@@ -35,8 +43,13 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("meshcomm", "MLX_RANK", "MLX_WORLD_SIZE", "MLX_LOCAL_RANK", "MLX_LOCAL_SIZE"),
     Family("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
-    Family("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-           "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    Family(
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     Family("PMIx", "PMIX_RANK", None, None, None),
     Family("MPICH (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     Family("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
@@ -70,6 +83,7 @@ def variables(field: str, names: Iterable[str]) -> tuple[str, ...]:
 #: MPICH's ``PMI_RANK`` comes before ``PMIX_RANK``, the order these readers have always used
 #: (it matters only when both are set, i.e. one was inherited from an enclosing job).
 RUNNER_RANK_VARS: tuple[str, ...] = variables("rank", ("meshcomm", "Open MPI", "MPICH (PMI)", "PMIx"))
+
 
 def rank_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
     """This process's rank as the launcher that started it says (:data:`RUNNER_RANK_VARS`)."""

@@ -47,8 +47,10 @@ def loads(data: bytes, rank: int, op: str, who: str) -> Any:
     try:
         return pickle.loads(data)  # noqa: S301 - only sealed payloads, or the user opted in
     except Exception as exc:
-        raise DistributedError(f"{who}: {op}: rank {rank}'s object cannot be unpickled here: "
-                               f"{type(exc).__name__}: {exc} (is its class importable on this rank?)") from exc
+        raise DistributedError(
+            f"{who}: {op}: rank {rank}'s object cannot be unpickled here: "
+            f"{type(exc).__name__}: {exc} (is its class importable on this rank?)"
+        ) from exc
 
 
 class ObjectSeal:
@@ -62,8 +64,9 @@ class ObjectSeal:
         self.tag_bytes = TAG_BYTES if key is not None else 0
 
     @classmethod
-    def for_job(cls, environ: Mapping[str, str] | None = None, *, in_process: bool = False,
-                local_key: bytes | None = None) -> ObjectSeal:
+    def for_job(
+        cls, environ: Mapping[str, str] | None = None, *, in_process: bool = False, local_key: bytes | None = None
+    ) -> ObjectSeal:
         """The seal of this job: keyed from MESHCOMM_JOB_SECRET and MESHCOMM_JOB_ID, else from
         ``local_key`` (the per-user key the transport authenticated with, if it did)."""
         env = os.environ if environ is None else environ
@@ -108,7 +111,7 @@ class ObjectSeal:
         """The pickled bytes of ``payload`` once its tag holds; ObjectAuthError otherwise."""
         if self.key is None:
             return payload
-        data, tag = payload[: len(payload) - TAG_BYTES], payload[len(payload) - TAG_BYTES:]
+        data, tag = payload[: len(payload) - TAG_BYTES], payload[len(payload) - TAG_BYTES :]
         if len(payload) < TAG_BYTES or not hmac.compare_digest(self._tag(where, seq, sender, data), tag):
             raise ObjectAuthError(
                 f"{who}: {op}: the object from rank {sender} failed authentication (its tag does not match "

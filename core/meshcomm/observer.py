@@ -25,8 +25,9 @@ Payload = np.ndarray | bytes | tuple[tuple[int, ...], np.dtype[Any]] | None
 class CallObserver(Protocol):
     """A tool that runs each operation itself, to note what it does."""
 
-    def call(self, group: Any, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1,
-             seq: int = 0) -> T:
+    def call(
+        self, group: Any, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1, seq: int = 0
+    ) -> T:
         """Run ``run()`` (operation ``op`` on ``group``, the group's call number ``seq``) and
         note it; ``payload`` is what this rank passes, ``arg`` the peer of ``send``/``recv``
         or the color of ``split``."""

@@ -15,9 +15,24 @@ import numpy as np
 from .group import Group
 from .world import default_group
 
-__all__ = ["all_sum", "all_max", "all_min", "all_gather", "sum_scatter", "broadcast",
-           "send", "recv", "recv_like", "all_to_all", "gather", "scatter", "reduce",
-           "all_gather_object", "broadcast_object", "barrier"]
+__all__ = [
+    "all_sum",
+    "all_max",
+    "all_min",
+    "all_gather",
+    "sum_scatter",
+    "broadcast",
+    "send",
+    "recv",
+    "recv_like",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "reduce",
+    "all_gather_object",
+    "broadcast_object",
+    "barrier",
+]
 
 Out = np.ndarray | None
 
@@ -51,8 +66,7 @@ def sum_scatter(x: Any, *, group: Group | None = None, out: Out = None, async_op
     return _g(group).sum_scatter(x, out=out, async_op=async_op)
 
 
-def broadcast(x: Any, root: int = 0, *, group: Group | None = None, out: Out = None,
-              async_op: bool = False) -> Any:
+def broadcast(x: Any, root: int = 0, *, group: Group | None = None, out: Out = None, async_op: bool = False) -> Any:
     """Root's ``x`` on every rank; other ranks pass an array of the same shape and dtype."""
     return _g(group).broadcast(x, root, out=out, async_op=async_op)
 
@@ -63,8 +77,9 @@ def send(x: Any, dst: int, *, group: Group | None = None, async_op: bool = False
     return _g(group).send(x, dst, async_op=async_op)
 
 
-def recv(shape: Any, dtype: Any, src: int, *, group: Group | None = None, out: Out = None,
-         async_op: bool = False) -> Any:
+def recv(
+    shape: Any, dtype: Any, src: int, *, group: Group | None = None, out: Out = None, async_op: bool = False
+) -> Any:
     """Receive a new array of ``shape`` and ``dtype`` from rank ``src``."""
     return _g(group).recv(shape, dtype, src, out=out, async_op=async_op)
 
@@ -89,8 +104,9 @@ def scatter(x: Any, root: int = 0, *, group: Group | None = None, out: Out = Non
     return _g(group).scatter(x, root, out=out, async_op=async_op)
 
 
-def reduce(x: Any, root: int = 0, *, op: str = "sum", group: Group | None = None, out: Out = None,
-           async_op: bool = False) -> Any:
+def reduce(
+    x: Any, root: int = 0, *, op: str = "sum", group: Group | None = None, out: Out = None, async_op: bool = False
+) -> Any:
     """Root returns the reduction ``op`` ("sum", "max", "min") of every rank's ``x``; others None."""
     return _g(group).reduce(x, root, op=op, out=out, async_op=async_op)
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .launchvars import FAMILIES
 
-__all__ = ["Placement", "Coordinator", "placement", "coordinator", "parse_coordinator", "expand_hostlist",
-           "FAMILIES"]
+__all__ = ["Placement", "Coordinator", "placement", "coordinator", "parse_coordinator", "expand_hostlist", "FAMILIES"]
 
 
 @dataclass(frozen=True)
@@ -149,8 +148,9 @@ _SLURM_PORT_SPAN = 10000
 
 def coordinator(environ: Mapping[str, str] | None = None) -> Coordinator | None:
     """Where rank 0 serves the rendezvous: MLX_COORDINATOR, else MASTER_ADDR and the port
-    after MASTER_PORT (MASTER_PORT is torch's: torchrun's agent store listens there), else, inside a Slurm step, the step's first node and a port derived from the job and step
-    ids (the same on every task). None when nothing says."""
+    after MASTER_PORT (MASTER_PORT is torch's: torchrun's agent store listens there), else,
+    inside a Slurm step, the step's first node and a port derived from the job and step ids
+    (the same on every task). None when nothing says."""
     env = os.environ if environ is None else environ
     text = env.get("MLX_COORDINATOR", "").strip()
     if text:
@@ -160,8 +160,10 @@ def coordinator(environ: Mapping[str, str] | None = None) -> Coordinator | None:
     if addr or port_text:
         if not (addr and port_text):
             missing = "MASTER_PORT" if addr else "MASTER_ADDR"
-            raise ConfigError(f"MASTER_ADDR and MASTER_PORT go together but {missing} is not set; set both "
-                              "(or MLX_COORDINATOR=host:port)")
+            raise ConfigError(
+                f"MASTER_ADDR and MASTER_PORT go together but {missing} is not set; set both "
+                "(or MLX_COORDINATOR=host:port)"
+            )
         host, port = _split_address(f"[{addr}]:{port_text}" if ":" in addr else f"{addr}:{port_text}", "MASTER_PORT")
         # MASTER_PORT itself belongs to torch: torchrun's agent serves its TCPStore there, and a
         # program's own init_process_group() opens one there; meshcomm takes the port above it

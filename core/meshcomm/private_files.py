@@ -38,18 +38,24 @@ def private_dir(path: str | os.PathLike[str], what: str) -> Path:
     except OSError as exc:
         raise ConfigError(f"{what} {path}: cannot use this directory: {exc.strerror}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"{what} {path}: is a symbolic link; give the directory it points to (a link can be "
-                          "changed to send the job's files elsewhere)")
+        raise ConfigError(
+            f"{what} {path}: is a symbolic link; give the directory it points to (a link can be "
+            "changed to send the job's files elsewhere)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what} {path}: exists and is not a directory")
     if st.st_uid != os.geteuid():
-        raise ConfigError(f"{what} {path}: belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}), "
-                          "who could replace the job's files there with links; use a directory of your own")
+        raise ConfigError(
+            f"{what} {path}: belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}), "
+            "who could replace the job's files there with links; use a directory of your own"
+        )
     if st.st_mode & 0o022:
         who = "other users" if st.st_mode & 0o002 else "its group"
-        raise ConfigError(f"{what} {path}: is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), who could "
-                          f"put links there in place of the job's files; run chmod go-w {path}, or use a "
-                          "directory of your own")
+        raise ConfigError(
+            f"{what} {path}: is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), who could "
+            f"put links there in place of the job's files; run chmod go-w {path}, or use a "
+            "directory of your own"
+        )
     return folder
 
 

@@ -112,8 +112,12 @@ class Registry:
         found = md.entry_points()
         for ep in (*found.select(group=hookspecs.PROJECT), *found.select(group=hookspecs.TOOLS)):
             backend_plugin = ep.group == hookspecs.PROJECT
-            if (self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name) or ep.name in blocked
-                    or (backend_plugin and allowed is not None and ep.name not in allowed)):
+            if (
+                self.pm.get_plugin(ep.name) is not None
+                or self.pm.is_blocked(ep.name)
+                or ep.name in blocked
+                or (backend_plugin and allowed is not None and ep.name not in allowed)
+            ):
                 continue
             try:
                 plugin = ep.load()
@@ -140,8 +144,9 @@ class Registry:
             if reason is None and spec.multiprocess:
                 configured = _environment_reason(spec, config) is None
             out.append(
-                BackendInfo(spec.name, spec.distribution, spec.version, reason is None, reason,
-                            configured, spec.description)
+                BackendInfo(
+                    spec.name, spec.distribution, spec.version, reason is None, reason, configured, spec.description
+                )
             )
         for b in self.broken:
             out.append(BackendInfo(b.plugin, b.distribution, b.version, False, b.error))
@@ -233,8 +238,10 @@ def _job_environment(config: Config) -> str | None:
         rank = "" if config.rank is None else f"rank {config.rank} "
         return f"this process is {rank}of a job of {config.world_size} ranks ({source})"
     if config.coordinator is not None and config.rank is not None and config.world_size != 1:
-        return (f"this process is rank {config.rank} ({where}) of a job meeting at the coordinator "
-                f"{config.coordinator} ({config.coordinator_source or 'MLX_COORDINATOR'})")
+        return (
+            f"this process is rank {config.rank} ({where}) of a job meeting at the coordinator "
+            f"{config.coordinator} ({config.coordinator_source or 'MLX_COORDINATOR'})"
+        )
     return None
 
 

@@ -106,8 +106,10 @@ def _read(dfd: int, path: Path) -> bytes:
         fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     except OSError as exc:
         if os.path.islink(path):
-            raise ConfigError(f"per-user key file {path}: is a symbolic link; remove it (rm {path}) and "
-                              "meshcomm makes a new key file there") from None
+            raise ConfigError(
+                f"per-user key file {path}: is a symbolic link; remove it (rm {path}) and "
+                "meshcomm makes a new key file there"
+            ) from None
         raise ConfigError(f"per-user key file {path}: cannot read it: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -116,23 +118,31 @@ def _read(dfd: int, path: Path) -> bytes:
     finally:
         os.close(fd)
     if len(data) < 2 * 16:
-        raise ConfigError(f"per-user key file {path}: holds {len(data)} characters, expected a key of at least 32 "
-                          f"hex digits; remove it (rm {path}) and meshcomm makes a new one")
+        raise ConfigError(
+            f"per-user key file {path}: holds {len(data)} characters, expected a key of at least 32 "
+            f"hex digits; remove it (rm {path}) and meshcomm makes a new one"
+        )
     return data
 
 
 def _check_owner_and_mode(st: os.stat_result, path: Path) -> None:
     """ConfigError unless ``st`` is a regular file of this user that no one else can use."""
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"per-user key file {path}: is not a regular file; remove it (rm {path}) and meshcomm "
-                          "makes a new key file there")
+        raise ConfigError(
+            f"per-user key file {path}: is not a regular file; remove it (rm {path}) and meshcomm "
+            "makes a new key file there"
+        )
     if st.st_uid != os.geteuid():
-        raise ConfigError(f"per-user key file {path}: belongs to uid {st.st_uid}, not to this user (uid "
-                          f"{os.geteuid()}), who may know its key; remove it (rm {path}) and meshcomm makes a new one")
+        raise ConfigError(
+            f"per-user key file {path}: belongs to uid {st.st_uid}, not to this user (uid "
+            f"{os.geteuid()}), who may know its key; remove it (rm {path}) and meshcomm makes a new one"
+        )
     if st.st_mode & 0o077:
-        raise ConfigError(f"per-user key file {path}: has mode {stat.S_IMODE(st.st_mode):o}, so other users may "
-                          f"read or change the key; remove it (rm {path}, a new one is made) or run chmod 600 {path} "
-                          "if no one else can have read it")
+        raise ConfigError(
+            f"per-user key file {path}: has mode {stat.S_IMODE(st.st_mode):o}, so other users may "
+            f"read or change the key; remove it (rm {path}, a new one is made) or run chmod 600 {path} "
+            "if no one else can have read it"
+        )
 
 
 def all_loopback(hosts: Iterable[str]) -> bool:

@@ -117,8 +117,7 @@ class WorldWorker:
                 raise RuntimeError("the world's worker is stopped")
             self._queue.append((work, job))  # type: ignore[arg-type]
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"meshcomm-worker-{self._name}",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._loop, name=f"meshcomm-worker-{self._name}", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
         return work
@@ -168,8 +167,12 @@ class WorldWorker:
             self._unobserved.clear()
             self._cv.notify_all()
         if not finished:
-            sys.stderr.write(f"meshcomm: [{self._name}] {left} async operation(s) still unfinished after "
-                             f"{timeout:g} s at close; closing anyway\n")
+            sys.stderr.write(
+                f"meshcomm: [{self._name}] {left} async operation(s) still unfinished after "
+                f"{timeout:g} s at close; closing anyway\n"
+            )
         for w in failed:
-            sys.stderr.write(f"meshcomm: {w.who}: async {w.op} failed and was never waited on: "
-                             f"{type(w._error).__name__}: {w._error}\n")
+            sys.stderr.write(
+                f"meshcomm: {w.who}: async {w.op} failed and was never waited on: "
+                f"{type(w._error).__name__}: {w._error}\n"
+            )

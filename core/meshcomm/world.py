@@ -24,8 +24,7 @@ _default: Group | None = None
 _started = 0
 
 
-def init(strict: bool = False, backend: str | None = None, *, config: Config | None = None,
-         **settings: Any) -> Group:
+def init(strict: bool = False, backend: str | None = None, *, config: Config | None = None, **settings: Any) -> Group:
     """The world group.
 
     Args:
@@ -62,8 +61,14 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
                 keep_freed_memory()
         global _started
         _started += 1  # the ranks of a job start their worlds in the same order
-        group = Group(transport, started, debug=config.debug, check_calls=config.check_calls,
-                      max_object_bytes=config.max_object_bytes, _ident=f"{started}/world{_started}")
+        group = Group(
+            transport,
+            started,
+            debug=config.debug,
+            check_calls=config.check_calls,
+            max_object_bytes=config.max_object_bytes,
+            _ident=f"{started}/world{_started}",
+        )
         if started != "single":
             registry.world_started(config, group)  # the tracer and the stall inspector attach here
         _worlds[name] = group

@@ -2,5 +2,12 @@
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("meshcomm_sockets_native._shm", ["meshcomm_sockets_native/_shm.c"],
-                             extra_compile_args=["-O2", "-ftree-vectorize", "-Wall"])])
+setup(
+    ext_modules=[
+        Extension(
+            "meshcomm_sockets_native._shm",
+            ["meshcomm_sockets_native/_shm.c"],
+            extra_compile_args=["-O2", "-ftree-vectorize", "-Wall"],
+        )
+    ]
+)

@@ -26,8 +26,12 @@ def main(argv: list[str]) -> int:
     try:
         table = exchange(coord, rank, size, entry, secret=secret, timeout=timeout)
     except DistributedError as exc:
-        print(json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc),
-                          "peer": getattr(exc, "peer", None)}), flush=True)
+        print(
+            json.dumps(
+                {"rank": rank, "error": type(exc).__name__, "message": str(exc), "peer": getattr(exc, "peer", None)}
+            ),
+            flush=True,
+        )
         return 1
     print(json.dumps({"rank": rank, "table": table}), flush=True)
     return 0

@@ -19,8 +19,10 @@ import numpy as np
 g = mc.init(strict=True)
 path = g.transport.path
 r, n = g.rank(), g.size()
-print(json.dumps({"rank": r, "path": path.name, "direct": getattr(getattr(path, "shm", None), "direct", None)}),
-      flush=True)
+print(
+    json.dumps({"rank": r, "path": path.name, "direct": getattr(getattr(path, "shm", None), "direct", None)}),
+    flush=True,
+)
 
 if sys.argv[1:] == ["mismatch"]:
     try:  # rank 0 takes the direct path (16 MiB), the others the slots (8 B)

@@ -35,10 +35,22 @@ def main() -> int:
             mc.send(np.full(5, r, np.int64), (r + 1) % n)
         ring_ok = got.tolist() == [(r - 1) % n] * 5
     cfg = Config.load()
-    print(json.dumps({"rank": r, "size": n, "backend": g.backend, "ok": sum_ok and gather_ok and ring_ok,
-                      "shm": getattr(getattr(g.transport, "path", None), "name", None), "placement": cfg.placement_source,
-                      "coordinator": cfg.coordinator, "master_port": os.environ.get("MASTER_PORT"),
-                      "init_s": init}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": r,
+                "size": n,
+                "backend": g.backend,
+                "ok": sum_ok and gather_ok and ring_ok,
+                "shm": getattr(getattr(g.transport, "path", None), "name", None),
+                "placement": cfg.placement_source,
+                "coordinator": cfg.coordinator,
+                "master_port": os.environ.get("MASTER_PORT"),
+                "init_s": init,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

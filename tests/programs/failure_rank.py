@@ -69,7 +69,7 @@ def second_round(op: str, root: int, r: int, n: int) -> None:
     elif op == "gather":
         report_any(mc.gather(ones * (r + 1), root), np.repeat(np.arange(1, n + 1, dtype=np.float32), E) if me else None)
     elif op == "scatter":
-        report(mc.scatter(blocks(r, n), root), blocks(root, n)[r:r + 1])
+        report(mc.scatter(blocks(r, n), root), blocks(root, n)[r : r + 1])
     elif op == "reduce":
         report_any(mc.reduce(ones * (r + 1), root), ones * (n * (n + 1) / 2) if me else None)
     elif op == "all_gather_object":
@@ -85,7 +85,7 @@ def mismatch(kind: str, r: int, n: int) -> None:
         if r == 1:
             report_any(mc.gather(ones, 0), None)
         else:
-            report(mc.scatter(blocks(r, n), 0), blocks(0, n)[r:r + 1])
+            report(mc.scatter(blocks(r, n), 0), blocks(0, n)[r : r + 1])
     elif kind == "gather_root":
         root = 1 if r == 1 else 0
         report_any(mc.gather(ones, root), np.ones(n * E, np.float32) if r == root else None)

@@ -31,8 +31,14 @@ def main() -> None:
     try:
         import torch
 
-        frameworks.append(("torch", torch.Tensor, lambda a: torch.from_numpy(np.ascontiguousarray(a)),
-                           lambda a: torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)))
+        frameworks.append(
+            (
+                "torch",
+                torch.Tensor,
+                lambda a: torch.from_numpy(np.ascontiguousarray(a)),
+                lambda a: torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16),
+            )
+        )
     except ImportError:
         pass
     try:
@@ -49,10 +55,14 @@ def main() -> None:
         same(mc.all_sum(make(mine)), total, kind, f"{name} all_sum")
         same(mc.all_max(make(mine)), base + n - 1, kind, f"{name} all_max")
         same(mc.all_gather(make(mine)), np.concatenate([base + q for q in range(n)]), kind, f"{name} all_gather")
-        same(mc.sum_scatter(make(mine)), total[2 * r: 2 * r + 2], kind, f"{name} sum_scatter")
+        same(mc.sum_scatter(make(mine)), total[2 * r : 2 * r + 2], kind, f"{name} sum_scatter")
         same(mc.broadcast(make(mine), root=n - 1), base + n - 1, kind, f"{name} broadcast")
-        same(mc.all_to_all(make(mine)), np.concatenate([base[2 * r: 2 * r + 2] + q for q in range(n)]), kind,
-             f"{name} all_to_all")
+        same(
+            mc.all_to_all(make(mine)),
+            np.concatenate([base[2 * r : 2 * r + 2] + q for q in range(n)]),
+            kind,
+            f"{name} all_to_all",
+        )
         red = mc.reduce(make(mine), 0)
         if r == 0:
             same(red, total, kind, f"{name} reduce")

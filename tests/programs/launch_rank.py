@@ -85,15 +85,44 @@ def info() -> None:
     s = mc.all_sum(x)
     gathered = mc.all_gather(np.array([r * r + 7], dtype=np.int64))
     b = mc.broadcast(np.array([1000 + r], dtype=np.int64), root=n - 1)
-    env = {k: os.environ.get(k) for k in (
-        "MLX_RANK", "MLX_WORLD_SIZE", "MLX_LOCAL_RANK", "MLX_LOCAL_SIZE", "MLX_BACKEND", "MLX_TIMEOUT", "MESHCOMM_JOB_ID",
-        "MESHCOMM_JOB_SECRET", "SSH_CONNECTION", "MC_TEST_A", "MC_TEST_B", "MLX_HOSTFILE")}
-    print("INFO " + json.dumps({
-        "rank": r, "size": n, "backend": g.backend, "pid": os.getpid(), "env": env,
-        "executable": sys.executable, "cwd": os.getcwd(), "argv": sys.argv[1:],
-        "netns": net_ns(), "hostname": socket.gethostname(),
-        "all_sum": s.tolist(), "all_gather": gathered.tolist(), "broadcast": b.tolist(),
-    }), flush=True)
+    env = {
+        k: os.environ.get(k)
+        for k in (
+            "MLX_RANK",
+            "MLX_WORLD_SIZE",
+            "MLX_LOCAL_RANK",
+            "MLX_LOCAL_SIZE",
+            "MLX_BACKEND",
+            "MLX_TIMEOUT",
+            "MESHCOMM_JOB_ID",
+            "MESHCOMM_JOB_SECRET",
+            "SSH_CONNECTION",
+            "MC_TEST_A",
+            "MC_TEST_B",
+            "MLX_HOSTFILE",
+        )
+    }
+    print(
+        "INFO "
+        + json.dumps(
+            {
+                "rank": r,
+                "size": n,
+                "backend": g.backend,
+                "pid": os.getpid(),
+                "env": env,
+                "executable": sys.executable,
+                "cwd": os.getcwd(),
+                "argv": sys.argv[1:],
+                "netns": net_ns(),
+                "hostname": socket.gethostname(),
+                "all_sum": s.tolist(),
+                "all_gather": gathered.tolist(),
+                "broadcast": b.tolist(),
+            }
+        ),
+        flush=True,
+    )
 
 
 def wait_forever(g) -> None:  # noqa: ANN001

@@ -28,8 +28,14 @@ t0 = time.monotonic()
 try:
     g = mc.init(strict=True)
 except mc.DistributedError as exc:
-    say(phase="init", error=type(exc).__name__, peer=getattr(exc, "peer", None), t=time.time(),
-        elapsed=time.monotonic() - t0, message=str(exc))
+    say(
+        phase="init",
+        error=type(exc).__name__,
+        peer=getattr(exc, "peer", None),
+        t=time.time(),
+        elapsed=time.monotonic() - t0,
+        message=str(exc),
+    )
     sys.exit(0)
 r, n = g.rank(), g.size()
 t0 = time.monotonic()
@@ -50,13 +56,18 @@ try:
         big = np.arange(1 << 20, dtype=np.float64) + r
         ok &= bool(np.array_equal(mc.all_sum(big), np.arange(1 << 20) * n + n * (n - 1) / 2))
         ok &= bool(np.array_equal(mc.all_max(np.full(1000, r)), np.full(1000, n - 1)))
-        ok &= bool(np.array_equal(mc.all_gather(np.full((3, 2), r, np.int32)),
-                                  np.repeat(np.arange(n, dtype=np.int32), 3)[:, None].repeat(2, 1)))
+        ok &= bool(
+            np.array_equal(
+                mc.all_gather(np.full((3, 2), r, np.int32)),
+                np.repeat(np.arange(n, dtype=np.int32), 3)[:, None].repeat(2, 1),
+            )
+        )
         rows = np.arange(n * 50_000, dtype=np.int64).reshape(n * 1000, 50) * (r + 1)
-        want = (np.arange(n * 50_000, dtype=np.int64).reshape(n * 1000, 50) * (n * (n + 1) // 2))
-        ok &= bool(np.array_equal(mc.sum_scatter(rows), want[r * 1000:(r + 1) * 1000]))
-        ok &= bool(np.array_equal(mc.broadcast(np.full(300_000, r, np.float32), n - 1),
-                                  np.full(300_000, n - 1, np.float32)))
+        want = np.arange(n * 50_000, dtype=np.int64).reshape(n * 1000, 50) * (n * (n + 1) // 2)
+        ok &= bool(np.array_equal(mc.sum_scatter(rows), want[r * 1000 : (r + 1) * 1000]))
+        ok &= bool(
+            np.array_equal(mc.broadcast(np.full(300_000, r, np.float32), n - 1), np.full(300_000, n - 1, np.float32))
+        )
         msg = np.arange(200_000, dtype=np.float32) * (r + 1)
         if r % 2 == 0:
             mc.send(msg, (r + 1) % n)
@@ -70,5 +81,11 @@ try:
     elif mode == "ok":
         say(result=mc.all_sum(np.full(3, r + 1.0)).tolist())
 except mc.DistributedError as exc:
-    say(phase="op", error=type(exc).__name__, peer=getattr(exc, "peer", None), t=time.time(),
-        elapsed=time.monotonic() - t0, message=str(exc))
+    say(
+        phase="op",
+        error=type(exc).__name__,
+        peer=getattr(exc, "peer", None),
+        t=time.time(),
+        elapsed=time.monotonic() - t0,
+        message=str(exc),
+    )

@@ -4,8 +4,9 @@ Every rank keeps results while making more calls and checks that none it keeps c
 prints one JSON line: whether each kept result is in shared memory, the addresses that
 show a dropped result's buffer being reused, and a digest of every result.
 
-usage: push_rank.py [uneven|die]   (die: rank 1 is killed between calls; uneven: rank 0 keeps more results than the others, so one
-of its results is private while theirs are shared: that call mixes pushing and reading)
+usage: push_rank.py [uneven|die]
+(die: rank 1 is killed between calls; uneven: rank 0 keeps more results than the others, so
+one of its results is private while theirs are shared: that call mixes pushing and reading)
 """
 
 import hashlib
@@ -114,6 +115,19 @@ if not np.array_equal(y, expect(10) * n):
 last = g.all_sum(inputs(r, 11))
 g.close()
 survives = bool(np.array_equal(last, expect(11)))  # the caller's array outlives the group
-print(json.dumps({"rank": r, "direct": getattr(shm, "direct", None), "shared_kept": shared_kept,
-                  "reused_while_viewed": reused_while_viewed, "reused_after_drop": reused_after_drop,
-                  "survives_close": survives, "pushed_2": pushed_2, "pushed": pushed, "digest": digest.hexdigest()}), flush=True)
+print(
+    json.dumps(
+        {
+            "rank": r,
+            "direct": getattr(shm, "direct", None),
+            "shared_kept": shared_kept,
+            "reused_while_viewed": reused_while_viewed,
+            "reused_after_drop": reused_after_drop,
+            "survives_close": survives,
+            "pushed_2": pushed_2,
+            "pushed": pushed,
+            "digest": digest.hexdigest(),
+        }
+    ),
+    flush=True,
+)

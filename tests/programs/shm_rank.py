@@ -16,8 +16,12 @@ g = mc.init(strict=True)
 t = g.transport
 r, n = g.rank(), g.size()
 shm = getattr(getattr(t, "path", None), "shm", None)
-info = {"rank": r, "mode": getattr(getattr(t, "path", None), "name", "?"), "local": None if shm is None else shm.local,
-        "native": None if shm is None else shm.native is not None}
+info = {
+    "rank": r,
+    "mode": getattr(getattr(t, "path", None), "name", "?"),
+    "local": None if shm is None else shm.local,
+    "native": None if shm is None else shm.native is not None,
+}
 print(json.dumps(info), flush=True)
 mode = sys.argv[1]
 x = np.ones(1 << 18, np.float32)
@@ -33,8 +37,12 @@ elif mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             mc.all_sum(x)
     except mc.DistributedError as exc:
-        print(json.dumps({"error": type(exc).__name__, "peer": getattr(exc, "peer", None),
-                          "elapsed": time.monotonic() - t0}), flush=True)
+        print(
+            json.dumps(
+                {"error": type(exc).__name__, "peer": getattr(exc, "peer", None), "elapsed": time.monotonic() - t0}
+            ),
+            flush=True,
+        )
 elif mode == "wake-ended":  # 2 ranks: waking a rank whose FIFO nobody reads any more
     from meshcomm.plugin import PeerLostError
     from meshcomm_sockets.engine import Call

@@ -17,8 +17,18 @@ t0 = time.monotonic()
 try:
     g = mc.init(strict=True)
 except mc.DistributedError as exc:
-    print(json.dumps({"phase": "init", "error": type(exc).__name__, "peer": getattr(exc, "peer", None),
-                      "elapsed": time.monotonic() - t0, "message": str(exc)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "phase": "init",
+                "error": type(exc).__name__,
+                "peer": getattr(exc, "peer", None),
+                "elapsed": time.monotonic() - t0,
+                "message": str(exc),
+            }
+        ),
+        flush=True,
+    )
     sys.exit(0)
 r, n = g.rank(), g.size()
 x = np.ones(1 << 20, np.float32)
@@ -43,8 +53,18 @@ try:
         sys.exit(0)
     print(json.dumps({"error": None}), flush=True)
 except mc.DistributedError as exc:
-    print(json.dumps({"phase": "op", "error": type(exc).__name__, "peer": getattr(exc, "peer", None),
-                      "elapsed": time.monotonic() - t0, "message": str(exc)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "phase": "op",
+                "error": type(exc).__name__,
+                "peer": getattr(exc, "peer", None),
+                "elapsed": time.monotonic() - t0,
+                "message": str(exc),
+            }
+        ),
+        flush=True,
+    )
     if mode != "sleep" or r != 1:
         # a second call on a broken group fails at once with the first cause
         try:

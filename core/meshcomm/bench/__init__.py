@@ -23,6 +23,16 @@ from .runner import Result, ResultCheckError, run_sweep
 from .sizes import format_size, parse_size, parse_sizes
 
 __all__ = [
-    "OPS", "Collective", "bus_factor", "Stats", "Sync", "time_op", "Result", "ResultCheckError",
-    "run_sweep", "format_size", "parse_size", "parse_sizes",
+    "OPS",
+    "Collective",
+    "bus_factor",
+    "Stats",
+    "Sync",
+    "time_op",
+    "Result",
+    "ResultCheckError",
+    "run_sweep",
+    "format_size",
+    "parse_size",
+    "parse_sizes",
 ]

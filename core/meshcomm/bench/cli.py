@@ -38,8 +38,10 @@ def parse_ops(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in names if t not in OPS]
     if unknown or not names:
-        raise ValueError(f"--op {text!r}: unknown operation {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(OPS)} or all (comma-separate several)")
+        raise ValueError(
+            f"--op {text!r}: unknown operation {', '.join(unknown) or '(none)'}; "
+            f"choose from {', '.join(OPS)} or all (comma-separate several)"
+        )
     return names
 
 
@@ -50,6 +52,7 @@ def parse_dtype(text: str) -> np.dtype:
     try:
         if text == "bfloat16":
             import ml_dtypes
+
             dt = np.dtype(ml_dtypes.bfloat16)
         else:
             dt = np.dtype(text)
@@ -66,8 +69,10 @@ def sweep_text(args: argparse.Namespace) -> str:
     if all(v is None for v in nccl):
         return str(args.sizes or _DEFAULT_SIZES)
     if args.sizes is not None:
-        raise ValueError("give either --sizes or -b/-e/-f (nccl-tests' --minbytes/--maxbytes/--stepfactor), "
-                         f"not both (got --sizes {args.sizes!r})")
+        raise ValueError(
+            "give either --sizes or -b/-e/-f (nccl-tests' --minbytes/--maxbytes/--stepfactor), "
+            f"not both (got --sizes {args.sizes!r})"
+        )
     low, high, factor = (v if v is not None else d for v, d in zip(nccl, ("8B", "64MiB", "2"), strict=True))
     return f"{low}:{high}:{factor}"
 
@@ -78,36 +83,74 @@ _DEFAULT_SIZES = "8B:64MiB"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` on the ``meshcomm`` command's subparsers."""
     p = sub.add_parser(
-        "bench", help="time collectives on every rank of a job (run it under meshcomm launch)",
+        "bench",
+        help="time collectives on every rank of a job (run it under meshcomm launch)",
         description="Time meshcomm's collectives across message sizes, nccl-tests style: "
-                    "barrier-aligned iterations, the slowest rank per iteration, median and "
-                    "p10/p90, algorithm and bus bandwidth, every result checked. Run it under "
-                    "'meshcomm launch -n N --backend B -- -m meshcomm bench ...'.",
+        "barrier-aligned iterations, the slowest rank per iteration, median and "
+        "p10/p90, algorithm and bus bandwidth, every result checked. Run it under "
+        "'meshcomm launch -n N --backend B -- -m meshcomm bench ...'.",
     )
-    p.add_argument("--op", default="all_sum",
-                   help=f"operation(s), comma-separated, or all: {', '.join(OPS)} (default all_sum)")
-    p.add_argument("--sizes", default=None,
-                   help="LOW:HIGH[:FACTOR] sweep (x2 by default, HIGH always included) or sizes, "
-                        "comma-separated; units B, KiB, MiB, GiB (default 8B:64MiB)")
-    p.add_argument("-b", "--minbytes", default=None, metavar="SIZE",
-                   help="nccl-tests style: smallest size of the sweep (default 8B)")
-    p.add_argument("-e", "--maxbytes", default=None, metavar="SIZE",
-                   help="nccl-tests style: largest size of the sweep (default 64MiB)")
-    p.add_argument("-f", "--stepfactor", default=None, metavar="F",
-                   help="nccl-tests style: multiply the size by F between steps (default 2)")
+    p.add_argument(
+        "--op", default="all_sum", help=f"operation(s), comma-separated, or all: {', '.join(OPS)} (default all_sum)"
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="LOW:HIGH[:FACTOR] sweep (x2 by default, HIGH always included) or sizes, "
+        "comma-separated; units B, KiB, MiB, GiB (default 8B:64MiB)",
+    )
+    p.add_argument(
+        "-b",
+        "--minbytes",
+        default=None,
+        metavar="SIZE",
+        help="nccl-tests style: smallest size of the sweep (default 8B)",
+    )
+    p.add_argument(
+        "-e",
+        "--maxbytes",
+        default=None,
+        metavar="SIZE",
+        help="nccl-tests style: largest size of the sweep (default 64MiB)",
+    )
+    p.add_argument(
+        "-f",
+        "--stepfactor",
+        default=None,
+        metavar="F",
+        help="nccl-tests style: multiply the size by F between steps (default 2)",
+    )
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("-n", "--iters", type=int, default=None,
-                   help="timed iterations per size (default: adapt so each size takes about --min-time)")
-    p.add_argument("-w", "--warmup", "--warmup_iters", dest="warmup", type=int, default=3,
-                   help="untimed calls per size first (default 3)")
-    p.add_argument("--min-time", type=float, default=0.3,
-                   help="seconds of timed calls per size when --iters is not given (default 0.3)")
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=None,
+        help="timed iterations per size (default: adapt so each size takes about --min-time)",
+    )
+    p.add_argument(
+        "-w",
+        "--warmup",
+        "--warmup_iters",
+        dest="warmup",
+        type=int,
+        default=3,
+        help="untimed calls per size first (default 3)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=0.3,
+        help="seconds of timed calls per size when --iters is not given (default 0.3)",
+    )
     p.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON (rank 0)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of time and busbw vs size (needs matplotlib)")
     cmp = p.add_argument_group(
-        "comparison", "--compare: float32 all_sum on every installed backend and raw peer (mpi4py, torch gloo, "
+        "comparison",
+        "--compare: float32 all_sum on every installed backend and raw peer (mpi4py, torch gloo, "
         "MLX), one job each, side by side (run it directly, not under meshcomm launch; --sizes defaults to "
-        "8B:64MiB:4, and --min-time applies)")
+        "8B:64MiB:4, and --min-time applies)",
+    )
     cmp.add_argument("--compare", action="store_true", help="run the comparison instead of one job's sweep")
     add_compare_arguments(cmp)
     p.set_defaults(func=_run)
@@ -135,6 +178,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             from .plot import pyplot
+
             pyplot()  # raises MissingMatplotlib with the install hint
     except (ValueError, RuntimeError) as exc:
         _err(str(exc))
@@ -149,8 +193,10 @@ def _run(args: argparse.Namespace) -> int:
 def _compare_args(args: argparse.Namespace, sweep: str) -> None:
     """Check ``--compare``'s arguments and set ``args.sizes`` to its sweep (all_sum, float32 only)."""
     if args.op.strip() != "all_sum" or args.dtype != "float32" or args.iters is not None:
-        raise ValueError("--compare times float32 all_sum with adaptive iterations against the raw peers; "
-                         "drop --op, --dtype and --iters/-n (or run meshcomm bench without --compare)")
+        raise ValueError(
+            "--compare times float32 all_sum with adaptive iterations against the raw peers; "
+            "drop --op, --dtype and --iters/-n (or run meshcomm bench without --compare)"
+        )
     if args.json or args.plot:
         raise ValueError("--compare writes compare.json/.md/.png into --out-dir; drop --json and --plot")
     if any(n < 1 for n in args.ranks) or args.rounds < 1:
@@ -179,11 +225,21 @@ def _bench(args: argparse.Namespace, ops: list[str], sizes: list[int], dtype: np
         note("meshcomm bench: running on 1 rank (start it under 'meshcomm launch -n N -- -m meshcomm bench')")
         if args.op.strip() == "all":
             ops = [o for o in ops if OPS[o].min_ranks <= 1]
-    note(f"meshcomm bench: {', '.join(ops)} on {n} ranks, backend {g.backend}, {dtype.name}, "
-         f"{len(sizes)} sizes, iters {args.iters or 'adaptive'}, warmup {args.warmup}")
+    note(
+        f"meshcomm bench: {', '.join(ops)} on {n} ranks, backend {g.backend}, {dtype.name}, "
+        f"{len(sizes)} sizes, iters {args.iters or 'adaptive'}, warmup {args.warmup}"
+    )
     try:
-        results = run_sweep(g, ops, sizes, dtype, iters=args.iters, warmup=args.warmup,
-                            min_time=args.min_time, progress=lambda r: note(progress_line(r)))
+        results = run_sweep(
+            g,
+            ops,
+            sizes,
+            dtype,
+            iters=args.iters,
+            warmup=args.warmup,
+            min_time=args.min_time,
+            progress=lambda r: note(progress_line(r)),
+        )
     except ValueError as exc:
         _err(str(exc))
         return 2
@@ -191,14 +247,21 @@ def _bench(args: argparse.Namespace, ops: list[str], sizes: list[int], dtype: np
     if lead:
         sys.stdout.write(format_table(results).rstrip("\n") + "\n")
         sys.stdout.flush()
-        meta: dict[str, Any] = {"backend": g.backend, "ranks": n, "dtype": dtype.name, "ops": ops,
-                                "iters": args.iters, "warmup": args.warmup, "min_time": args.min_time}
+        meta: dict[str, Any] = {
+            "backend": g.backend,
+            "ranks": n,
+            "dtype": dtype.name,
+            "ops": ops,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "min_time": args.min_time,
+        }
         if args.json:
             write_json(args.json, to_json(results, **meta))
         if args.plot:
             from .plot import plot_results
+
             plot_results(results, args.plot, title=f"meshcomm {g.backend}, {n} ranks, {dtype.name}")
         if bad:
-            _err(f"{len(bad)} size(s) returned wrong results; their figures were discarded "
-                 f"(see the WRONG rows above)")
+            _err(f"{len(bad)} size(s) returned wrong results; their figures were discarded (see the WRONG rows above)")
     return 1 if bad else 0

@@ -56,8 +56,7 @@ def describe_mismatch(got: Any, expected: np.ndarray) -> str | None:
     if wrong.size == 0:
         return None
     i = int(wrong[0])
-    return (f"{wrong.size} of {e.size} elements differ; first at index {i}: "
-            f"got {g[i]!r}, expected {e[i]!r}")
+    return f"{wrong.size} of {e.size} elements differ; first at index {i}: got {g[i]!r}, expected {e[i]!r}"
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,7 @@ def _meshcomm_op(name: str) -> Callable[..., Any]:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return getattr(meshcomm, name)(*args, **kwargs)
+
     return call
 
 
@@ -115,7 +115,7 @@ def _sum_scatter(g: Group, nbytes: int, dtype: np.dtype) -> Case:
     per = max(1, nbytes // dtype.itemsize // n)
     x = rank_input(per * n, dtype, r)
     total = functools.reduce(np.add, (rank_input(per * n, dtype, k) for k in range(n)))
-    expected = np.asarray(total, dtype=dtype)[r * per:(r + 1) * per].copy()
+    expected = np.asarray(total, dtype=dtype)[r * per : (r + 1) * per].copy()
     op = _meshcomm_op("sum_scatter")
     return Case(per * n * dtype.itemsize, per * n, lambda: op(x, group=g), expected)
 
@@ -141,6 +141,7 @@ def _sendrecv(g: Group, nbytes: int, dtype: np.dtype) -> Case:
         got = recv_like(x, src, group=g)
         send(x, dst, group=g)
         return got
+
     return Case(count * dtype.itemsize, count, call, rank_input(count, dtype, src))
 
 
@@ -148,7 +149,7 @@ def _all_to_all(g: Group, nbytes: int, dtype: np.dtype) -> Case:
     n, r = g.size(), g.rank()
     per = max(1, nbytes // dtype.itemsize // n)
     x = rank_input(per * n, dtype, r)
-    expected = np.concatenate([rank_input(per * n, dtype, k)[r * per:(r + 1) * per] for k in range(n)])
+    expected = np.concatenate([rank_input(per * n, dtype, k)[r * per : (r + 1) * per] for k in range(n)])
     op = _meshcomm_op("all_to_all")
     return Case(per * n * dtype.itemsize, per * n, lambda: op(x, group=g), expected)
 
@@ -166,7 +167,7 @@ def _scatter(g: Group, nbytes: int, dtype: np.dtype) -> Case:
     n, r = g.size(), g.rank()
     per = max(1, nbytes // dtype.itemsize // n)
     x = rank_input(per * n, dtype, r)  # non-root contents differ, so a block not from root shows
-    expected = rank_input(per * n, dtype, 0)[r * per:(r + 1) * per].copy()
+    expected = rank_input(per * n, dtype, 0)[r * per : (r + 1) * per].copy()
     op = _meshcomm_op("scatter")
     return Case(per * n * dtype.itemsize, per * n, lambda: op(x, 0, group=g), expected)
 
@@ -205,15 +206,18 @@ def bus_factor(op: str, n: int) -> float:
 
 
 #: every operation ``meshcomm bench --op`` knows, in display order
-OPS: dict[str, Collective] = {c.name: c for c in (
-    Collective("all_sum", _all_sum),
-    Collective("all_gather", _all_gather),
-    Collective("sum_scatter", _sum_scatter),
-    Collective("broadcast", _broadcast),
-    Collective("all_to_all", _all_to_all),
-    Collective("gather", _gather),
-    Collective("scatter", _scatter),
-    Collective("reduce", _reduce),
-    Collective("sendrecv", _sendrecv, min_ranks=2),
-    Collective("barrier", _barrier, sized=False),
-)}
+OPS: dict[str, Collective] = {
+    c.name: c
+    for c in (
+        Collective("all_sum", _all_sum),
+        Collective("all_gather", _all_gather),
+        Collective("sum_scatter", _sum_scatter),
+        Collective("broadcast", _broadcast),
+        Collective("all_to_all", _all_to_all),
+        Collective("gather", _gather),
+        Collective("scatter", _scatter),
+        Collective("reduce", _reduce),
+        Collective("sendrecv", _sendrecv, min_ranks=2),
+        Collective("barrier", _barrier, sized=False),
+    )
+}

@@ -103,9 +103,33 @@ def _meshcomm(backend: str, min_time: float, *, tcp_only: bool = False) -> Syste
     env = ["--env", "MESHCOMM_SOCKETS_SHM=0"] if tcp_only else []
 
     def command(n: int, sizes: str, out: Path) -> tuple[list[str], dict[str, str]]:
-        return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, *env, "--",
-                 "-m", "meshcomm", "bench", "--op", "all_sum", "--sizes", sizes,
-                 "--min-time", str(min_time), "--json", str(out)], {})
+        return (
+            [
+                sys.executable,
+                "-m",
+                "meshcomm",
+                "launch",
+                "-n",
+                str(n),
+                "--backend",
+                backend,
+                *env,
+                "--",
+                "-m",
+                "meshcomm",
+                "bench",
+                "--op",
+                "all_sum",
+                "--sizes",
+                sizes,
+                "--min-time",
+                str(min_time),
+                "--json",
+                str(out),
+            ],
+            {},
+        )
+
     return System(f"meshcomm-{backend}" + ("-tcp" if tcp_only else ""), command)
 
 
@@ -117,15 +141,60 @@ def _peer(name: str, min_time: float) -> System:
         if name in ("mpi4py", "mpi4py-tcp"):
             # Open MPI reads OMPI_MCA_* from mpiexec's environment and passes it to the ranks
             env = {"OMPI_MCA_btl": "self,tcp"} if name == "mpi4py-tcp" else {}
-            return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "mpi", "--",
-                     peers, "mpi4py", *args], env)
+            return (
+                [
+                    sys.executable,
+                    "-m",
+                    "meshcomm",
+                    "launch",
+                    "-n",
+                    str(n),
+                    "--backend",
+                    "mpi",
+                    "--",
+                    peers,
+                    "mpi4py",
+                    *args,
+                ],
+                env,
+            )
         if name == "torch-gloo":
             port = _free_port_run(1)
-            return ([sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--env",
-                     f"BENCH_TORCH_PORT={port}", "--", peers, "torch", *args], {})
+            return (
+                [
+                    sys.executable,
+                    "-m",
+                    "meshcomm",
+                    "launch",
+                    "-n",
+                    str(n),
+                    "--env",
+                    f"BENCH_TORCH_PORT={port}",
+                    "--",
+                    peers,
+                    "torch",
+                    *args,
+                ],
+                {},
+            )
         launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
-        return ([launcher, "--backend", "ring", "-n", str(n), "--starting-port", str(_free_port_run(n)),
-                 sys.executable, peers, "mlx", *args], {})
+        return (
+            [
+                launcher,
+                "--backend",
+                "ring",
+                "-n",
+                str(n),
+                "--starting-port",
+                str(_free_port_run(n)),
+                sys.executable,
+                peers,
+                "mlx",
+                *args,
+            ],
+            {},
+        )
+
     return System(name, command)
 
 
@@ -166,8 +235,11 @@ def _installed(min_time: float) -> tuple[list[System], list[str]]:
 
 def _clean_env() -> dict[str, str]:
     """This environment minus any job settings it may have inherited (so jobs start clean)."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_", "PMI", "PMIX_", "MASTER_"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_", "PMI", "PMIX_", "MASTER_"))
+    }
 
 
 def _run_job(system: System, n: int, sizes: str, timeout: float) -> dict[str, Any]:
@@ -177,8 +249,9 @@ def _run_job(system: System, n: int, sizes: str, timeout: float) -> dict[str, An
         cmd, extra = system.command(n, sizes, out)
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, env={**_clean_env(), **extra}, capture_output=True, text=True,
-                                  timeout=timeout, cwd=tmp)
+            proc = subprocess.run(
+                cmd, env={**_clean_env(), **extra}, capture_output=True, text=True, timeout=timeout, cwd=tmp
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         wall = time.monotonic() - t0
@@ -207,8 +280,9 @@ def _best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def busy_machine(count: int) -> Iterator[None]:
     """``count`` foreign processes spinning on the CPU while inside (a machine someone else
     uses too), ended on the way out however it is left."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
-             for _ in range(count)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(count)
+    ]
     try:
         yield
     finally:
@@ -266,11 +340,18 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
             if "rows" not in res:
                 continue
             xs = sorted(int(b) for b in res["rows"])
-            ax.plot(xs, [res["rows"][str(b)]["median"] * 1e6 for b in xs], marker="o", ms=3, label=name,
-                    linestyle="-" if name.startswith("meshcomm-") else "--")
+            ax.plot(
+                xs,
+                [res["rows"][str(b)]["median"] * 1e6 for b in xs],
+                marker="o",
+                ms=3,
+                label=name,
+                linestyle="-" if name.startswith("meshcomm-") else "--",
+            )
         xs = sorted({int(b) for r in results.values() if "rows" in r for b in r["rows"]})
-        ax.plot(xs, [tcp_model(int(n), b, doc["limits"]) * 1e6 for b in xs], color="black", linestyle=":",
-                label="TCP model")
+        ax.plot(
+            xs, [tcp_model(int(n), b, doc["limits"]) * 1e6 for b in xs], color="black", linestyle=":", label="TCP model"
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")
@@ -284,10 +365,13 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def _limits_text(lim: dict[str, float]) -> str:
-    return (f"memcpy {lim['memcpy'] / 1e9:.2f} GB/s, add {lim['add'] / 1e9:.2f} GB/s, "
-            f"TCP {lim['tcp'] / 1e9:.2f} GB/s one stream, {lim['tcp_duplex'] / 1e9:.2f} GB/s each way "
-            f"in both directions at once ({lim['tcp_duplex_4'] / 1e9:.2f} over 4 connections), TCP one-way latency {lim['tcp_latency_spin'] * 1e6:.1f} us "
-            f"polling / {lim['tcp_latency'] * 1e6:.1f} us blocking")
+    return (
+        f"memcpy {lim['memcpy'] / 1e9:.2f} GB/s, add {lim['add'] / 1e9:.2f} GB/s, "
+        f"TCP {lim['tcp'] / 1e9:.2f} GB/s one stream, {lim['tcp_duplex'] / 1e9:.2f} GB/s each way "
+        f"in both directions at once ({lim['tcp_duplex_4'] / 1e9:.2f} over 4 connections), "
+        f"TCP one-way latency {lim['tcp_latency_spin'] * 1e6:.1f} us "
+        f"polling / {lim['tcp_latency'] * 1e6:.1f} us blocking"
+    )
 
 
 def main(argv: list[str] | None = None, *, out_dir: str = "meshcomm-compare") -> int:
@@ -345,16 +429,28 @@ def run(args: argparse.Namespace) -> int:
             runs[str(n)] = _run_ranks(args, systems, n, log)
         load_during = os.getloadavg()[0]
     doc = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0], "loadavg_before": load_before, "loadavg_after": load_during,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "loadavg_before": load_before,
+        "loadavg_after": load_during,
         "busy_processes": busy,
-        "sizes": args.sizes, "min_time": args.min_time, "rounds": args.rounds, "limits": lim,
-        "skipped": skipped, "runs": {n: {k: {**v, "rows": {str(b): t for b, t in v.get("rows", {}).items()}}
-                                         for k, v in r.items()} for n, r in runs.items()},
+        "sizes": args.sizes,
+        "min_time": args.min_time,
+        "rounds": args.rounds,
+        "limits": lim,
+        "skipped": skipped,
+        "runs": {
+            n: {k: {**v, "rows": {str(b): t for b, t in v.get("rows", {}).items()}} for k, v in r.items()}
+            for n, r in runs.items()
+        },
     }
-    md = [f"float32 all_sum, median µs per call (slowest rank per iteration), {os.cpu_count()} cores, "
-          + (f"{busy} foreign busy process{'es' if busy > 1 else ''} spinning during every job, " if busy else "")
-          + f"load {load_before:.1f} before / {load_during:.1f} at the end; limits: {_limits_text(lim)}"]
+    md = [
+        f"float32 all_sum, median µs per call (slowest rank per iteration), {os.cpu_count()} cores, "
+        + (f"{busy} foreign busy process{'es' if busy > 1 else ''} spinning during every job, " if busy else "")
+        + f"load {load_before:.1f} before / {load_during:.1f} at the end; limits: {_limits_text(lim)}"
+    ]
     for n, results in runs.items():
         md += ["", f"### {n} ranks", "", _table(int(n), results, lim)]
         md += [f"\n{name}: {res['error']}" for name, res in results.items() if "error" in res]

@@ -52,14 +52,18 @@ while got < total:
     got += n
 """
 
-_SINK = r"""
+_SINK = (
+    r"""
 import socket, sys
 port, total = int(sys.argv[1]), int(sys.argv[2])
 s = socket.create_connection(("127.0.0.1", port))
-""" + _RECEIVE + r"""
+"""
+    + _RECEIVE
+    + r"""
 s.sendall(b"k")
 s.close()
 """
+)
 
 
 def _best_rate(fn: Callable[[], None], nbytes: int, reps: int) -> float:
@@ -87,6 +91,7 @@ def add_bw(nbytes: int = _BYTES, reps: int = 10) -> float:
 
     def add() -> None:
         np.add(a, b, out=a)
+
     return _best_rate(add, nbytes, reps)
 
 
@@ -123,11 +128,14 @@ def _accept(srv: socket.socket, child: subprocess.Popen[bytes], timeout: float |
             conn, _ = srv.accept()
         except TimeoutError:
             if child.poll() is not None:
-                raise RuntimeError(f"the loopback TCP helper exited with {child.returncode} before "
-                                   "connecting; its error is printed above") from None
+                raise RuntimeError(
+                    f"the loopback TCP helper exited with {child.returncode} before "
+                    "connecting; its error is printed above"
+                ) from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the loopback TCP helper did not connect within {timeout:g} s "
-                                   "(is the machine overloaded?)") from None
+                raise RuntimeError(
+                    f"the loopback TCP helper did not connect within {timeout:g} s (is the machine overloaded?)"
+                ) from None
             continue
         conn.settimeout(timeout)
         return conn
@@ -195,8 +203,10 @@ for s in socks:
 def _duplex_seconds(nbytes: int, streams: int) -> float:
     """Seconds until this process and a child have each sent ``nbytes`` to the other over
     ``streams`` connections at once."""
-    with socket.create_server(("127.0.0.1", 0), backlog=streams) as srv, \
-            _helper(_DUPLEX, srv.getsockname()[1], streams, nbytes) as child:
+    with (
+        socket.create_server(("127.0.0.1", 0), backlog=streams) as srv,
+        _helper(_DUPLEX, srv.getsockname()[1], streams, nbytes) as child,
+    ):
         conns: list[socket.socket] = []
         try:
             for _ in range(streams):
@@ -288,11 +298,21 @@ def tcp_latency(rounds: int = 2000, reps: int = 3, *, spin: bool = False) -> flo
 
 def measure_all() -> dict[str, float]:
     """memcpy, add, tcp, tcp_duplex and tcp_duplex_4 in bytes per second; the latencies in seconds."""
-    return {"memcpy": memcpy_bw(), "add": add_bw(), "tcp": tcp_bw(), "tcp_duplex": tcp_duplex_bw(),
-            "tcp_duplex_4": tcp_duplex_bw(streams=4), "tcp_latency": tcp_latency(), "tcp_latency_spin": tcp_latency(spin=True)}
+    return {
+        "memcpy": memcpy_bw(),
+        "add": add_bw(),
+        "tcp": tcp_bw(),
+        "tcp_duplex": tcp_duplex_bw(),
+        "tcp_duplex_4": tcp_duplex_bw(streams=4),
+        "tcp_latency": tcp_latency(),
+        "tcp_latency_spin": tcp_latency(spin=True),
+    }
 
 
 if __name__ == "__main__":
     lim = measure_all()
-    print(json.dumps({k: f"{v * 1e6:.1f} us" if k.startswith("tcp_latency") else f"{v / 1e9:.2f} GB/s"
-                      for k, v in lim.items()}))
+    print(
+        json.dumps(
+            {k: f"{v * 1e6:.1f} us" if k.startswith("tcp_latency") else f"{v / 1e9:.2f} GB/s" for k, v in lim.items()}
+        )
+    )

@@ -57,8 +57,7 @@ class Stats:
         if t.size == 0:
             raise ValueError("no timed iterations")
         p10, med, p90 = np.percentile(t, [10, 50, 90])
-        return cls(int(t.size), float(med), float(p10), float(p90), float(t.min()), float(t.max()),
-                   float(t.mean()))
+        return cls(int(t.size), float(med), float(p10), float(p90), float(t.min()), float(t.max()), float(t.mean()))
 
     def as_dict(self) -> dict[str, float]:
         """The fields as a plain dict (for JSON)."""
@@ -81,8 +80,16 @@ def plan_iters(estimate: float, *, min_time: float, min_iters: int, max_iters: i
     return int(min(max_iters, max(min_iters, math.ceil(min_time / estimate))))
 
 
-def time_op(op: Callable[[], Any], sync: Sync, *, iters: int | None = None, warmup: int = 3,
-            min_time: float = 0.3, min_iters: int = 5, max_iters: int = 1000) -> Timing:
+def time_op(
+    op: Callable[[], Any],
+    sync: Sync,
+    *,
+    iters: int | None = None,
+    warmup: int = 3,
+    min_time: float = 0.3,
+    min_iters: int = 5,
+    max_iters: int = 1000,
+) -> Timing:
     """Warm up, then time ``op`` in barrier-aligned iterations; every rank must call this.
 
     Args:

@@ -69,7 +69,9 @@ def _mpi4py() -> Setup:
             res = np.empty_like(x)
             comm.Allreduce(x, res, MPI.SUM)
             return res
+
         return call, checked
+
     return comm.Get_rank(), comm.Get_size(), _Sync(), make, lambda: None
 
 
@@ -82,8 +84,13 @@ def _torch() -> Setup:
 
     rank, size = int(os.environ["MLX_RANK"]), int(os.environ["MLX_WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_TORCH_PORT']}",
-                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['BENCH_TORCH_PORT']}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=300),
+    )
 
     class _Sync:
         def barrier(self) -> None:
@@ -104,7 +111,9 @@ def _torch() -> Setup:
             c = torch.from_numpy(x.copy())
             dist.all_reduce(c)
             return c.numpy()
+
         return call, checked
+
     # gloo aborts the process at exit if the group is still alive
     return rank, size, _Sync(), make, dist.destroy_process_group
 
@@ -134,7 +143,9 @@ def _mlx() -> Setup:
 
         def checked() -> np.ndarray:
             return np.array(mx.distributed.all_sum(a, group=g))
+
         return call, checked
+
     return g.rank(), g.size(), _Sync(), make, lambda: None
 
 
@@ -171,8 +182,10 @@ def _sweep(args: argparse.Namespace, rank: int, size: int, sync: Sync, make: Mak
         timing = time_op(call, sync, warmup=args.warmup, min_time=args.min_time)
         rows.append({"bytes": count * 4, "ok": True, "time": timing.stats.as_dict()})
         if rank == 0:
-            sys.stderr.write(f"{args.lib} {size} ranks {count * 4:>10} B  median "
-                             f"{timing.stats.median * 1e6:10.1f} us ({timing.stats.iters} iters)\n")
+            sys.stderr.write(
+                f"{args.lib} {size} ranks {count * 4:>10} B  median "
+                f"{timing.stats.median * 1e6:10.1f} us ({timing.stats.iters} iters)\n"
+            )
     if rank == 0:
         with open(args.json, "w") as f:
             json.dump({"lib": args.lib, "ranks": size, "results": rows}, f, indent=1)

@@ -26,9 +26,11 @@ def pyplot() -> Any:
     except ImportError:
         raise MissingMatplotlib(
             "plotting needs matplotlib, which is not installed; install it with "
-            "pip install \"meshcomm[bench]\" (or pip install matplotlib), or drop --plot") from None
+            'pip install "meshcomm[bench]" (or pip install matplotlib), or drop --plot'
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -42,8 +44,9 @@ def plot_results(results: Sequence[Result], path: str | Path, *, title: str = ""
             continue
         x = [r.nbytes for r in rows]
         ax_t.plot(x, [r.stats.median * 1e6 for r in rows if r.stats], marker="o", label=op)
-        ax_t.fill_between(x, [r.stats.p10 * 1e6 for r in rows if r.stats],
-                          [r.stats.p90 * 1e6 for r in rows if r.stats], alpha=0.2)
+        ax_t.fill_between(
+            x, [r.stats.p10 * 1e6 for r in rows if r.stats], [r.stats.p90 * 1e6 for r in rows if r.stats], alpha=0.2
+        )
         ax_bw.plot(x, [(r.busbw or 0) / 1e9 for r in rows], marker="o", label=op)
     for ax in (ax_t, ax_bw):
         ax.set_xscale("log", base=2)

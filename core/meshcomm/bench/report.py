@@ -32,8 +32,10 @@ def progress_line(r: Result) -> str:
     """One line per measured size for stderr."""
     if not r.ok or r.stats is None:
         return f"{r.op:<11} {format_size(r.nbytes):>9}  WRONG RESULT: {r.error}"
-    return (f"{r.op:<11} {format_size(r.nbytes):>9}  median {r.stats.median * 1e6:10.1f} us  "
-            f"busbw {_gbs(r.busbw):>7} GB/s  ({r.stats.iters} iters)")
+    return (
+        f"{r.op:<11} {format_size(r.nbytes):>9}  median {r.stats.median * 1e6:10.1f} us  "
+        f"busbw {_gbs(r.busbw):>7} GB/s  ({r.stats.iters} iters)"
+    )
 
 
 def avg_busbw(results: Iterable[Result]) -> float | None:
@@ -47,23 +49,30 @@ def format_table(results: Sequence[Result], *, title: str = "") -> str:
     """A fixed-width table per operation; wrong rows say WRONG and carry no figures."""
     out: list[str] = []
     ops = list(dict.fromkeys(r.op for r in results))
-    head = (f"{'size':>10} {'count':>10} {'type':>8} {'time(us)':>11} {'p10(us)':>11} {'p90(us)':>11} "
-            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'iters':>6}  check")
+    head = (
+        f"{'size':>10} {'count':>10} {'type':>8} {'time(us)':>11} {'p10(us)':>11} {'p90(us)':>11} "
+        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'iters':>6}  check"
+    )
     for op in ops:
         rows = [r for r in results if r.op == op]
         first = rows[0]
-        out.append(f"# {op}: {first.ranks} ranks, backend {first.backend}, {first.dtype}"
-                   + (f", {title}" if title else ""))
+        out.append(
+            f"# {op}: {first.ranks} ranks, backend {first.backend}, {first.dtype}" + (f", {title}" if title else "")
+        )
         out.append("#" + head[1:])
         for r in rows:
             if r.ok and r.stats is not None:
                 s = r.stats
-                out.append(f"{format_size(r.nbytes):>10} {r.count:>10} {r.dtype:>8} {s.median * 1e6:>11.1f} "
-                           f"{s.p10 * 1e6:>11.1f} {s.p90 * 1e6:>11.1f} {_gbs(r.algbw):>11} "
-                           f"{_gbs(r.busbw):>11} {s.iters:>6}  ok")
+                out.append(
+                    f"{format_size(r.nbytes):>10} {r.count:>10} {r.dtype:>8} {s.median * 1e6:>11.1f} "
+                    f"{s.p10 * 1e6:>11.1f} {s.p90 * 1e6:>11.1f} {_gbs(r.algbw):>11} "
+                    f"{_gbs(r.busbw):>11} {s.iters:>6}  ok"
+                )
             else:
-                out.append(f"{format_size(r.nbytes):>10} {r.count:>10} {r.dtype:>8} {'-':>11} {'-':>11} "
-                           f"{'-':>11} {'-':>11} {'-':>11} {'-':>6}  WRONG (ranks {r.wrong_ranks})")
+                out.append(
+                    f"{format_size(r.nbytes):>10} {r.count:>10} {r.dtype:>8} {'-':>11} {'-':>11} "
+                    f"{'-':>11} {'-':>11} {'-':>11} {'-':>6}  WRONG (ranks {r.wrong_ranks})"
+                )
         wrong = sum(1 for r in rows if not r.ok)
         out.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
         avg = avg_busbw(rows)
@@ -78,14 +87,20 @@ def environment() -> dict[str, Any]:
     import numpy
 
     from .. import __version__
+
     try:
         load = list(os.getloadavg())
     except OSError:  # pragma: no cover - not on every platform
         load = None
     return {
-        "meshcomm": __version__, "numpy": numpy.__version__, "python": sys.version.split()[0],
-        "host": platform.node(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "loadavg": load, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "meshcomm": __version__,
+        "numpy": numpy.__version__,
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "loadavg": load,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 

@@ -69,9 +69,17 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (times in seconds, bandwidths in bytes per second)."""
         return {
-            "op": self.op, "bytes": self.nbytes, "count": self.count, "dtype": self.dtype,
-            "ranks": self.ranks, "backend": self.backend, "ok": self.ok, "error": self.error,
-            "wrong_ranks": self.wrong_ranks, "algbw": self.algbw, "busbw": self.busbw,
+            "op": self.op,
+            "bytes": self.nbytes,
+            "count": self.count,
+            "dtype": self.dtype,
+            "ranks": self.ranks,
+            "backend": self.backend,
+            "ok": self.ok,
+            "error": self.error,
+            "wrong_ranks": self.wrong_ranks,
+            "algbw": self.algbw,
+            "busbw": self.busbw,
             "time": self.stats.as_dict() if self.stats else None,
         }
 
@@ -86,9 +94,17 @@ def _sizes_for(op: str, sizes: Iterable[int]) -> list[int]:
     return list(sizes) if OPS[op].sized else [0]
 
 
-def run_sweep(group: Group, ops: Iterable[str], sizes: Iterable[int], dtype: Any = np.float32, *,
-              iters: int | None = None, warmup: int = 3, min_time: float = 0.3,
-              progress: Callable[[Result], None] | None = None) -> list[Result]:
+def run_sweep(
+    group: Group,
+    ops: Iterable[str],
+    sizes: Iterable[int],
+    dtype: Any = np.float32,
+    *,
+    iters: int | None = None,
+    warmup: int = 3,
+    min_time: float = 0.3,
+    progress: Callable[[Result], None] | None = None,
+) -> list[Result]:
     """Time every operation in ``ops`` at every size; every rank of ``group`` must call it.
 
     Raises ValueError before any communication for an unknown operation or one that needs
@@ -117,18 +133,31 @@ def run_sweep(group: Group, ops: Iterable[str], sizes: Iterable[int], dtype: Any
             error = case.check(timing.first) or case.check(timing.last)
             wrong = _agree_on_errors(group, error)
             if error:
-                sys.stderr.write(f"meshcomm bench: rank {group.rank()}: {name} at "
-                                 f"{format_size(case.nbytes)} returned a wrong result: {error}\n")
+                sys.stderr.write(
+                    f"meshcomm bench: rank {group.rank()}: {name} at "
+                    f"{format_size(case.nbytes)} returned a wrong result: {error}\n"
+                )
             if wrong:
                 detail = error or "see the stderr of those ranks"
-                row = Result(name, case.nbytes, case.count, dt.name, n, group.backend, None, None, None,
-                             False, f"wrong result on rank(s) {wrong}: {detail}", wrong)
+                row = Result(
+                    name,
+                    case.nbytes,
+                    case.count,
+                    dt.name,
+                    n,
+                    group.backend,
+                    None,
+                    None,
+                    None,
+                    False,
+                    f"wrong result on rank(s) {wrong}: {detail}",
+                    wrong,
+                )
             else:
                 med = timing.stats.median
                 algbw = case.nbytes / med if coll.sized and med > 0 else None
                 busbw = algbw * coll.bus_factor(n) if algbw is not None else None
-                row = Result(name, case.nbytes, case.count, dt.name, n, group.backend, timing.stats,
-                             algbw, busbw, True)
+                row = Result(name, case.nbytes, case.count, dt.name, n, group.backend, timing.stats, algbw, busbw, True)
             results.append(row)
             if progress is not None:
                 progress(row)

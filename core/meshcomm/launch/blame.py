@@ -82,13 +82,16 @@ def blame(failures: list[Failure], records: list[dict[str, Any]], running: Seque
         first = peers[0]
         verb = "did not answer in time" if first.get("type") == "CommTimeoutError" else "was lost"
         text = f"{verb} (rank {first.get('rank')} raised {first.get('type')}: {first.get('message')})"
-        return Verdict(int(first["peer"]), int(first.get("code", 1)) or 1, text,
-                       lost=first.get("type") == "PeerLostError")
+        return Verdict(
+            int(first["peer"]), int(first.get("code", 1)) or 1, text, lost=first.get("type") == "PeerLostError"
+        )
     silent = [r for r in running if r not in recorded]
     if records and silent:
         first = records[0]
-        text = (f"did not answer in time (still running when rank {first.get('rank')} raised "
-                f"{first.get('type')}: {first.get('message')})")
+        text = (
+            f"did not answer in time (still running when rank {first.get('rank')} raised "
+            f"{first.get('type')}: {first.get('message')})"
+        )
         return Verdict(silent[0], int(first.get("code", 1)) or 1, text)
     for f in failures:  # no records at all: status 1 is how ranks that lost a peer end
         if f.status != 1:

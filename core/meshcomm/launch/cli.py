@@ -20,27 +20,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Start N ranks of PROGRAM. A .py program runs with this Python.",
         usage="meshcomm launch [-n N] [options] [--] program [args...]",
     )
-    p.add_argument("-n", "--nranks", type=int, default=None,
-                   help="total number of ranks (default: the hosts' counts, --hosts a:2,b:2 or --ranks-per-host)")
-    p.add_argument("--backend", default=None,
-                   help=f"backend: {DEFAULT_BACKEND} (default, unless the hostfile names one), mpi, gloo or a plugin's")
+    p.add_argument(
+        "-n",
+        "--nranks",
+        type=int,
+        default=None,
+        help="total number of ranks (default: the hosts' counts, --hosts a:2,b:2 or --ranks-per-host)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help=f"backend: {DEFAULT_BACKEND} (default, unless the hostfile names one), mpi, gloo or a plugin's",
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--hosts", help="comma-separated hosts (ssh names; also the IPs ranks use), "
-                                       "each optionally with its number of ranks: a:2,b:2")
+    where.add_argument(
+        "--hosts",
+        help="comma-separated hosts (ssh names; also the IPs ranks use), "
+        "each optionally with its number of ranks: a:2,b:2",
+    )
     where.add_argument("--hostfile", help="JSON launcher hostfile (see docs/launch.md)")
-    p.add_argument("--ranks-per-host", type=int, default=None, metavar="N",
-                   help="ranks on every host that does not give its own number")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
-                   help="how ranks are started: auto (slurm inside a Slurm allocation, else ssh), local, ssh, slurm")
-    p.add_argument("--env", action="append", default=[], metavar="K=V",
-                   help="environment variable for every rank (repeatable)")
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks on every host that does not give its own number",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="how ranks are started: auto (slurm inside a Slurm allocation, else ssh), local, ssh, slurm",
+    )
+    p.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="environment variable for every rank (repeatable)"
+    )
     p.add_argument("--timeout", type=float, default=None, help="MLX_TIMEOUT for every rank, seconds")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
-    p.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="also write each rank's output to DIR/rank-R.log")
-    p.add_argument("--trace", default=None, metavar="DIR",
-                   help="record every rank's operations (MESHCOMM_TRACE) and merge them into DIR/trace.json "
-                        "at the end, for Perfetto or 'meshcomm trace summary'")
+    p.add_argument("--log-dir", default=None, metavar="DIR", help="also write each rank's output to DIR/rank-R.log")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="record every rank's operations (MESHCOMM_TRACE) and merge them into DIR/trace.json "
+        "at the end, for Perfetto or 'meshcomm trace summary'",
+    )
     p.add_argument("--verbose", action="store_true", help="print the commands that start each rank")
     p.add_argument("--cwd", default=None, help="working directory of every rank (default: this one)")
     p.add_argument("--python", default=None, help="interpreter for .py programs (default: this one)")
@@ -67,9 +91,21 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise ConfigError(f"--ranks-per-host {args.ranks_per_host}: must be at least 1")
     return LaunchOptions(
-        program=prog, nranks=args.nranks, backend=args.backend, hosts=hosts, ranks_per_host=args.ranks_per_host,
-        launcher=args.launcher, env=env, timeout=args.timeout, prefix=not args.no_prefix, verbose=args.verbose,
-        cwd=args.cwd, python=args.python, ssh=args.ssh, port_base=args.port_base, log_dir=args.log_dir,
+        program=prog,
+        nranks=args.nranks,
+        backend=args.backend,
+        hosts=hosts,
+        ranks_per_host=args.ranks_per_host,
+        launcher=args.launcher,
+        env=env,
+        timeout=args.timeout,
+        prefix=not args.no_prefix,
+        verbose=args.verbose,
+        cwd=args.cwd,
+        python=args.python,
+        ssh=args.ssh,
+        port_base=args.port_base,
+        log_dir=args.log_dir,
         trace=args.trace,
     )
 

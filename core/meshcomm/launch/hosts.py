@@ -171,13 +171,16 @@ def job_size(n: int | None, hosts: list[Host], ranks_per_host: int | None = None
         return n
     counts = [h.slots or ranks_per_host for h in hosts]
     if any(c is None for c in counts):
-        raise ConfigError("-n is missing: give the number of ranks (-n N), or a number per host "
-                          "(--hosts a:2,b:2, hostfile 'slots', or --ranks-per-host N)")
+        raise ConfigError(
+            "-n is missing: give the number of ranks (-n N), or a number per host "
+            "(--hosts a:2,b:2, hostfile 'slots', or --ranks-per-host N)"
+        )
     return sum(int(c or 0) for c in counts)
 
 
-def place_ranks(n: int, hosts: list[Host], ranks_per_host: int | None = None, *,
-                local_ranks: bool = True) -> list[RankPlace]:
+def place_ranks(
+    n: int, hosts: list[Host], ranks_per_host: int | None = None, *, local_ranks: bool = True
+) -> list[RankPlace]:
     """Assign ranks 0..n-1 to hosts in blocks (host 0 gets the first ranks).
 
     A host takes its ``slots`` ranks, else ``ranks_per_host``; when some host has neither,

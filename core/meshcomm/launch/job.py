@@ -23,8 +23,9 @@ __all__ = ["Job"]
 class Job:
     """Implements :class:`meshcomm.launch.spec.JobSpec` for one run of ``meshcomm launch``."""
 
-    def __init__(self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None,
-                 shm_dir: bool = False) -> None:
+    def __init__(
+        self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None, shm_dir: bool = False
+    ) -> None:
         self.nranks = len(places)
         self.places = places
         self.job_id = uuid.uuid4().hex[:12]
@@ -143,8 +144,9 @@ def _make_private_dir(path: Path) -> tuple[int, int, int]:
             "to read or plant the job's files; refusing to use it. Remove it, or set TMPDIR to a private directory"
         ) from None
     except OSError as exc:
-        raise ConfigError(f"cannot create the job directory {path}: {exc.strerror}; set TMPDIR to a "
-                          "writable directory") from None
+        raise ConfigError(
+            f"cannot create the job directory {path}: {exc.strerror}; set TMPDIR to a writable directory"
+        ) from None
     os.chmod(path, 0o700)  # whatever the umask
     st = os.lstat(path)
     return st.st_dev, st.st_ino, st.st_uid
@@ -160,9 +162,13 @@ SHM = "/dev/shm"
 def _start_reaper(job_id: str, paths: list[Path]) -> subprocess.Popen[bytes] | None:
     """The process that removes ``paths`` if this launcher is killed (:mod:`.reaper`)."""
     try:
-        return subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), job_id,
-                                 *map(str, paths)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("reaper.py")), job_id, *map(str, paths)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError:
         return None  # the next launch sweeps what a killed one leaves
 
@@ -188,5 +194,3 @@ def _sweep_stale(tmp: Path) -> None:
 
 def _family(ip: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in ip else socket.AF_INET
-
-

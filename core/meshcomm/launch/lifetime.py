@@ -66,8 +66,9 @@ def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     return False
 
 
-def stop(send: Callable[[Sequence[int]], None], wait: Callable[[float], bool], grace: float, *,
-         kill_always: bool) -> None:
+def stop(
+    send: Callable[[Sequence[int]], None], wait: Callable[[float], bool], grace: float, *, kill_always: bool
+) -> None:
     """Stop processes as a shell user would: SIGTERM, then SIGCONT (as ``kill`` does for a
     stopped job: a stopped process gets its SIGTERM now, not only SIGKILL at the end of
     the grace period), up to ``grace`` seconds for them to end, then SIGKILL.

@@ -60,12 +60,16 @@ class LaunchOptions:
             name = self.backend.strip().lower()
             given = self.env.get("MLX_BACKEND", "").strip().lower()
             if given and given not in (name, "any"):  # "any": the ranks choose by their environment
-                raise ConfigError(f"--backend {self.backend} and --env MLX_BACKEND={self.env['MLX_BACKEND']} "
-                                  "disagree: give the backend once, with --backend")
+                raise ConfigError(
+                    f"--backend {self.backend} and --env MLX_BACKEND={self.env['MLX_BACKEND']} "
+                    "disagree: give the backend once, with --backend"
+                )
             return name, f"--backend {self.backend}"
         hostfile = self.hosts.backend if self.hosts is not None and self.hosts.backend else None
-        for value, source in ((self.env.get("MLX_BACKEND"), "--env MLX_BACKEND={}"),
-                              (env.get("MLX_BACKEND"), "MLX_BACKEND={} (from the environment)")):
+        for value, source in (
+            (self.env.get("MLX_BACKEND"), "--env MLX_BACKEND={}"),
+            (env.get("MLX_BACKEND"), "MLX_BACKEND={} (from the environment)"),
+        ):
             name = (value or "").strip().lower()
             if not name or name == "any":
                 continue

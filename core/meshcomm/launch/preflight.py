@@ -37,16 +37,19 @@ def check_program(argv: Sequence[str], workdir: str) -> None:
     if not script.endswith(".py"):
         exe = shutil.which(script, path=os.environ.get("PATH")) if os.sep not in script else script
         if exe is None or not os.access(Path(workdir, exe), os.X_OK):
-            raise ConfigError(f"program {script!r} was not found on PATH (or is not executable): "
-                              "check its name, or give its path")
+            raise ConfigError(
+                f"program {script!r} was not found on PATH (or is not executable): check its name, or give its path"
+            )
         if Path(exe).name.startswith("python") and len(argv) > 1 and argv[1].endswith(".py"):
             script = argv[1]  # meshcomm launch -n N -- python prog.py
         else:
             return
     path = Path(workdir, script)
     if not path.is_file():
-        raise ConfigError(f"program file {script!r} does not exist in {workdir}: check the path "
-                          "(relative paths are taken from the ranks' working directory, --cwd)")
+        raise ConfigError(
+            f"program file {script!r} does not exist in {workdir}: check the path "
+            "(relative paths are taken from the ranks' working directory, --cwd)"
+        )
 
 
 def check_settings(spec: BackendSpec, rank_env: Mapping[str, str], world_size: int, *, inherit: bool = True) -> None:
@@ -54,8 +57,13 @@ def check_settings(spec: BackendSpec, rank_env: Mapping[str, str], world_size: i
     launcher gives every rank, over this environment when the ranks inherit it (``inherit``:
     every rank on this machine). Raises ConfigError naming the variable, its value and what
     it accepts."""
-    environ = {**(os.environ if inherit else {}), **rank_env, "MLX_BACKEND": spec.name, "MLX_RANK": "0",
-               "MLX_WORLD_SIZE": str(world_size)}
+    environ = {
+        **(os.environ if inherit else {}),
+        **rank_env,
+        "MLX_BACKEND": spec.name,
+        "MLX_RANK": "0",
+        "MLX_WORLD_SIZE": str(world_size),
+    }
     try:
         Config.load(environ)
         if spec.settings is not None:

@@ -107,8 +107,11 @@ class RankOutput:
         to_devnull(out)
         if stream == "out" and not isinstance(exc, BrokenPipeError):
             kept = " (--log-dir still gets it)" if self.logs else ""
-            self._write("err", f"meshcomm launch: cannot write to stdout ({exc.strerror or exc}); the ranks' "
-                               f"further output to it is dropped{kept}\n".encode())
+            self._write(
+                "err",
+                f"meshcomm launch: cannot write to stdout ({exc.strerror or exc}); the ranks' "
+                f"further output to it is dropped{kept}\n".encode(),
+            )
 
     def close(self) -> None:
         with self.lock:
@@ -137,7 +140,7 @@ def private_dir_script(folder: str) -> list[str]:
     return [
         "umask 077",
         f"mc_dir={shlex.quote(folder)}; mc_parent={shlex.quote(parent)}",
-        f"mc_owner() {{ echo \"{owner}\"; }}",
+        f'mc_owner() {{ echo "{owner}"; }}',
         'mkdir -p "$mc_parent" 2>/dev/null || true',
         # the parent: root's or ours, and not group/other-writable unless sticky (find: POSIX tests)
         'if [ -z "$(find "$mc_parent" -maxdepth 0 \\( -user 0 -o -user "$(id -u)" \\) '
@@ -148,11 +151,11 @@ def private_dir_script(folder: str) -> list[str]:
         'mkdir -m 700 "$mc_dir" 2>/dev/null || true',
         # the directory: a real one (find does not follow a symlink given to it), ours, 0700
         'if [ -z "$(find "$mc_dir" -maxdepth 0 -type d -user "$(id -u)" -perm 700 2>/dev/null)" ]; then '
-        'echo "meshcomm launch: error: job directory $mc_dir on $(hostname) exists already and is not this job\'s '
+        "echo \"meshcomm launch: error: job directory $mc_dir on $(hostname) exists already and is not this job's "
         '($([ -L "$mc_dir" ] && echo "a symlink, ")$(mc_owner "$mc_dir"), where this job makes it 0700 and owned '
-        'by uid $(id -u)): another user may have made it first to read or plant the job\'s files; refusing to use '
+        "by uid $(id -u)): another user may have made it first to read or plant the job's files; refusing to use "
         'it. Remove it (rm -rf $mc_dir) unless someone else needs it, and start the job again" >&2; '
-        f'exit {DIR_REFUSED}; fi',
+        f"exit {DIR_REFUSED}; fi",
     ]
 
 
@@ -198,6 +201,7 @@ def pump_lines(stream: IO[bytes], deliver: Callable[[bytes], None], *, strip_nul
     """A thread that calls ``deliver(line)`` for every line of ``stream`` (a last line
     without a newline gets one); ``strip_nul`` drops NUL bytes (Open MPI ends its help
     texts with one)."""
+
     def run() -> None:
         for line in iter(stream.readline, b""):
             if strip_nul:

@@ -115,8 +115,12 @@ def whole_line_writes() -> None:
         try:
             old.flush()
             raw = io.FileIO(fd, "w", closefd=False)
-            new = io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=1 << 20), encoding=old.encoding,
-                                   errors=old.errors, line_buffering=True)
+            new = io.TextIOWrapper(
+                io.BufferedWriter(raw, buffer_size=1 << 20),
+                encoding=old.encoding,
+                errors=old.errors,
+                line_buffering=True,
+            )
         except (OSError, ValueError, AttributeError):
             continue
         setattr(sys, name, new)
@@ -197,8 +201,9 @@ def _run(args: list[str]) -> None:
             runpy.run_path(path, run_name="__main__")  # a directory or zip with __main__.py
             return
         main = _fresh_main()
-        main.__dict__.update(__file__=full, __cached__=None,
-                             __loader__=importlib.machinery.SourceFileLoader("__main__", full))
+        main.__dict__.update(
+            __file__=full, __cached__=None, __loader__=importlib.machinery.SourceFileLoader("__main__", full)
+        )
         with io.open_code(full) as f:
             code = compile(f.read(), full, "exec")
         exec(code, main.__dict__)  # noqa: S102 - what python does with a script
@@ -262,8 +267,11 @@ def main() -> None:
     rank = rank_from_env()
     folder = os.environ.get(OUTPUT_DIR_ENV)
     redirected = bool(folder) and rank is not None and redirect_output(str(folder), rank)
-    if not redirected and os.environ.get("MESHCOMM_JOB_ID") and any(
-            os.environ.get(v) for vs in FROM_MPI_LAUNCHER.values() for v in vs):
+    if (
+        not redirected
+        and os.environ.get("MESHCOMM_JOB_ID")
+        and any(os.environ.get(v) for vs in FROM_MPI_LAUNCHER.values() for v in vs)
+    ):
         whole_line_writes()
     _record_pid(rank)
     if args[0] == "--exec":

@@ -77,8 +77,9 @@ def own_python_program(argv: Sequence[str], interpreter: str) -> list[str]:
         return list(argv)
     # the same file (not python3.9 beside python3.11) in the same directory (a venv's python
     # is a link to the base interpreter, which lacks the venv's packages)
-    same = (Path(os.path.abspath(found)).parent == Path(os.path.abspath(interpreter)).parent
-            and os.path.realpath(found) == os.path.realpath(interpreter))
+    same = Path(os.path.abspath(found)).parent == Path(os.path.abspath(interpreter)).parent and os.path.realpath(
+        found
+    ) == os.path.realpath(interpreter)
     return list(argv[1:]) if same else list(argv)
 
 
@@ -199,14 +200,29 @@ def launch(options: LaunchOptions) -> int:
             local_size[p.host] = local_size.get(p.host, 0) + 1
         by_host: dict[str | None, list[RankStart]] = {}
         for p in places:
-            rank_env = {"MLX_RANK": str(p.rank), "MLX_LOCAL_RANK": str(p.local_index),
-                        "MLX_LOCAL_SIZE": str(local_size[p.host]), **envs[p.rank]}
-            by_host.setdefault(p.host, []).append(RankStart(
-                p, program_argv(argv, interpreter, remote=p.host is not None), rank_env,
-                tuple(job.fds_for(p.rank))))
+            rank_env = {
+                "MLX_RANK": str(p.rank),
+                "MLX_LOCAL_RANK": str(p.local_index),
+                "MLX_LOCAL_SIZE": str(local_size[p.host]),
+                **envs[p.rank],
+            }
+            by_host.setdefault(p.host, []).append(
+                RankStart(
+                    p, program_argv(argv, interpreter, remote=p.host is not None), rank_env, tuple(job.fds_for(p.rank))
+                )
+            )
         host_starts = [
-            HostStart(host, ranks, base, workdir, str(job.dir), files=dict(job.files), cleanup=cleanup,
-                      python=interpreter, verbose=options.verbose)
+            HostStart(
+                host,
+                ranks,
+                base,
+                workdir,
+                str(job.dir),
+                files=dict(job.files),
+                cleanup=cleanup,
+                python=interpreter,
+                verbose=options.verbose,
+            )
             for host, ranks in by_host.items()
         ]
         assert starter is not None
@@ -258,8 +274,12 @@ def _merge_trace(folder: str) -> None:
 class _Watch:
     """What the launcher learns while a job runs: exits, failure records, stack requests."""
 
-    def __init__(self, job: Job, signal_ranks: Callable[[int], None] | None,
-                 remote_records: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        signal_ranks: Callable[[int], None] | None,
+        remote_records: Callable[[], list[dict[str, Any]]] | None = None,
+    ) -> None:
         self.job = job
         self._remote_records = remote_records
         self.failures: list[Failure] = []
@@ -352,8 +372,7 @@ def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankO
             # The other ranks usually end of this failure on their own (PeerLostError) within
             # a moment: let them, so that their records and messages are there to read.
             deadline = time.monotonic() + SETTLE
-            while (time.monotonic() < deadline and intr.signum is None
-                   and any(rc is None for rc in statuses().values())):
+            while time.monotonic() < deadline and intr.signum is None and any(rc is None for rc in statuses().values()):
                 time.sleep(0.02)
             watch.note_exits(sorted(statuses().items()))
         watch.note_records()
@@ -390,12 +409,17 @@ def _stop(sessions: list[Session], statuses: Callable[[], dict[int, int | None]]
             for sig in signals:
                 s.signal(sig)
 
-    stop(send, lambda grace: wait_until(lambda: all(rc is not None for rc in statuses().values()), grace),
-         GRACE, kill_always=True)
+    stop(
+        send,
+        lambda grace: wait_until(lambda: all(rc is not None for rc in statuses().values()), grace),
+        GRACE,
+        kill_always=True,
+    )
 
 
-def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, output: RankOutput, verbose: bool,
-                  runner: bool) -> int:
+def _run_external(
+    job: Job, cmd: list[str], base: dict[str, str], cwd: str, output: RankOutput, verbose: bool, runner: bool
+) -> int:
     """Run the one command that starts every rank (mpiexec). Ranks run through the rank
     runner write their output to FIFOs read here (whole lines, prefixed by us), their
     failure records to the job's directory (blame, and stacks on a timeout)."""
@@ -409,14 +433,23 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
     with _Interrupt() as intr:
         # mpiexec gets SIGTERM if we die, so it can stop its ranks (which also die with
         # their parent: the rank runner asks for that)
-        proc = subprocess.Popen(cmd, env={**os.environ, **base}, cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **base},
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+        )
         assert proc.stdout is not None and proc.stderr is not None
         # mpiexec's own messages, and the ranks' output when it tags them (ranks on other hosts)
         own = {stream: MpiexecLines(_host_writer(output, stream)) for stream in ("out", "err")}
-        pumps = [pump_lines(proc.stdout, _retagger(output, "out", own["out"]), strip_nul=True),
-                 pump_lines(proc.stderr, _retagger(output, "err", own["err"]), strip_nul=True)]
+        pumps = [
+            pump_lines(proc.stdout, _retagger(output, "out", own["out"]), strip_nul=True),
+            pump_lines(proc.stderr, _retagger(output, "err", own["err"]), strip_nul=True),
+        ]
 
         def signal_ranks(sig: int) -> None:
             if proc.poll() is None:
@@ -439,8 +472,12 @@ def _run_external(job: Job, cmd: list[str], base: dict[str, str], cwd: str, outp
             time.sleep(0.05)
         if (intr.signum is not None or stopped) and proc.poll() is None:
             # mpiexec's group: SIGTERM, SIGCONT, SIGKILL only if it has not ended after 2 x GRACE
-            stop(lambda signals: _killpg(proc.pid, signals), lambda grace: _ended(proc, grace), GRACE * 2,
-                 kill_always=False)
+            stop(
+                lambda signals: _killpg(proc.pid, signals),
+                lambda grace: _ended(proc, grace),
+                GRACE * 2,
+                kill_always=False,
+            )
             proc.wait()
         _kill_ranks(job)
         if fifos is not None:
@@ -494,6 +531,7 @@ def _retagger(output: RankOutput, stream: str, mpiexec: MpiexecLines) -> Callabl
     """Deliver mpiexec's lines: a line mpiexec tagged with a rank goes out as that rank's
     (prefixed ``[rank R] `` like on every backend, and into its log); mpiexec's own lines
     as ``[mpiexec] `` lines, its failure banners condensed (:mod:`.mpiexec_lines`)."""
+
     def deliver(line: bytes) -> None:
         m = _MPI_TAG.match(line)
         if m is None:
@@ -501,7 +539,8 @@ def _retagger(output: RankOutput, stream: str, mpiexec: MpiexecLines) -> Callabl
             return
         rank = int(m.group(1) or m.group(3))
         own = "err" if m.group(2) in (b"stderr", b"stddiag") else ("out" if m.group(2) else stream)
-        output.rank_line(rank, own, line[m.end():])
+        output.rank_line(rank, own, line[m.end() :])
+
     return deliver
 
 
@@ -523,12 +562,14 @@ def _stack_signaller(job: Job) -> Callable[[int], None]:
     """Signals the ranks that said they print their stacks on SIGUSR1 (``meshcomm.init`` does,
     :data:`meshcomm.exits.STACKS_FILE`): for programs the rank runner does not run
     (``-- python prog.py``), whose processes would otherwise die of the signal."""
+
     def signal_ranks(sig: int) -> None:
         for pid in _job_pids(job, STACKS_FILE.format(rank="*")):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
     return signal_ranks
 
 

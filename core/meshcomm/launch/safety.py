@@ -15,7 +15,13 @@ from collections.abc import Mapping, Sequence
 from ..errors import ConfigError
 
 __all__ = [
-    "check_env_name", "parse_env_item", "check_host", "ssh_argv", "secret_names", "mask", "SECRET_ENV",
+    "check_env_name",
+    "parse_env_item",
+    "check_host",
+    "ssh_argv",
+    "secret_names",
+    "mask",
+    "SECRET_ENV",
 ]
 
 SECRET_ENV = "MESHCOMM_JOB_SECRET"
@@ -62,11 +68,15 @@ def check_host(dest: str, where: str) -> str:
     """
     user, at, host = dest.rpartition("@")
     if dest.startswith("-") or host.startswith("-"):
-        raise ConfigError(f"{where}: {dest!r} starts with '-', so ssh would read it as an ssh option, "
-                          "not a host; give a host name or address (user@host)")
+        raise ConfigError(
+            f"{where}: {dest!r} starts with '-', so ssh would read it as an ssh option, "
+            "not a host; give a host name or address (user@host)"
+        )
     if (at and not _USER.fullmatch(user)) or not _HOST.fullmatch(host):
-        raise ConfigError(f"{where}: {dest!r} is not a host name, address or user@host (only letters, "
-                          "digits and . _ - : % [ ] are allowed)")
+        raise ConfigError(
+            f"{where}: {dest!r} is not a host name, address or user@host (only letters, "
+            "digits and . _ - : % [ ] are allowed)"
+        )
     return dest
 
 

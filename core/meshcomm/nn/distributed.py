@@ -28,8 +28,13 @@ from .module import Module
 from .quantize import check_mode, dequantize, quantize
 
 __all__ = [
-    "AllToShardedLinear", "ShardedToAllLinear", "QuantizedAllToShardedLinear",
-    "QuantizedShardedToAllLinear", "shard_linear", "shard_inplace", "SHARDINGS",
+    "AllToShardedLinear",
+    "ShardedToAllLinear",
+    "QuantizedAllToShardedLinear",
+    "QuantizedShardedToAllLinear",
+    "shard_linear",
+    "shard_inplace",
+    "SHARDINGS",
 ]
 
 SHARDINGS = ("all-to-sharded", "sharded-to-all")
@@ -107,8 +112,9 @@ class AllToShardedLinear(_TPLayer):
     _parameters = ("weight", "bias")
     _trainable = ("weight", "bias")
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = True,
-                 group: Group | None = None, *, rng: Seed = None) -> None:
+    def __init__(
+        self, input_dims: int, output_dims: int, bias: bool = True, group: Group | None = None, *, rng: Seed = None
+    ) -> None:
         super().__init__(group)
         _check_output(output_dims, self.group.size())
         weight, b = init_linear(input_dims, output_dims, bias, rng)
@@ -124,8 +130,10 @@ class AllToShardedLinear(_TPLayer):
         return int(self.weight.shape[0]) * self.group.size()
 
     def _extra_repr(self) -> str:
-        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
-                f"bias={self.bias is not None}, {self._shards()}")
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"bias={self.bias is not None}, {self._shards()}"
+        )
 
     def __call__(self, x: Any) -> np.ndarray:
         return affine(self._remember(x), self.weight, self.bias)
@@ -134,8 +142,7 @@ class AllToShardedLinear(_TPLayer):
         return all_sum(self._affine_vjp(self.weight, grad_output), group=self.group)
 
     @classmethod
-    def from_linear(cls, linear: Linear, *, segments: int = 1,
-                    group: Group | None = None) -> AllToShardedLinear:
+    def from_linear(cls, linear: Linear, *, segments: int = 1, group: Group | None = None) -> AllToShardedLinear:
         """This rank's rows of ``linear`` (``segments`` fused blocks are sliced one by one)."""
         layer = cls.__new__(cls)
         _TPLayer.__init__(layer, group)
@@ -162,8 +169,9 @@ class ShardedToAllLinear(_TPLayer):
     _parameters = ("weight", "bias")
     _trainable = ("weight", "bias")
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = True,
-                 group: Group | None = None, *, rng: Seed = None) -> None:
+    def __init__(
+        self, input_dims: int, output_dims: int, bias: bool = True, group: Group | None = None, *, rng: Seed = None
+    ) -> None:
         super().__init__(group)
         _check_input(input_dims, self.group.size())
         weight, self.bias = init_linear(input_dims, output_dims, bias, rng)
@@ -178,8 +186,10 @@ class ShardedToAllLinear(_TPLayer):
         return int(self.weight.shape[0])
 
     def _extra_repr(self) -> str:
-        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
-                f"bias={self.bias is not None}, {self._shards()}")
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"bias={self.bias is not None}, {self._shards()}"
+        )
 
     def __call__(self, x: Any) -> np.ndarray:
         a = self._sharded_input(x, int(self.weight.shape[1]))
@@ -190,8 +200,7 @@ class ShardedToAllLinear(_TPLayer):
         return self._affine_vjp(self.weight, grad_output)
 
     @classmethod
-    def from_linear(cls, linear: Linear, *, segments: int = 1,
-                    group: Group | None = None) -> ShardedToAllLinear:
+    def from_linear(cls, linear: Linear, *, segments: int = 1, group: Group | None = None) -> ShardedToAllLinear:
         """This rank's columns of ``linear``; the bias is copied whole."""
         layer = cls.__new__(cls)
         _TPLayer.__init__(layer, group)
@@ -221,17 +230,17 @@ class _QuantizedTP(_TPLayer):
     def _quantized(self, weight: np.ndarray, axis: int, segments: int = 1) -> None:
         """Quantize a full weight, then keep this rank's slice of every quantized array."""
         w_q, scales, biases = quantize(weight, self.group_size, self.bits)
-        self.weight, self.scales, self.biases = (
-            _shard(a, axis, self.group, segments) for a in (w_q, scales, biases)
-        )
+        self.weight, self.scales, self.biases = (_shard(a, axis, self.group, segments) for a in (w_q, scales, biases))
 
     def _local_input_dims(self) -> int:
         return int(self.weight.shape[1]) * 32 // self.bits
 
     def _extra_repr(self) -> str:
-        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
-                f"bias={self.bias is not None}, group_size={self.group_size}, bits={self.bits}, "
-                f"{self._shards()}")
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"bias={self.bias is not None}, group_size={self.group_size}, bits={self.bits}, "
+            f"{self._shards()}"
+        )
 
     @property
     def input_dims(self) -> int:
@@ -257,9 +266,18 @@ class QuantizedAllToShardedLinear(_QuantizedTP):
         rng (Generator | int | None): seed for the initial weight. Default: ``None``.
     """
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = True, group_size: int = 64,
-                 bits: int = 4, mode: str = "affine", group: Group | None = None, *,
-                 rng: Seed = None) -> None:
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        bias: bool = True,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+        group: Group | None = None,
+        *,
+        rng: Seed = None,
+    ) -> None:
         super().__init__(group)
         check_mode(mode)
         _check_output(output_dims, self.group.size())
@@ -284,8 +302,9 @@ class QuantizedAllToShardedLinear(_QuantizedTP):
         return all_sum(grad_input, group=self.group)
 
     @classmethod
-    def from_quantized_linear(cls, quantized_linear: QuantizedLinear, *, segments: int = 1,
-                              group: Group | None = None) -> QuantizedAllToShardedLinear:
+    def from_quantized_linear(
+        cls, quantized_linear: QuantizedLinear, *, segments: int = 1, group: Group | None = None
+    ) -> QuantizedAllToShardedLinear:
         """This rank's rows of an existing :class:`QuantizedLinear`."""
         layer = cls.__new__(cls)
         _TPLayer.__init__(layer, group)
@@ -316,9 +335,18 @@ class QuantizedShardedToAllLinear(_QuantizedTP):
         rng (Generator | int | None): seed for the initial weight. Default: ``None``.
     """
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = True, group_size: int = 64,
-                 bits: int = 4, mode: str = "affine", group: Group | None = None, *,
-                 rng: Seed = None) -> None:
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        bias: bool = True,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+        group: Group | None = None,
+        *,
+        rng: Seed = None,
+    ) -> None:
         super().__init__(group)
         check_mode(mode)
         _check_input(input_dims, self.group.size(), 1, group_size)
@@ -344,8 +372,9 @@ class QuantizedShardedToAllLinear(_QuantizedTP):
         return self._affine_vjp(self.dequantized_weight(), grad_output, train_weight=False)
 
     @classmethod
-    def from_quantized_linear(cls, quantized_linear: QuantizedLinear, *, segments: int = 1,
-                              group: Group | None = None) -> QuantizedShardedToAllLinear:
+    def from_quantized_linear(
+        cls, quantized_linear: QuantizedLinear, *, segments: int = 1, group: Group | None = None
+    ) -> QuantizedShardedToAllLinear:
         """This rank's columns of an existing :class:`QuantizedLinear`; the bias is copied."""
         layer = cls.__new__(cls)
         _TPLayer.__init__(layer, group)
@@ -367,8 +396,9 @@ _FROM: dict[tuple[str, bool], Callable[..., Module]] = {
 }
 
 
-def shard_linear(module: Linear | QuantizedLinear, sharding: str, *, segments: int = 1,
-                 group: Group | None = None) -> Module:
+def shard_linear(
+    module: Linear | QuantizedLinear, sharding: str, *, segments: int = 1, group: Group | None = None
+) -> Module:
     """A new tensor-parallel layer holding this rank's shard of ``module``.
 
     Args:
@@ -386,8 +416,13 @@ def shard_linear(module: Linear | QuantizedLinear, sharding: str, *, segments: i
     return _FROM[sharding, isinstance(module, QuantizedLinear)](module, segments=segments, group=group)
 
 
-def shard_inplace(model: Module, sharding: str | Callable[[int, Module], str | None] = "alternate",
-                  *, segments: int = 1, group: Group | None = None) -> Module:
+def shard_inplace(
+    model: Module,
+    sharding: str | Callable[[int, Module], str | None] = "alternate",
+    *,
+    segments: int = 1,
+    group: Group | None = None,
+) -> Module:
     """Replace the linear layers of ``model.layers`` (e.g. a :class:`Sequential`) by shards.
 
     Args:
@@ -403,8 +438,10 @@ def shard_inplace(model: Module, sharding: str | Callable[[int, Module], str | N
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, list):
-        raise TypeError(f"shard_inplace needs a model with a 'layers' list (e.g. Sequential), "
-                        f"got {type(model).__name__}; use shard_linear for a single layer")
+        raise TypeError(
+            f"shard_inplace needs a model with a 'layers' list (e.g. Sequential), "
+            f"got {type(model).__name__}; use shard_linear for a single layer"
+        )
     if isinstance(sharding, str) and sharding != "alternate" and sharding not in SHARDINGS:
         raise ValueError(f"sharding must be 'alternate', one of {SHARDINGS} or a callable, got {sharding!r}")
     group = group if group is not None else init()

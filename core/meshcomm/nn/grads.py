@@ -43,8 +43,7 @@ def _buckets(arrays: list[np.ndarray], all_reduce_size: int) -> list[list[int]]:
     return buckets
 
 
-def average_gradients(gradients: Any, group: Group | None = None,
-                      all_reduce_size: int = 32 * 1024**2) -> Any:
+def average_gradients(gradients: Any, group: Group | None = None, all_reduce_size: int = 32 * 1024**2) -> Any:
     """The mean of ``gradients`` over the ranks of ``group``, as a tree of the same shape.
 
     Args:
@@ -71,7 +70,7 @@ def average_gradients(gradients: Any, group: Group | None = None,
         offset = 0
         for i in bucket:
             size = arrays[i].size
-            averaged[i] = mean[offset:offset + size].reshape(arrays[i].shape)
+            averaged[i] = mean[offset : offset + size].reshape(arrays[i].shape)
             offset += size
     leaves = iter(averaged)
     return tree_map(lambda _: next(leaves), gradients)

@@ -34,9 +34,7 @@ def _dims(input_dims: Any, output_dims: Any) -> tuple[int, int]:
     return dims[0], dims[1]
 
 
-def init_linear(
-    input_dims: int, output_dims: int, bias: bool, rng: Seed
-) -> tuple[np.ndarray, np.ndarray | None]:
+def init_linear(input_dims: int, output_dims: int, bias: bool, rng: Seed) -> tuple[np.ndarray, np.ndarray | None]:
     """MLX's initialisation: weight and then bias drawn from ``U(-1/sqrt(in), 1/sqrt(in))``.
 
     The draw order is fixed so a sharded layer built from the same seed can take its
@@ -57,7 +55,11 @@ def affine(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.nda
 
 
 def affine_backward(
-    x: np.ndarray, weight: np.ndarray, grad_output: np.ndarray, *, with_weight: bool = True,
+    x: np.ndarray,
+    weight: np.ndarray,
+    grad_output: np.ndarray,
+    *,
+    with_weight: bool = True,
     with_bias: bool = True,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Input gradient and ``{"weight", "bias"}`` gradients of :func:`affine`."""
@@ -87,13 +89,15 @@ class Cached(Module):
             raise RuntimeError(f"{type(self).__name__}.backward called before a forward pass")
         return self._x
 
-    def _affine_vjp(self, weight: np.ndarray, grad_output: np.ndarray, *,
-                    train_weight: bool = True) -> np.ndarray:
+    def _affine_vjp(self, weight: np.ndarray, grad_output: np.ndarray, *, train_weight: bool = True) -> np.ndarray:
         """This layer's local backward of ``affine(x, weight, self.bias)``: stores the parameter
         gradients in ``self.grads`` (the weight's only when ``train_weight``) and returns the
         input gradient."""
         grad_input, self.grads = affine_backward(
-            self._input(), weight, grad_output, with_weight=train_weight,
+            self._input(),
+            weight,
+            grad_output,
+            with_weight=train_weight,
             with_bias=getattr(self, "bias", None) is not None,
         )
         return grad_input
@@ -164,8 +168,15 @@ class QuantizedLinear(Cached):
     _trainable = ("bias",)
 
     def __init__(
-        self, input_dims: int, output_dims: int, bias: bool = True, group_size: int = 64,
-        bits: int = 4, mode: str = "affine", *, rng: Seed = None,
+        self,
+        input_dims: int,
+        output_dims: int,
+        bias: bool = True,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+        *,
+        rng: Seed = None,
     ) -> None:
         super().__init__()
         check_mode(mode)
@@ -184,8 +195,10 @@ class QuantizedLinear(Cached):
         return int(self.weight.shape[0])
 
     def _extra_repr(self) -> str:
-        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
-                f"bias={self.bias is not None}, group_size={self.group_size}, bits={self.bits}")
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"bias={self.bias is not None}, group_size={self.group_size}, bits={self.bits}"
+        )
 
     def dequantized_weight(self) -> np.ndarray:
         """The weight as floats, ``(output_dims, input_dims)``."""
@@ -198,8 +211,7 @@ class QuantizedLinear(Cached):
         return self._affine_vjp(self.dequantized_weight(), grad_output, train_weight=False)
 
     @classmethod
-    def from_linear(cls, linear: Linear, group_size: int = 64, bits: int = 4,
-                    mode: str = "affine") -> QuantizedLinear:
+    def from_linear(cls, linear: Linear, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedLinear:
         """Quantize ``linear``'s weight and copy its bias."""
         check_mode(mode)
         ql = cls.__new__(cls)

@@ -76,7 +76,9 @@ def _same(got: np.ndarray, want: np.ndarray, what: str, rank: int) -> None:
     assert got.shape == want.shape, f"rank {rank}: {what} shape {got.shape}, expected {want.shape}"
     if not np.array_equal(got, want, equal_nan=want.dtype.kind in "fc"):
         bad = np.argwhere(got != want)[:3].tolist() if got.ndim else "scalar"
-        raise AssertionError(f"rank {rank}: {what} differs from NumPy at {bad}: got {got.ravel()[:6]}, expected {want.ravel()[:6]}")
+        raise AssertionError(
+            f"rank {rank}: {what} differs from NumPy at {bad}: got {got.ravel()[:6]}, expected {want.ravel()[:6]}"
+        )
 
 
 def _identical_everywhere(g: mc.Group, x: np.ndarray, what: str) -> None:

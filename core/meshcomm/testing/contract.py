@@ -55,9 +55,12 @@ from .contract_more import ALL_CHECKS
 __all__ = ["CHECKS", "JSON_MARK", "run_checks", "main", "rank_input"]
 
 
-def run_checks(g: mc.Group, checks: list[Callable[[mc.Group], None]] | None = None,
-               verbose: bool = False,
-               on_result: Callable[[str, str | None, float], None] | None = None) -> list[tuple[str, str]]:
+def run_checks(
+    g: mc.Group,
+    checks: list[Callable[[mc.Group], None]] | None = None,
+    verbose: bool = False,
+    on_result: Callable[[str, str | None, float], None] | None = None,
+) -> list[tuple[str, str]]:
     """Run ``checks`` on ``g``; returns (name, error) for each failure on this rank.
 
     A failing check may leave peers mid-collective, so the remaining checks are skipped
@@ -97,12 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default=None, help="backend to init (default: MLX_BACKEND / any)")
     p.add_argument("-k", default="", help="run only checks whose name contains this")
     p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--more", action="store_true",
-                   help="also run the second round's checks (all_to_all, gather, scatter, reduce, "
-                        "object collectives, out=, async_op, close): meshcomm.testing.contract_more")
-    p.add_argument("--json", action="store_true",
-                   help=f"also print one line '{JSON_MARK.strip()} {{...}}' per rank: every check's "
-                        "status (passed, failed, not run), error and seconds")
+    p.add_argument(
+        "--more",
+        action="store_true",
+        help="also run the second round's checks (all_to_all, gather, scatter, reduce, "
+        "object collectives, out=, async_op, close): meshcomm.testing.contract_more",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help=f"also print one line '{JSON_MARK.strip()} {{...}}' per rank: every check's "
+        "status (passed, failed, not run), error and seconds",
+    )
     args = p.parse_args(argv)
     g = mc.init(strict=True, backend=args.backend)
     pool = ALL_CHECKS if args.more else CHECKS
@@ -112,18 +121,27 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def record(name: str, error: str | None, seconds: float) -> None:
-        results[name] = {"status": "passed" if error is None else "failed", "error": error,
-                         "seconds": round(seconds, 3)}
+        results[name] = {
+            "status": "passed" if error is None else "failed",
+            "error": error,
+            "seconds": round(seconds, 3),
+        }
 
     failures = run_checks(g, checks, verbose=args.verbose, on_result=record)
     for name, err in failures:
         print(f"FAILED rank {g.rank()} {name}: {err}", file=sys.stderr)
     if args.json:
-        report = {"rank": g.rank(), "size": g.size(), "backend": g.backend,
-                  "checks": [{"name": name, **r} for name, r in results.items()]}
+        report = {
+            "rank": g.rank(),
+            "size": g.size(),
+            "backend": g.backend,
+            "checks": [{"name": name, **r} for name, r in results.items()],
+        }
         print(JSON_MARK + json.dumps(report), flush=True)
-    print(f"rank {g.rank()}/{g.size()} on {g.backend}: {len(checks) - len(failures)} passed, {len(failures)} failed",
-          flush=True)
+    print(
+        f"rank {g.rank()}/{g.size()} on {g.backend}: {len(checks) - len(failures)} passed, {len(failures)} failed",
+        flush=True,
+    )
     if all(r["status"] != "not run" for r in results.values()):
         # every rank reports before any exits (a launcher stops the others when one fails)
         try:

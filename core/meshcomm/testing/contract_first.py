@@ -67,12 +67,19 @@ def check_large_and_noncontiguous(g: mc.Group) -> None:
     kept = [mc.all_sum(rank_input(r, (big,), np.float32, salt=k), group=g) for k in range(4)]
     for k, got in enumerate(kept):
         assert got.flags.c_contiguous and got.flags.writeable, f"rank {r}: all_sum result {k} is read-only"
-        _same(got, _expect("sum", [rank_input(q, (big,), np.float32, salt=k) for q in range(n)]),
-              f"all_sum result {k} kept across later calls", r)
+        _same(
+            got,
+            _expect("sum", [rank_input(q, (big,), np.float32, salt=k) for q in range(n)]),
+            f"all_sum result {k} kept across later calls",
+            r,
+        )
     # strided and transposed views, Fortran order
     base = [rank_input(q, (6, 10), np.float32) for q in range(n)]
-    for name, view in (("strided", lambda a: a[::2, 1::3]), ("transposed", lambda a: a.T),
-                       ("fortran", lambda a: np.asfortranarray(a))):
+    for name, view in (
+        ("strided", lambda a: a[::2, 1::3]),
+        ("transposed", lambda a: a.T),
+        ("fortran", lambda a: np.asfortranarray(a)),
+    ):
         got = mc.all_sum(view(base[r]), group=g)
         _same(got, _expect("sum", [view(b) for b in base]), f"all_sum({name} view)", r)
     # python scalars and lists
@@ -164,7 +171,9 @@ def check_send_recv(g: mc.Group) -> None:
             b = rank_input(src, (), np.int16, salt=5)
             if r == src:
                 sent = mc.send(a, dst, group=g)
-                assert sent is a, f"rank {r}: send returned {type(sent).__name__}, not the array it sent (as MLX's send)"
+                assert sent is a, (
+                    f"rank {r}: send returned {type(sent).__name__}, not the array it sent (as MLX's send)"
+                )
                 work = mc.send(b, dst, group=g, async_op=True)
                 assert work.wait() is b, f"rank {r}: send(async_op=True).wait() is not the array it sent"
             elif r == dst:

@@ -102,8 +102,9 @@ def check_reduce(g: mc.Group) -> None:
         a = mc.all_sum(x, group=g)
         b = mc.reduce(x, 0, group=g)
         if r == 0:
-            assert b is not None and a.tobytes() == b.tobytes(), \
+            assert b is not None and a.tobytes() == b.tobytes(), (
                 f"rank {r}: reduce(sum) of {size} random float32 is not bit-identical to all_sum"
+            )
     _raises(ValueError, lambda: mc.reduce(np.zeros(2), 0, op="prod", group=g), "reduce(op='prod')")
 
 
@@ -113,16 +114,20 @@ def check_objects(g: mc.Group) -> None:
     got = mc.all_gather_object(mine, group=g)
     assert isinstance(got, list) and len(got) == n, f"rank {r}: all_gather_object returned {got!r}"
     for q, obj in enumerate(got):
-        assert obj["rank"] == q and obj["text"] == "x" * q and obj["nested"] == [q, (q, None)], \
+        assert obj["rank"] == q and obj["text"] == "x" * q and obj["nested"] == [q, (q, None)], (
             f"rank {r}: all_gather_object entry {q} is {obj!r}"
+        )
         assert np.array_equal(obj["array"], np.arange(q + 1))
     for root in range(n):
         value = {"root": root, "big": list(range(1000))} if r == root else None
         got = mc.broadcast_object(value, root, group=g)
         assert got == {"root": root, "big": list(range(1000))}, f"rank {r}: broadcast_object(root={root}) gave {got!r}"
     # a rank whose object cannot be pickled: every rank raises ValueError, nobody hangs
-    _raises(ValueError, lambda: mc.all_gather_object((lambda: 0) if r == n - 1 else r, group=g),
-            "all_gather_object of an unpicklable object on one rank")
+    _raises(
+        ValueError,
+        lambda: mc.all_gather_object((lambda: 0) if r == n - 1 else r, group=g),
+        "all_gather_object of an unpicklable object on one rank",
+    )
     assert mc.all_gather_object(r, group=g) == list(range(n)), f"rank {r}: the group is unusable after the error"
 
 
@@ -130,8 +135,9 @@ def _check_bad_out(name: str, call: Callable[..., object], shape: tuple[int, ...
     """Wrong shape, wrong dtype, not contiguous, read-only: ValueError before any communication."""
     _raises(ValueError, lambda: call(np.empty((*shape, 2), np.float32)), f"{name}(out= of the wrong shape)")
     _raises(ValueError, lambda: call(np.empty(shape, np.float64)), f"{name}(out= of the wrong dtype)")
-    _raises(ValueError, lambda: call(np.empty((shape[0], shape[1] * 2), np.float32)[:, ::2]),
-            f"{name}(out= not contiguous)")
+    _raises(
+        ValueError, lambda: call(np.empty((shape[0], shape[1] * 2), np.float32)[:, ::2]), f"{name}(out= not contiguous)"
+    )
     ro = np.empty(shape, np.float32)
     ro.flags.writeable = False
     _raises(ValueError, lambda: call(ro), f"{name}(out= read-only)")
@@ -147,10 +153,19 @@ def check_out(g: mc.Group) -> None:
         ("all_gather", lambda o: mc.all_gather(x, group=g, out=o), (2 * n * n, 3), np.concatenate(inputs)),
         ("sum_scatter", lambda o: mc.sum_scatter(x, group=g, out=o), (2, 3), _blocks(_expect("sum", inputs), n, r)),
         ("broadcast", lambda o: mc.broadcast(x, 0, group=g, out=o), x.shape, inputs[0]),
-        ("all_to_all", lambda o: mc.all_to_all(x, group=g, out=o), x.shape,
-         np.concatenate([_blocks(inputs[q], n, r) for q in range(n)])),
+        (
+            "all_to_all",
+            lambda o: mc.all_to_all(x, group=g, out=o),
+            x.shape,
+            np.concatenate([_blocks(inputs[q], n, r) for q in range(n)]),
+        ),
         ("scatter", lambda o: mc.scatter(x, 0, group=g, out=o), (2, 3), _blocks(inputs[0], n, r)),
-        ("gather", lambda o: mc.gather(x, 0, group=g, out=o), (2 * n * n, 3), np.concatenate(inputs) if r == 0 else None),
+        (
+            "gather",
+            lambda o: mc.gather(x, 0, group=g, out=o),
+            (2 * n * n, 3),
+            np.concatenate(inputs) if r == 0 else None,
+        ),
         ("reduce", lambda o: mc.reduce(x, 0, group=g, out=o), x.shape, _expect("sum", inputs) if r == 0 else None),
     ]
     for name, call, shape, want in cases:
@@ -229,8 +244,15 @@ def check_async(g: mc.Group) -> None:
         _same(hr.wait(), np.full(5, (r - 1) % n), "async recv around the ring", r)
         assert hs.wait() is sent, f"rank {r}: an async send's wait() is not the array it sent (as MLX's send)"
     # bad arguments raise at the call, not in wait
-    _raises(ValueError, lambda: mc.scatter(np.zeros(n + 1), 0, group=g, async_op=True) if n > 1
-            else mc.all_to_all(np.float32(1), group=g, async_op=True), "async call with a bad shape")
+    _raises(
+        ValueError,
+        lambda: (
+            mc.scatter(np.zeros(n + 1), 0, group=g, async_op=True)
+            if n > 1
+            else mc.all_to_all(np.float32(1), group=g, async_op=True)
+        ),
+        "async call with a bad shape",
+    )
 
 
 def check_close_split(g: mc.Group) -> None:

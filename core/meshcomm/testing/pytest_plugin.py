@@ -41,19 +41,42 @@ _DEFAULT_RANKS = "1,2,4"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("meshcomm", "meshcomm conformance kit (meshcomm.testing)")
-    group.addoption("--meshcomm-backend", default=None, metavar="NAME",
-                    help="backend to check (env MESHCOMM_CONFORMANCE_BACKEND)")
-    group.addoption("--meshcomm-ranks", default=None, metavar="N,N,...",
-                    help=f"rank counts, one job each (env MESHCOMM_CONFORMANCE_RANKS; default {_DEFAULT_RANKS})")
-    group.addoption("--meshcomm-launch-args", default=None, metavar="ARGS",
-                    help="extra arguments for meshcomm launch, e.g. '--hosts a,b' (env MESHCOMM_CONFORMANCE_LAUNCH_ARGS)")
-    group.addoption("--meshcomm-more", action="store_true", default=None,
-                    help="also check the second round's operations (all_to_all, gather, scatter, reduce, "
-                         "object collectives, out=, async_op, close; env MESHCOMM_CONFORMANCE_MORE=1)")
-    group.addoption("--meshcomm-timeout", default=None, type=float, metavar="S",
-                    help="MLX_TIMEOUT of the jobs, seconds (default 120)")
-    group.addoption("--meshcomm-job-timeout", default=None, type=float, metavar="S",
-                    help="give up on a job after this long, seconds (default 900)")
+    group.addoption(
+        "--meshcomm-backend", default=None, metavar="NAME", help="backend to check (env MESHCOMM_CONFORMANCE_BACKEND)"
+    )
+    group.addoption(
+        "--meshcomm-ranks",
+        default=None,
+        metavar="N,N,...",
+        help=f"rank counts, one job each (env MESHCOMM_CONFORMANCE_RANKS; default {_DEFAULT_RANKS})",
+    )
+    group.addoption(
+        "--meshcomm-launch-args",
+        default=None,
+        metavar="ARGS",
+        help="extra arguments for meshcomm launch, e.g. '--hosts a,b' (env MESHCOMM_CONFORMANCE_LAUNCH_ARGS)",
+    )
+    group.addoption(
+        "--meshcomm-more",
+        action="store_true",
+        default=None,
+        help="also check the second round's operations (all_to_all, gather, scatter, reduce, "
+        "object collectives, out=, async_op, close; env MESHCOMM_CONFORMANCE_MORE=1)",
+    )
+    group.addoption(
+        "--meshcomm-timeout",
+        default=None,
+        type=float,
+        metavar="S",
+        help="MLX_TIMEOUT of the jobs, seconds (default 120)",
+    )
+    group.addoption(
+        "--meshcomm-job-timeout",
+        default=None,
+        type=float,
+        metavar="S",
+        help="give up on a job after this long, seconds (default 900)",
+    )
 
 
 def _setting(config: pytest.Config, opt: str, env: str, default: Any = None) -> Any:
@@ -81,7 +104,9 @@ def _ranks(config: pytest.Config) -> list[int]:
     try:
         ranks = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise pytest.UsageError(f"--meshcomm-ranks={text!r}: expected a comma list of rank counts, e.g. 1,2,4") from None
+        raise pytest.UsageError(
+            f"--meshcomm-ranks={text!r}: expected a comma list of rank counts, e.g. 1,2,4"
+        ) from None
     if not ranks or min(ranks) < 1:
         raise pytest.UsageError(f"--meshcomm-ranks={text!r}: rank counts must be >= 1")
     return ranks
@@ -93,9 +118,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     ranks = _ranks(metafunc.config)
     if "meshcomm_check" in names:
-        metafunc.parametrize(("meshcomm_ranks", "meshcomm_check"),
-                             [(n, c) for n in ranks for c in check_names(_more(metafunc.config))],
-                             ids=[f"{n}-{c}" for n in ranks for c in check_names(_more(metafunc.config))])
+        metafunc.parametrize(
+            ("meshcomm_ranks", "meshcomm_check"),
+            [(n, c) for n in ranks for c in check_names(_more(metafunc.config))],
+            ids=[f"{n}-{c}" for n in ranks for c in check_names(_more(metafunc.config))],
+        )
     else:
         metafunc.parametrize("meshcomm_ranks", ranks, ids=[str(n) for n in ranks])
 
@@ -145,8 +172,9 @@ class ContractRunner:
 
     def __init__(self, config: pytest.Config) -> None:
         self.backend: str | None = _setting(config, "meshcomm_backend", "MESHCOMM_CONFORMANCE_BACKEND")
-        self.launch_args = shlex.split(str(_setting(config, "meshcomm_launch_args",
-                                                    "MESHCOMM_CONFORMANCE_LAUNCH_ARGS", "")))
+        self.launch_args = shlex.split(
+            str(_setting(config, "meshcomm_launch_args", "MESHCOMM_CONFORMANCE_LAUNCH_ARGS", ""))
+        )
         self.timeout = float(_setting(config, "meshcomm_timeout", "MESHCOMM_CONFORMANCE_TIMEOUT", 120))
         self.job_timeout = float(_setting(config, "meshcomm_job_timeout", "MESHCOMM_CONFORMANCE_JOB_TIMEOUT", 900))
         self.jobs: dict[int, ContractJob] = {}
@@ -154,8 +182,11 @@ class ContractRunner:
 
     def job(self, n: int) -> ContractJob:
         if self.backend is None:
-            pytest.skip("no backend to check: pass --meshcomm-backend NAME (the plugin comes with meshcomm: pytest11 entry point) "
-                        "or set MESHCOMM_CONFORMANCE_BACKEND")
+            pytest.skip(
+                "no backend to check: pass --meshcomm-backend NAME "
+                "(the plugin comes with meshcomm: pytest11 entry point) "
+                "or set MESHCOMM_CONFORMANCE_BACKEND"
+            )
         if n not in self.jobs:
             self.jobs[n] = self._run(self.backend, n)
         return self.jobs[n]
@@ -167,15 +198,31 @@ class ContractRunner:
         assert_check_passed(self.job(n), name)
 
     def _run(self, backend: str, n: int) -> ContractJob:
-        cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend,
-               "--timeout", f"{self.timeout:g}", *self.launch_args, "--", "-m", "meshcomm.testing.contract", "--json",
-               *(["--more"] if self.more else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshcomm",
+            "launch",
+            "-n",
+            str(n),
+            "--backend",
+            backend,
+            "--timeout",
+            f"{self.timeout:g}",
+            *self.launch_args,
+            "--",
+            "-m",
+            "meshcomm.testing.contract",
+            "--json",
+            *(["--more"] if self.more else []),
+        ]
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="meshcomm-conformance-") as shared:
             env = {**os.environ, "MESHCOMM_TEST_DIR": shared}  # ranks on this machine share it
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.job_timeout, env=env,
-                                   stdin=subprocess.DEVNULL)
+                p = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=self.job_timeout, env=env, stdin=subprocess.DEVNULL
+                )
                 code, out, err = p.returncode, p.stdout, p.stderr
             except subprocess.TimeoutExpired as exc:
                 code = None
@@ -188,7 +235,7 @@ class ContractRunner:
             if i < 0:
                 continue
             try:
-                report = json.loads(line[i + len(JSON_MARK):])
+                report = json.loads(line[i + len(JSON_MARK) :])
                 job.reports[int(report["rank"])] = report
             except (ValueError, KeyError, TypeError):
                 continue

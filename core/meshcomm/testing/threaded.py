@@ -72,16 +72,19 @@ class ThreadedBackend(Backend):
         buf.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
 
 
-def make_threaded_groups(n: int, *, timeout: float = 30.0, debug: bool = False,
-                         check_calls: bool = True) -> list[Group]:
+def make_threaded_groups(
+    n: int, *, timeout: float = 30.0, debug: bool = False, check_calls: bool = True
+) -> list[Group]:
     """``n`` groups, one per rank, of one in-process job."""
     fabric = _Fabric(n)
-    return [Group(ThreadedBackend(fabric, r, timeout), "threaded", debug=debug, check_calls=check_calls)
-            for r in range(n)]
+    return [
+        Group(ThreadedBackend(fabric, r, timeout), "threaded", debug=debug, check_calls=check_calls) for r in range(n)
+    ]
 
 
-def run_threaded(n: int, fn: Callable[[Group], T], *, timeout: float = 30.0, debug: bool = False,
-                 check_calls: bool = True) -> list[T]:
+def run_threaded(
+    n: int, fn: Callable[[Group], T], *, timeout: float = 30.0, debug: bool = False, check_calls: bool = True
+) -> list[T]:
     """Run ``fn(group)`` on ``n`` threads, one per rank; return results in rank order.
 
     The first exception raised by any rank is re-raised here (after all threads end).

@@ -89,8 +89,22 @@ def operations(ranks: Iterable[dict[str, Any]]) -> list[Op]:
         groups = data.get("groups", {})
         for group, seq, op, peer, nbytes, dtype, start, end, ok in data["events"]:
             g = groups.get(group, {})
-            ops.append(Op(int(data["rank"]), group, int(g.get("rank", -1)), int(g.get("size", 0)), int(seq), op,
-                          int(peer), int(nbytes), dtype, float(start), float(end), bool(ok)))
+            ops.append(
+                Op(
+                    int(data["rank"]),
+                    group,
+                    int(g.get("rank", -1)),
+                    int(g.get("size", 0)),
+                    int(seq),
+                    op,
+                    int(peer),
+                    int(nbytes),
+                    dtype,
+                    float(start),
+                    float(end),
+                    bool(ok),
+                )
+            )
     latest: dict[tuple[Any, ...], float] = {}
     for o in ops:
         k = o.key
@@ -112,26 +126,66 @@ def chrome_trace(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for d in ranks:
         r = int(d["rank"])
-        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
-                       "args": {"name": f"rank {r} ({d.get('host', '?')})"}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": r,
+                "tid": 0,
+                "args": {"name": f"rank {r} ({d.get('host', '?')})"},
+            }
+        )
         events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
         events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "operations"}})
     for o in ops:
         name = o.op if o.peer < 0 else f"{o.op} {'to' if o.op == 'send' else 'from'} {o.peer}"
-        events.append({
-            "ph": "X", "name": name, "cat": "op", "pid": o.rank, "tid": 0, "ts": us(o.start),
-            "dur": round(o.duration * 1e6, 3),
-            "args": {"op": o.op, "group": o.group, "seq": o.seq, "group_rank": o.group_rank, "peer": o.peer,
-                     "bytes": o.nbytes, "dtype": o.dtype, "wait_us": round(o.wait * 1e6, 3), "ok": o.ok},
-        })
+        events.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": "op",
+                "pid": o.rank,
+                "tid": 0,
+                "ts": us(o.start),
+                "dur": round(o.duration * 1e6, 3),
+                "args": {
+                    "op": o.op,
+                    "group": o.group,
+                    "seq": o.seq,
+                    "group_rank": o.group_rank,
+                    "peer": o.peer,
+                    "bytes": o.nbytes,
+                    "dtype": o.dtype,
+                    "wait_us": round(o.wait * 1e6, 3),
+                    "ok": o.ok,
+                },
+            }
+        )
         if o.wait > 0:
-            events.append({"ph": "X", "name": "waiting", "cat": "wait", "pid": o.rank, "tid": 0,
-                           "ts": us(o.start), "dur": round(o.wait * 1e6, 3),
-                           "args": {"group": o.group, "seq": o.seq}})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": "waiting",
+                    "cat": "wait",
+                    "pid": o.rank,
+                    "tid": 0,
+                    "ts": us(o.start),
+                    "dur": round(o.wait * 1e6, 3),
+                    "args": {"group": o.group, "seq": o.seq},
+                }
+            )
     meta = {
         "origin": origin,
-        "ranks": {str(d["rank"]): {"host": d.get("host"), "pid": d.get("pid"), "backend": d.get("backend"),
-                                   "dropped": d.get("dropped", 0), "reason": d.get("reason")} for d in ranks},
+        "ranks": {
+            str(d["rank"]): {
+                "host": d.get("host"),
+                "pid": d.get("pid"),
+                "backend": d.get("backend"),
+                "dropped": d.get("dropped", 0),
+                "reason": d.get("reason"),
+            }
+            for d in ranks
+        },
         "size": max((int(d.get("size", 0)) for d in ranks), default=0),
         "groups": {name: int(g.get("size", 0)) for d in ranks for name, g in d.get("groups", {}).items()},
         "wait": "time from the rank's start to the latest start among the ranks of the same operation",
@@ -165,6 +219,7 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read the trace {p}: {exc}") from None
     if not isinstance(data, dict) or "traceEvents" not in data:
-        raise ValueError(f"{p} is not a merged meshcomm trace (no traceEvents); merge rank files with "
-                         "'meshcomm trace merge DIR'")
+        raise ValueError(
+            f"{p} is not a merged meshcomm trace (no traceEvents); merge rank files with 'meshcomm trace merge DIR'"
+        )
     return data

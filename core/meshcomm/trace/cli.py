@@ -10,9 +10,12 @@ __all__ = ["add_parser"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``trace`` on the ``meshcomm`` command's subparsers."""
-    p = sub.add_parser("trace", help="read the traces MESHCOMM_TRACE / meshcomm launch --trace wrote",
-                       description="Summarise or merge the traces of a job run with MESHCOMM_TRACE=DIR "
-                                   "(or meshcomm launch --trace DIR). See docs/observability.md.")
+    p = sub.add_parser(
+        "trace",
+        help="read the traces MESHCOMM_TRACE / meshcomm launch --trace wrote",
+        description="Summarise or merge the traces of a job run with MESHCOMM_TRACE=DIR "
+        "(or meshcomm launch --trace DIR). See docs/observability.md.",
+    )
     tsub = p.add_subparsers(dest="trace_command", required=True)
     s = tsub.add_parser("summary", help="a table per operation and size, and the stragglers of slow operations")
     s.add_argument("file", help="the merged trace (DIR/trace.json) or the directory of rank files")
@@ -58,5 +61,7 @@ def _merge(args: argparse.Namespace) -> int:
         path, missing = merge_dir(args.dir, args.out)
     except ValueError as exc:
         return _err(str(exc))
-    print(f"merged trace written to {path}" + (f"; no file from ranks {', '.join(map(str, missing))}" if missing else ""))
+    print(
+        f"merged trace written to {path}" + (f"; no file from ranks {', '.join(map(str, missing))}" if missing else "")
+    )
     return 0

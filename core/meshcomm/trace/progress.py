@@ -28,8 +28,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ProgressWriter", "Progress", "read_progress", "progress_dir", "job_progress_dir", "IDLE", "RUNNING",
-           "FINISHED", "FAILED"]
+__all__ = [
+    "ProgressWriter",
+    "Progress",
+    "read_progress",
+    "progress_dir",
+    "job_progress_dir",
+    "IDLE",
+    "RUNNING",
+    "FINISHED",
+    "FAILED",
+]
 
 IDLE, RUNNING, FINISHED, FAILED = 0, 1, 2, 3
 STATES = {IDLE: "idle", RUNNING: "in", FINISHED: "finished", FAILED: "failed in"}
@@ -142,7 +151,11 @@ class Progress:
         """``"in all_sum #5 of world for 2.1 s"``, ``"finished barrier #4 of world 0.3 s ago"``."""
         if self.state == IDLE:
             return "no operation yet"
-        what = f"{self.op} #{self.seq} of {self.group}" if self.peer < 0 else f"{self.op} with rank {self.peer} of {self.group}"
+        what = (
+            f"{self.op} #{self.seq} of {self.group}"
+            if self.peer < 0
+            else f"{self.op} with rank {self.peer} of {self.group}"
+        )
         age = max(0.0, now - self.time)
         if self.state == RUNNING:
             return f"in {what} for {age:.1f} s"

@@ -3,7 +3,8 @@
 ``Group._execute`` runs each operation through the observer slot (:mod:`meshcomm.observer`)
 when it is set, handing over what the operation's method already holds: the
 :data:`Payload` this rank passes and the peer (send, recv) or color (split).
-:meth:`Recorder.call` notes the start, runs the operation, notes the end. :func:`start` sets it up from the world's settings:
+:meth:`Recorder.call` notes the start, runs the operation, notes the end. :func:`start` sets it up from the
+world's settings:
 
 * ``MESHCOMM_TRACE=DIR``: events go into a bounded ring (``MESHCOMM_TRACE_EVENTS``; the
   oldest are dropped and counted) written to ``DIR/rank-<R>.json`` at exit, and when the
@@ -130,8 +131,9 @@ class Recorder:
         # a group this recorder did not see being made (another world)
         return self._add(group, f"{group.backend}:{group._label}")
 
-    def call(self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1,
-             seq: int = 0) -> T:
+    def call(
+        self, group: Group, op: str, run: Callable[[], T], payload: Payload = None, arg: int = -1, seq: int = 0
+    ) -> T:
         """Run ``run()`` (operation ``op`` on ``group``) and record it; ``payload`` is what this
         rank passes, ``arg`` the peer of ``send``/``recv`` or the color of ``split``, ``seq``
         the call's number (the group counts: see :meth:`meshcomm.Group._execute`)."""
@@ -210,8 +212,9 @@ def start(config: Config, world: Group) -> Recorder | None:
             except OSError as exc:
                 import sys
 
-                sys.stderr.write(f"meshcomm: rank {world.rank()}: no progress record for the stall inspector "
-                                 f"in {folder}: {exc}\n")
+                sys.stderr.write(
+                    f"meshcomm: rank {world.rank()}: no progress record for the stall inspector in {folder}: {exc}\n"
+                )
                 folder = None
         # refused at start, not at exit: a directory another user made or can write into
         trace = private_dir(config.trace, "MESHCOMM_TRACE") if config.trace is not None else None

@@ -34,8 +34,7 @@ def stall_message(current: Current, others: dict[int, Progress] | None, world_si
     """The inspector's line for ``current`` given the other ranks' records (None: none available)."""
     group, grank, wrank, gsize, seq, op, peer, t0 = current
     what = f"{op} #{seq} of group {group}" if peer < 0 else f"{op} with rank {peer} of group {group}"
-    head = (f"meshcomm: stall: rank {wrank} has waited {now - t0:.1f} s in {what} "
-            f"(group rank {grank} of {gsize})")
+    head = f"meshcomm: stall: rank {wrank} has waited {now - t0:.1f} s in {what} (group rank {grank} of {gsize})"
     if others is None:
         return head + "; no job directory to learn the other ranks' progress from (start the job with meshcomm launch)"
     missing, joined, unknown = [], [], []
@@ -67,8 +66,9 @@ def stall_message(current: Current, others: dict[int, Progress] | None, world_si
 class StallInspector:
     """The watchdog thread (a daemon: it never keeps the process alive)."""
 
-    def __init__(self, after: float, current: Callable[[], Current | None], progress: Path | None,
-                 world_size: int) -> None:
+    def __init__(
+        self, after: float, current: Callable[[], Current | None], progress: Path | None, world_size: int
+    ) -> None:
         self.after = after
         self._current = current
         self._progress = progress

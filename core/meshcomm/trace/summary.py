@@ -133,8 +133,17 @@ def table(insts: Iterable[Instance]) -> list[Row]:
         busbw = moved * factor / transfer / 1e9 if factor and transfer > 0 else None
         waited = sum(w for i in items for _, _, w in i.ranks.values())
         spent = sum(e - s for i in items for s, e, _ in i.ranks.values())
-        rows.append(Row(op, b, len(items), sum(i.time for i in items), statistics.median(i.time for i in items),
-                        busbw, waited / spent if spent > 0 else 0.0))
+        rows.append(
+            Row(
+                op,
+                b,
+                len(items),
+                sum(i.time for i in items),
+                statistics.median(i.time for i in items),
+                busbw,
+                waited / spent if spent > 0 else 0.0,
+            )
+        )
     return rows
 
 
@@ -157,20 +166,28 @@ def format_summary(trace: dict[str, Any], limit: int = 10) -> str:
     meta = trace.get("otherData", {}).get("meshcomm", {})
     ranks = meta.get("ranks", {})
     dropped = sum(int(r.get("dropped") or 0) for r in ranks.values())
-    lines = [f"{len(insts)} operations on {len(ranks) or '?'} ranks"
-             + (f"; {dropped} events dropped by full rings (MESHCOMM_TRACE_EVENTS)" if dropped else "")]
-    lines.append(f"{'operation':<18} {'size':>9} {'count':>7} {'total ms':>10} {'median us':>10} "
-                 f"{'busbw GB/s':>10} {'wait %':>7}")
+    lines = [
+        f"{len(insts)} operations on {len(ranks) or '?'} ranks"
+        + (f"; {dropped} events dropped by full rings (MESHCOMM_TRACE_EVENTS)" if dropped else "")
+    ]
+    lines.append(
+        f"{'operation':<18} {'size':>9} {'count':>7} {'total ms':>10} {'median us':>10} "
+        f"{'busbw GB/s':>10} {'wait %':>7}"
+    )
     for r in table(insts):
         bw = f"{r.busbw:10.4g}" if r.busbw is not None else f"{'-':>10}"
-        lines.append(f"{r.op:<18} {'<= ' + _size(r.bucket) if r.bucket else '0 B':>9} {r.count:>7} "
-                     f"{r.total * 1e3:10.3f} {r.median * 1e6:10.1f} {bw} {r.wait_share * 100:7.1f}")
+        lines.append(
+            f"{r.op:<18} {'<= ' + _size(r.bucket) if r.bucket else '0 B':>9} {r.count:>7} "
+            f"{r.total * 1e3:10.3f} {r.median * 1e6:10.1f} {bw} {r.wait_share * 100:7.1f}"
+        )
     worst = slow(insts, limit)
     if worst:
         lines.append("")
         lines.append("slow operations (more than twice their size's median): straggler = the rank that started last")
         lines.append(f"{'operation':<18} {'group':<12} {'seq':>6} {'time us':>10} {'straggler':>9} {'late us':>10}")
         for i in worst:
-            lines.append(f"{i.op:<18} {i.group:<12} {i.seq:>6} {i.time * 1e6:10.1f} {'rank ' + str(i.straggler):>9} "
-                         f"{(i.last_start - i.first) * 1e6:10.1f}")
+            lines.append(
+                f"{i.op:<18} {i.group:<12} {i.seq:>6} {i.time * 1e6:10.1f} {'rank ' + str(i.straggler):>9} "
+                f"{(i.last_start - i.first) * 1e6:10.1f}"
+            )
     return "\n".join(lines)

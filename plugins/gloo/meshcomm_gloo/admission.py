@@ -58,8 +58,12 @@ def admit(store: Any, rank: int, size: int, session: Session) -> list[RankProces
             raise DistributedError(f"[gloo] rank {rank}: rank {q}'s start-up record is malformed: {exc}") from exc
     if refusals:
         q = min(refusals)
-        err = StoreAuthError(f"[gloo] rank {rank}: start-up refused: rank {q} did not take this start-up's nonce, "
-                             f"so the job cannot start. Rank {q} said: {refusals[q]}", key=f"{_PROC}{q}", peer=q)
+        err = StoreAuthError(
+            f"[gloo] rank {rank}: start-up refused: rank {q} did not take this start-up's nonce, "
+            f"so the job cannot start. Rank {q} said: {refusals[q]}",
+            key=f"{_PROC}{q}",
+            peer=q,
+        )
         note_rejection(store, rank, str(err))
         raise err
     if bad:
@@ -78,35 +82,53 @@ def _refusal(store: Any, q: int, session: Session) -> str | None:
         return None
 
 
-def _verdict(store: Any, rank: int, size: int, bad: dict[int, StoreAuthError],
-             doubt: StoreAuthError | None = None) -> StoreAuthError:
+def _verdict(
+    store: Any, rank: int, size: int, bad: dict[int, StoreAuthError], doubt: StoreAuthError | None = None
+) -> StoreAuthError:
     others = [q for q in range(size) if q != rank]
     first = next(iter(bad.values()))
     replayed = all(e.replayed for e in bad.values())  # sealed with this secret for another start-up
     if doubt is not None and not (size >= 3 and sorted(bad) == others):
-        why = ("this rank could not verify rank 0's answer with this start-up's nonce, so no record of this "
-               f"start-up can pass here: {doubt}")
+        why = (
+            "this rank could not verify rank 0's answer with this start-up's nonce, so no record of this "
+            f"start-up can pass here: {doubt}"
+        )
         first = doubt
     elif rank in bad:
-        how = ("with a record of another start-up (replayed from an earlier job with the same secret)"
-               if bad[rank].replayed else "by a process without the job secret")
-        why = (f"this rank's own record (rank {rank}) was overwritten {how} after this rank wrote it: a stranger is "
-               "writing to the rendezvous store")
+        how = (
+            "with a record of another start-up (replayed from an earlier job with the same secret)"
+            if bad[rank].replayed
+            else "by a process without the job secret"
+        )
+        why = (
+            f"this rank's own record (rank {rank}) was overwritten {how} after this rank wrote it: a stranger is "
+            "writing to the rendezvous store"
+        )
     elif size >= 3 and sorted(bad) == others and not replayed:
-        why = (f"no other rank's record passes this rank's check: this rank (rank {rank}) has a different "
-               "MESHCOMM_JOB_SECRET (or job id) than all the others")
+        why = (
+            f"no other rank's record passes this rank's check: this rank (rank {rank}) has a different "
+            "MESHCOMM_JOB_SECRET (or job id) than all the others"
+        )
     else:
         names = ", ".join(f"rank {q}" for q in sorted(bad))
         one = len(bad) == 1
         if replayed:
-            why = (f"the records of {names} belong to another start-up: a process without the job secret wrote "
-                   "records of an earlier job with the same MESHCOMM_JOB_SECRET in their place (a replay), or "
-                   f"{names} refused this start-up's nonce ({'its' if one else 'their'} own error then says why)")
+            why = (
+                f"the records of {names} belong to another start-up: a process without the job secret wrote "
+                "records of an earlier job with the same MESHCOMM_JOB_SECRET in their place (a replay), or "
+                f"{names} refused this start-up's nonce ({'its' if one else 'their'} own error then says why)"
+            )
         else:
-            why = (f"the records of {names} failed the check: {names} {'was' if one else 'were'} started with "
-                   "another MESHCOMM_JOB_SECRET (or none, or another job id), or a stranger wrote in their place")
-    err = StoreAuthError(f"[gloo] rank {rank}: start-up refused: {why}. First refusal: {first}",
-                         key=first.key, peer=None if rank in bad else min(bad), replayed=replayed and doubt is None)
+            why = (
+                f"the records of {names} failed the check: {names} {'was' if one else 'were'} started with "
+                "another MESHCOMM_JOB_SECRET (or none, or another job id), or a stranger wrote in their place"
+            )
+    err = StoreAuthError(
+        f"[gloo] rank {rank}: start-up refused: {why}. First refusal: {first}",
+        key=first.key,
+        peer=None if rank in bad else min(bad),
+        replayed=replayed and doubt is None,
+    )
     note_rejection(store, rank, str(err))
     return err
 

@@ -53,8 +53,9 @@ class AuthStore(dist.Store):
     holds other jobs' and torch's keys); ``rank`` and ``where`` only go into messages.
     """
 
-    def __init__(self, inner: Any, sealer: Sealer, *, namespace: str = "", rank: int = 0,
-                 where: str = "rendezvous store") -> None:
+    def __init__(
+        self, inner: Any, sealer: Sealer, *, namespace: str = "", rank: int = 0, where: str = "rendezvous store"
+    ) -> None:
         super().__init__()
         self._inner = inner
         self._base = sealer.bound(b"")  # the session's own keys
@@ -104,13 +105,19 @@ class AuthStore(dist.Store):
             return StoreAuthError(
                 f"{where} belongs to another start-up: {bad.reason}. The value was not used. Fix: give every job "
                 "its own MESHCOMM_JOB_SECRET (meshcomm launch makes a fresh one per job) and let only the job's "
-                "hosts reach the store's port.", key=self._full(key), peer=owner, replayed=True)
+                "hosts reach the store's port.",
+                key=self._full(key),
+                peer=owner,
+                replayed=True,
+            )
         return StoreAuthError(
             f"{where} failed the job secret check, so a process without the job secret wrote to the rendezvous "
             "store (a stranger that can reach the store, or a rank started with another MESHCOMM_JOB_SECRET or "
             f"none): {bad.reason}. The value was not used. Fix: give every rank the same MESHCOMM_JOB_SECRET "
             "(meshcomm launch makes one) and let only the job's hosts reach the store's port.",
-            key=self._full(key), peer=owner)
+            key=self._full(key),
+            peer=owner,
+        )
 
     # -- the Store interface --------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:
@@ -120,7 +127,9 @@ class AuthStore(dist.Store):
         return self._open(key, self._inner.get(self._full(key)))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
-        self._inner.multi_set([self._full(k) for k in keys], [self._seal(k, v) for k, v in zip(keys, values, strict=True)])
+        self._inner.multi_set(
+            [self._full(k) for k in keys], [self._seal(k, v) for k, v in zip(keys, values, strict=True)]
+        )
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         raws = self._inner.multi_get([self._full(k) for k in keys])
@@ -180,4 +189,5 @@ class AuthStore(dist.Store):
     def append(self, key: str, value: Any) -> None:
         raise NotImplementedError(
             "gloo backend: the authenticated rendezvous store does not support append (a sealed value cannot "
-            "be extended in place); use set/get")
+            "be extended in place); use set/get"
+        )

@@ -37,8 +37,10 @@ from .rendezvous import connect
 __all__ = ["GlooBackend"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_TORCH = {name: getattr(torch, name) for name in
-          ("int8", "uint8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")}
+_TORCH = {
+    name: getattr(torch, name)
+    for name in ("int8", "uint8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+}
 #: seconds a rank whose operation timed out waits for the others' failure records
 _RECORD_WAIT = 2.0
 
@@ -56,10 +58,12 @@ def _tensor(buf: np.ndarray, wire: np.dtype | None = None, torch_name: str | Non
         t = t.view(_TORCH[torch_name])
     return t
 
+
 #: the status a rank leaves when it closes its world group normally (its program ended, or
 #: it called meshcomm.shutdown()); peers still waiting on it say so in the common words
-_ENDED_STATUS = ("it closed its group: its program ended or called meshcomm.shutdown() while this rank still "
-                 "waited for it")
+_ENDED_STATUS = (
+    "it closed its group: its program ended or called meshcomm.shutdown() while this rank still waited for it"
+)
 
 
 class GlooBackend(Backend):
@@ -75,9 +79,20 @@ class GlooBackend(Backend):
     #: results go straight into callers' out= arrays (gloo reduces in place there)
     direct_out = True
 
-    def __init__(self, pg: Any, store: Any, prefix: str, rank: int, size: int, timeout: float,
-                 ifname: str | None = None, label: str = "world", peers: list[RankProcess] | None = None,
-                 members: list[int] | None = None, ends: list[set[str]] | None = None) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        store: Any,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout: float,
+        ifname: str | None = None,
+        label: str = "world",
+        peers: list[RankProcess] | None = None,
+        members: list[int] | None = None,
+        ends: list[set[str]] | None = None,
+    ) -> None:
         self._pg = pg
         self._ends = ends or []
         self._store = store
@@ -121,8 +136,9 @@ class GlooBackend(Backend):
         op = self._named(call).describe()
         if self._failed is not None:
             first = self._failed
-            again = type(first)(f"[gloo] {self._where()}: {op} called on a group that failed earlier; "
-                                f"the first error was: {first}")
+            again = type(first)(
+                f"[gloo] {self._where()}: {op} called on a group that failed earlier; the first error was: {first}"
+            )
             if hasattr(first, "peer"):
                 again.peer = first.peer  # type: ignore[attr-defined]
             raise again
@@ -174,8 +190,9 @@ class GlooBackend(Backend):
         down = {q for q, _ in local}
         # publish this rank's call first, so that ranks that time out with it can compare
         self._records.publish(self._rank, call, "pending", None, "")
-        records = self._records.collect(others, min(_RECORD_WAIT, self.timeout) if timed_out else 0.0,
-                                        skip=lambda q: q in down)
+        records = self._records.collect(
+            others, min(_RECORD_WAIT, self.timeout) if timed_out else 0.0, skip=lambda q: q in down
+        )
         what = f"[gloo] {self._where()}: {call.describe()}"
         # 1. a rank called something this call cannot meet, or already found a mismatch
         odd = [q for q, rec in records.items() if conflicts(self._rank, call, q, rec.call)]
@@ -185,11 +202,13 @@ class GlooBackend(Backend):
                 f"{what} cannot complete: the ranks called different operations: this rank called "
                 f"{call.describe()}; {calls}. Every rank of a group must call the same collectives in the "
                 f"same order with the same shapes, dtypes, ops and roots, and each recv must match its "
-                f"send's shape and dtype.{said}")
+                f"send's shape and dtype.{said}"
+            )
         seen = [q for q, rec in records.items() if rec.error == "CollectiveMismatchError"]
         if seen:
-            return CollectiveMismatchError(f"{what} failed: rank {seen[0]} found mismatched calls: "
-                                           f"{records[seen[0]].why}")
+            return CollectiveMismatchError(
+                f"{what} failed: rank {seen[0]} found mismatched calls: {records[seen[0]].why}"
+            )
         # 2. the others gave up waiting for this rank (it was stopped, e.g. SIGSTOP, or too slow)
         given_up = [q for q, rec in records.items() if rec.peer == self._rank and rec.error == "CommTimeoutError"]
         if given_up:
@@ -197,11 +216,16 @@ class GlooBackend(Backend):
             return PeerLostError(
                 f"{what} failed: rank {q} gave up waiting for this rank after {self.timeout:g} s (MLX_TIMEOUT) "
                 f"and left the group: this rank was stopped or too slow. Raise MLX_TIMEOUT if it is only slow; "
-                f"this group cannot be used any more.{said}", peer=q)
+                f"this group cannot be used any more.{said}",
+                peer=q,
+            )
         # 3. a rank left the job (closed its group, or its program failed) without failing here first
         statuses = self._records.statuses(self._members[q] for q in others)
-        gone = [q for q in others if self._members[q] in statuses and q not in records
-                and not statuses[self._members[q]].startswith("after")]
+        gone = [
+            q
+            for q in others
+            if self._members[q] in statuses and q not in records and not statuses[self._members[q]].startswith("after")
+        ]
         if gone:
             q = gone[0]
             if statuses[self._members[q]] == _ENDED_STATUS:  # the same words as every backend
@@ -209,11 +233,15 @@ class GlooBackend(Backend):
                     f"[gloo] rank {self._rank}: rank {q} exited (its program ended) while rank {self._rank} waits "
                     f"in {call.describe()} on the {self._label} group, an operation rank {q} never reached; make every "
                     "rank run the same sequence of collectives (and matching sends and receives) before it ends."
-                    f"{said}", peer=q)
+                    f"{said}",
+                    peer=q,
+                )
             return PeerLostError(
                 f"{what} failed: rank {q} (world rank {self._members[q]}) left the job: "
                 f"{statuses[self._members[q]]}. Check that rank's output; this group cannot be used any more."
-                f"{said}", peer=q)
+                f"{said}",
+                peer=q,
+            )
         # 4. a rank on this host is dead or stopped (a stopped rank closes nothing: when gloo
         #    reports a closed connection, a peer that timed out on it has dropped its group)
         stopped = [(q, text) for q, text in local if text.endswith("is stopped")]
@@ -221,14 +249,19 @@ class GlooBackend(Backend):
             q, text = stopped[0]
             return CommTimeoutError(
                 f"{what} failed: rank {q} does not answer: on this host {text}. Its peers give up after "
-                f"{self.timeout:g} s (MLX_TIMEOUT); resume it (SIGCONT) or end the job.{said}", peer=q)
+                f"{self.timeout:g} s (MLX_TIMEOUT); resume it (SIGCONT) or end the job.{said}",
+                peer=q,
+            )
         if local:
-            return translate(exc, where=self._where(), op=call.describe(), timeout=self.timeout, peer=peer,
-                             suspects=local)
+            return translate(
+                exc, where=self._where(), op=call.describe(), timeout=self.timeout, peer=peer, suspects=local
+            )
         # 5. another rank already knows whom to blame
-        blamed = [(q, rec) for q, rec in records.items()
-                  if rec.error in ("PeerLostError", "CommTimeoutError") and rec.peer is not None
-                  and rec.peer != self._rank]
+        blamed = [
+            (q, rec)
+            for q, rec in records.items()
+            if rec.error in ("PeerLostError", "CommTimeoutError") and rec.peer is not None and rec.peer != self._rank
+        ]
         if blamed:
             q, rec = blamed[0]
             cls = PeerLostError if rec.error == "PeerLostError" else CommTimeoutError
@@ -240,7 +273,9 @@ class GlooBackend(Backend):
             return PeerLostError(
                 f"{what} failed: lost the connection to rank {lost} (world rank {self._members[lost]} on host "
                 f"{host}), which crashed, was killed or exited without a word. Check that rank's output; "
-                f"this group cannot be used any more.{said}", peer=lost)
+                f"this group cannot be used any more.{said}",
+                peer=lost,
+            )
         # 7. a timeout: the ranks that published nothing are the silent ones
         if timed_out:
             silent = [q for q in others if q not in records]
@@ -250,7 +285,8 @@ class GlooBackend(Backend):
                     f"{what} timed out after {self.timeout:g} s (MLX_TIMEOUT): no answer from {names}, "
                     f"which is stuck, stopped, on another host and dead, or skipped this call; the other "
                     f"ranks were waiting in the same call. Raise MLX_TIMEOUT if it is only slow.{said}",
-                    peer=silent[0] if len(silent) == 1 else peer)
+                    peer=silent[0] if len(silent) == 1 else peer,
+                )
         return base
 
     # -- point-to-point -------------------------------------------------------------
@@ -274,7 +310,8 @@ class GlooBackend(Backend):
                 raise CollectiveMismatchError(
                     f"[gloo] {self._where()}: {self._named(call).describe()}: rank {src} sent {int(head[1])} elements "
                     f"({buf.dtype.name} on both ranks) but this rank expects {n}; a recv must match its "
-                    "send's shape and dtype")
+                    "send's shape and dtype"
+                )
         pg.recv([_tensor(buf)], src, p2p_tag(buf.dtype, n, 1)).wait()
 
     def send(self, buf: np.ndarray, dst: int) -> None:
@@ -300,9 +337,16 @@ class GlooBackend(Backend):
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
         """Both directions posted before waiting: gloo's send/recv are asynchronous."""
-        call = Call("sendrecv", "sendrecv", sendbuf.dtype, sendbuf.size if sendbuf.nbytes else 0,
-                    peer=dst if sendbuf.nbytes else -1, peer2=src if recvbuf.nbytes else -1,
-                    dtype2=recvbuf.dtype, count2=recvbuf.size if recvbuf.nbytes else 0)
+        call = Call(
+            "sendrecv",
+            "sendrecv",
+            sendbuf.dtype,
+            sendbuf.size if sendbuf.nbytes else 0,
+            peer=dst if sendbuf.nbytes else -1,
+            peer2=src if recvbuf.nbytes else -1,
+            dtype2=recvbuf.dtype,
+            count2=recvbuf.size if recvbuf.nbytes else 0,
+        )
         pg = self._usable(call)
         try:
             works = self._post_send(pg, sendbuf, dst) if sendbuf.nbytes else []
@@ -353,29 +397,39 @@ class GlooBackend(Backend):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self._run(self._coll("broadcast", buf, root), lambda pg: pg.broadcast([t], opts),
-                  peer=root if self._rank != root else None)
+        self._run(
+            self._coll("broadcast", buf, root),
+            lambda pg: pg.broadcast([t], opts),
+            peer=root if self._rank != root else None,
+        )
 
     def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         src, out = _tensor(sendbuf), _tensor(recvbuf)
-        self._run(self._coll("all_to_all", sendbuf),
-                  lambda pg: pg.alltoall_base(out, src, [], [], dist.AllToAllOptions()))
+        self._run(
+            self._coll("all_to_all", sendbuf), lambda pg: pg.alltoall_base(out, src, [], [], dist.AllToAllOptions())
+        )
 
     def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
         src = _tensor(sendbuf)
         opts = dist.GatherOptions()
         opts.rootRank = root
         outs = [] if recvbuf is None else [list(_tensor(recvbuf).tensor_split(self._size))]
-        self._run(self._coll("gather", sendbuf, root), lambda pg: pg.gather(outs, [src], opts),
-                  peer=root if self._rank != root else None)
+        self._run(
+            self._coll("gather", sendbuf, root),
+            lambda pg: pg.gather(outs, [src], opts),
+            peer=root if self._rank != root else None,
+        )
 
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
         out = _tensor(recvbuf)
         opts = dist.ScatterOptions()
         opts.rootRank = root
         ins = [] if sendbuf is None else [list(_tensor(sendbuf).tensor_split(self._size))]
-        self._run(self._coll("scatter", recvbuf, root), lambda pg: pg.scatter([out], ins, opts),
-                  peer=root if self._rank != root else None)
+        self._run(
+            self._coll("scatter", recvbuf, root),
+            lambda pg: pg.scatter([out], ins, opts),
+            peer=root if self._rank != root else None,
+        )
 
     def barrier(self) -> None:
         self._run(self._coll("barrier"), lambda pg: pg.barrier())
@@ -394,11 +448,26 @@ class GlooBackend(Backend):
         except DistributedError:  # e.g. a forged address in the store (StoreAuthError): keep it as it is
             raise
         except RuntimeError as exc:
-            raise translate(exc, where=self._where(), op=f"split(color={color}) connecting to ranks {members}",
-                            timeout=self.timeout, suspects=suspects(self._peers, self._members, self._rank)
-                            ) from exc
-        child = GlooBackend(pg, self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname, label,
-                            self._peers, [self._members[q] for q in members], ends)
+            raise translate(
+                exc,
+                where=self._where(),
+                op=f"split(color={color}) connecting to ranks {members}",
+                timeout=self.timeout,
+                suspects=suspects(self._peers, self._members, self._rank),
+            ) from exc
+        child = GlooBackend(
+            pg,
+            self._store,
+            prefix,
+            sub_rank,
+            sub_size,
+            self.timeout,
+            self._ifname,
+            label,
+            self._peers,
+            [self._members[q] for q in members],
+            ends,
+        )
         self._children.append(weakref.ref(child))
         return child
 

@@ -72,14 +72,39 @@ class Call(NamedTuple):
 
     def text(self) -> str:
         """One line that :meth:`parse` reads back (stored in the rendezvous store)."""
-        return " ".join(str(v) for v in (self.kind, self.name, _name(self.dtype), self.count, self.seq, self.root,
-                                          self.peer, self.peer2, _name(self.dtype2), self.count2, self.shown))
+        return " ".join(
+            str(v)
+            for v in (
+                self.kind,
+                self.name,
+                _name(self.dtype),
+                self.count,
+                self.seq,
+                self.root,
+                self.peer,
+                self.peer2,
+                _name(self.dtype2),
+                self.count2,
+                self.shown,
+            )
+        )
 
     @classmethod
     def parse(cls, text: str) -> Call:
         k, name, dt, count, seq, root, peer, peer2, dt2, count2, *shown = text.split(maxsplit=10)
-        return cls(k, name, dt, int(count), int(seq), int(root), int(peer), int(peer2), dt2, int(count2),
-                   shown[0].strip() if shown else "")
+        return cls(
+            k,
+            name,
+            dt,
+            int(count),
+            int(seq),
+            int(root),
+            int(peer),
+            int(peer2),
+            dt2,
+            int(count2),
+            shown[0].strip() if shown else "",
+        )
 
     def describe(self) -> str:
         """What a user reads: ``all_sum #2 of 4 float32``, ``send #1 of 4 float32 to rank 0``;
@@ -91,17 +116,22 @@ class Call(NamedTuple):
             if "(" in self.shown:  # a step inside the user's call: "all_sum #2 (the call check before it)"
                 return f"{self.shown[:-1]}: {what}{root})"
             if self.shown:
-                return f"{self.shown}{what[len(self.name):]}{root}"
-            check = (", most likely meshcomm's call check before the next collective"
-                     if self.name == "all_max" and self.count == 2 and _name(self.dtype) == "int64" else "")
+                return f"{self.shown}{what[len(self.name) :]}{root}"
+            check = (
+                ", most likely meshcomm's call check before the next collective"
+                if self.name == "all_max" and self.count == 2 and _name(self.dtype) == "int64"
+                else ""
+            )
             return f"{what}{root} (collective #{self.seq} of the group{check})"
         name = self.shown or self.kind
         if self.kind == "send":
             return f"{name} of {self.count} {self.dtype} to rank {self.peer}"
         if self.kind == "recv":
             return f"{name} of {self.count} {self.dtype} from rank {self.peer}"
-        return (f"{name} ({self.count} {self.dtype} to rank {self.peer}, "
-                f"{self.count2} {self.dtype2} from rank {self.peer2})")
+        return (
+            f"{name} ({self.count} {self.dtype} to rank {self.peer}, "
+            f"{self.count2} {self.dtype2} from rank {self.peer2})"
+        )
 
     # what this call sends to / expects from a given rank, as (dtype, count), or None
     def _sends_to(self, q: int) -> tuple[str, int] | None:

@@ -11,8 +11,18 @@ from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
 __all__ = ["translate", "first_line", "StoreAuthError"]
 
-_LOST = ("connection closed", "connection reset", "broken pipe", "closed by peer", "connection refused",
-         "socket closed", "eof", "read error", "write error", "pair closed")
+_LOST = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "closed by peer",
+    "connection refused",
+    "socket closed",
+    "eof",
+    "read error",
+    "write error",
+    "pair closed",
+)
 _TIMEOUT = ("timed out", "timeout", "deadline")
 
 
@@ -37,8 +47,15 @@ def first_line(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:400]
 
 
-def translate(exc: BaseException, *, where: str, op: str, timeout: float, peer: int | None = None,
-              suspects: list[tuple[int, str]] | None = None) -> DistributedError:
+def translate(
+    exc: BaseException,
+    *,
+    where: str,
+    op: str,
+    timeout: float,
+    peer: int | None = None,
+    suspects: list[tuple[int, str]] | None = None,
+) -> DistributedError:
     """The meshcomm error for ``exc`` raised by gloo during ``op`` on ``where`` (e.g. "rank 1 of ...").
 
     ``peer`` is the group rank the operation talked to, when it talked to one; ``suspects``

@@ -17,7 +17,9 @@ class GlooLauncher:
         first = job.places[0]
         port = job.free_port(first)
         if not 0 < int(port) < 65536:
-            raise ValueError(f"gloo launcher: free_port returned {port!r} for rank 0's host {first.host or 'localhost'}")
+            raise ValueError(
+                f"gloo launcher: free_port returned {port!r} for rank 0's host {first.host or 'localhost'}"
+            )
         env = {
             "MESHCOMM_GLOO_ADDR": first.ip,
             "MESHCOMM_GLOO_PORT": str(int(port)),

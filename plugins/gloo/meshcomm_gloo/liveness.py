@@ -17,6 +17,7 @@ from pathlib import Path
 
 __all__ = ["RankProcess", "suspects", "endpoints", "owner"]
 
+
 @dataclass(frozen=True)
 class RankProcess:
     """Where one world rank runs."""
@@ -69,7 +70,7 @@ def _ip(hexaddr: str) -> str:
     raw = bytes.fromhex(hexaddr)
     if len(raw) == 4:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
     ip = socket.inet_ntop(socket.AF_INET6, words)
     return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
 

@@ -34,8 +34,10 @@ __all__ = ["Rendezvous", "resolve", "missing", "job_id"]
 _OWN, *_SCHEDULERS = FAMILIES  # meshcomm's own variables, then every other launcher's in the core's order
 _RANK_VARS = f"{_OWN.rank} (or a scheduler's rank: {', '.join(f.rank for f in _SCHEDULERS)})"
 _SIZE_VARS = f"{_OWN.size} (or a scheduler's size: {', '.join(f.size for f in _SCHEDULERS if f.size)})"
-_STORE_VARS = ("MESHCOMM_GLOO_PORT (with MESHCOMM_GLOO_ADDR), MLX_COORDINATOR=host:port (or MASTER_ADDR and "
-               "MASTER_PORT) or MESHCOMM_GLOO_FILE")
+_STORE_VARS = (
+    "MESHCOMM_GLOO_PORT (with MESHCOMM_GLOO_ADDR), MLX_COORDINATOR=host:port (or MASTER_ADDR and "
+    "MASTER_PORT) or MESHCOMM_GLOO_FILE"
+)
 
 #: start-ups of the gloo backend in this process on a shared (agent) store; part of the namespace,
 #: so a second meshcomm.init() in the same processes does not read the first one's keys
@@ -74,7 +76,7 @@ def _scheduler_id(environ: Mapping[str, str], family: str) -> str:
     """The job id the scheduler ``family`` (a :data:`meshcomm.plugin.FAMILIES` name) gives all its ranks."""
     if family == "Slurm":
         job = _first(environ, "SLURM_HET_JOB_ID", "SLURM_PACK_JOB_ID", "SLURM_JOB_ID")  # a het job's components
-        step = _first(environ, "SLURM_STEP_ID", "SLURM_STEPID")                          # differ in SLURM_JOB_ID
+        step = _first(environ, "SLURM_STEP_ID", "SLURM_STEPID")  # differ in SLURM_JOB_ID
         return f"slurm {job}.{step}" if job and step else ""
     if family in ("Open MPI", "PMIx"):
         ns = _first(environ, "PMIX_NAMESPACE")  # Open MPI 5 (prterun-<host>-<pid>@<n>), srun --mpi=pmix
@@ -136,16 +138,25 @@ def resolve(config: Config, settings: GlooSettings, environ: Mapping[str, str] |
         raise BackendUnavailableError(
             f"gloo backend: missing {'; '.join(lacking)}. Start the job with `meshcomm launch --backend gloo`, "
             "under a scheduler (srun, mpirun, torchrun) with MLX_COORDINATOR=host:port, or set those variables "
-            "on every rank")
+            "on every rank"
+        )
     rank, size, said = config.rank, config.world_size, _said(config)
     assert rank is not None and size is not None
     job = job_id(env, config.placement_source or "MLX_RANK")
     if settings.port is not None:
-        return Rendezvous(rank, size, "host" if rank == 0 else "client", settings.addr, settings.port, None, "",
-                          job, f"{said}; store from MESHCOMM_GLOO_ADDR/MESHCOMM_GLOO_PORT")
+        return Rendezvous(
+            rank,
+            size,
+            "host" if rank == 0 else "client",
+            settings.addr,
+            settings.port,
+            None,
+            "",
+            job,
+            f"{said}; store from MESHCOMM_GLOO_ADDR/MESHCOMM_GLOO_PORT",
+        )
     if settings.file is not None:
-        return Rendezvous(rank, size, "file", "", 0, settings.file, "", job,
-                          f"{said}; store from MESHCOMM_GLOO_FILE")
+        return Rendezvous(rank, size, "file", "", 0, settings.file, "", job, f"{said}; store from MESHCOMM_GLOO_FILE")
     coord = config.coordinator_address()
     assert coord is not None
     origin = f"{said}; store at the coordinator from {coord.source}"
@@ -154,6 +165,16 @@ def resolve(config: Config, settings: GlooSettings, environ: Mapping[str, str] |
         restart = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
         namespace = f"meshcomm-torchrun/{job or '-'}/restart{restart}/start{_STARTS['count']}/"
         # the agent's store is at MASTER_PORT itself (the coordinator meshcomm hosts is the port above)
-        return Rendezvous(rank, size, "client", env["MASTER_ADDR"].strip(), int(env["MASTER_PORT"]), None,
-                          namespace, job, f"{said}; torchrun's agent store at MASTER_ADDR:MASTER_PORT", agent=True)
+        return Rendezvous(
+            rank,
+            size,
+            "client",
+            env["MASTER_ADDR"].strip(),
+            int(env["MASTER_PORT"]),
+            None,
+            namespace,
+            job,
+            f"{said}; torchrun's agent store at MASTER_ADDR:MASTER_PORT",
+            agent=True,
+        )
     return Rendezvous(rank, size, "host" if rank == 0 else "client", coord.host, coord.port, None, "", job, origin)

@@ -76,17 +76,16 @@ def factory(config: Config, settings: Any) -> Backend:
     except Exception as exc:
         raise BackendUnavailableError(f"gloo backend: importing torch.distributed failed: {exc!r}") from exc
     if not dist.is_available() or not dist.is_gloo_available():
-        raise BackendUnavailableError(
-            "gloo backend: this torch build has no distributed/gloo support; " + _INSTALL
-        )
+        raise BackendUnavailableError("gloo backend: this torch build has no distributed/gloo support; " + _INSTALL)
     from .admission import admit, note_rejection, rejection_of_others
     from .backend import GlooBackend
     from .errors import StoreAuthError, translate
     from .rendezvous import WORLD_PREFIX, connect, make_store
     from .session import open_session
 
-    check_job_secret(settings, who="gloo backend", rank=config.rank, size=config.world_size,
-                     warning=NO_SECRET_WARNING, log=log)
+    check_job_secret(
+        settings, who="gloo backend", rank=config.rank, size=config.world_size, warning=NO_SECRET_WARNING, log=log
+    )
     store, rank, size, where = make_store(config, settings)
     try:
         peers = admit(store, rank, size, open_session(store, rank, size))
@@ -103,13 +102,19 @@ def factory(config: Config, settings: Any) -> Backend:
         other = rejection_of_others(store, rank, size)
         if other is not None:
             q, said = other
-            raise StoreAuthError(f"[gloo] rank {rank} of the world group (size {size}, {where}): start-up "
-                                 f"stopped because rank {q} refused a value in the rendezvous store: {said}",
-                                 key="", peer=q) from exc
-        raise translate(exc, where=f"rank {rank} of the world group (size {size}, {where})",
-                        op="start-up (connecting to every rank)", timeout=config.timeout) from exc
-    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers,
-                       ends=ends)
+            raise StoreAuthError(
+                f"[gloo] rank {rank} of the world group (size {size}, {where}): start-up "
+                f"stopped because rank {q} refused a value in the rendezvous store: {said}",
+                key="",
+                peer=q,
+            ) from exc
+        raise translate(
+            exc,
+            where=f"rank {rank} of the world group (size {size}, {where})",
+            op="start-up (connecting to every rank)",
+            timeout=config.timeout,
+        ) from exc
+    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers, ends=ends)
 
 
 @hookimpl

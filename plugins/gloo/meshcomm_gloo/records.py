@@ -104,8 +104,9 @@ class Records:
         finally:
             self._restore()
 
-    def collect(self, ranks: Iterable[int], wait: float, skip: Callable[[int], bool] = lambda q: False
-                ) -> dict[int, Record]:
+    def collect(
+        self, ranks: Iterable[int], wait: float, skip: Callable[[int], bool] = lambda q: False
+    ) -> dict[int, Record]:
         """Records of ``ranks``, polling up to ``wait`` seconds for the missing ones
         (ranks for which ``skip(q)`` is true are not waited for)."""
         pending = set(ranks)

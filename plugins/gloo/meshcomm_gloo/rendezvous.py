@@ -50,8 +50,14 @@ def make_store(config: Config, settings: GlooSettings) -> tuple[Any, int, int, s
     else:
         try:
             # torchrun's agent store is shared with torch's own keys: do not touch its worker count
-            inner = dist.TCPStore(rdv.addr, rdv.port, size, rdv.kind == "host", timeout=_delta(config.timeout),
-                                  wait_for_workers=not rdv.agent)
+            inner = dist.TCPStore(
+                rdv.addr,
+                rdv.port,
+                size,
+                rdv.kind == "host",
+                timeout=_delta(config.timeout),
+                wait_for_workers=not rdv.agent,
+            )
         except Exception as exc:
             raise _store_error(exc, where, rank, size, config.timeout, host=rdv.kind == "host") from exc
     store = AuthStore(inner, sealer, namespace=rdv.namespace, rank=rank, where=where)
@@ -88,8 +94,9 @@ def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, if
     return dist.ProcessGroupGloo(pstore, rank, size, opts)
 
 
-def connect(store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None
-            ) -> tuple[Any, list[set[str]]]:
+def connect(
+    store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None
+) -> tuple[Any, list[set[str]]]:
     """:func:`make_group`, plus every member's TCP endpoints of that group (index = group rank).
 
     The endpoints let a failure's address ("closed by peer [ip]:port") be traced to a rank

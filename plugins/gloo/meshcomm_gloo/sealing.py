@@ -95,15 +95,21 @@ class Sealer:
     def unseal(self, full_key: str, raw: bytes) -> bytes:
         """The value stored as ``raw`` under ``full_key``; BadSeal when its tag does not verify."""
         if raw.startswith(_OLD_MAGIC):
-            raise BadSeal("it was written by an older meshcomm gloo backend (store format mcg1, without start-up "
-                          "nonces): give every rank the same meshcomm version", None)
+            raise BadSeal(
+                "it was written by an older meshcomm gloo backend (store format mcg1, without start-up "
+                "nonces): give every rank the same meshcomm version",
+                None,
+            )
         size = len(MAGIC) + 2
         if len(raw) < size or not raw.startswith(MAGIC) or len(raw) < size + raw[size - 1] + TAG_BYTES:
-            raise BadSeal("it carries no meshcomm tag at all (written by something that is not a meshcomm rank, "
-                          "e.g. a plain TCPStore client)", None)
+            raise BadSeal(
+                "it carries no meshcomm tag at all (written by something that is not a meshcomm rank, "
+                "e.g. a plain TCPStore client)",
+                None,
+            )
         had = bool(raw[len(MAGIC)] & 1)
         end = size + raw[size - 1]
-        nonce, tag, value = raw[size:end], raw[end:end + TAG_BYTES], raw[end + TAG_BYTES:]
+        nonce, tag, value = raw[size:end], raw[end : end + TAG_BYTES], raw[end + TAG_BYTES :]
         if nonce == self.nonce and hmac.compare_digest(tag, self.tag(full_key, value)):
             return value
         if had and not self.has_secret:
@@ -116,8 +122,13 @@ class Sealer:
                 f"start-up (its nonce is {short(nonce)}, this start-up's is {short(self.nonce)}): a value recorded "
                 "from an earlier job that used the same MESHCOMM_JOB_SECRET (or from a job running beside this one "
                 "with it) and replayed here, or the record of a rank of this job that refused this start-up's "
-                "nonce", had, replayed=True)
+                "nonce",
+                had,
+                replayed=True,
+            )
         else:
-            why = ("its tag is wrong: it was written with another job secret, for another key, for another job "
-                   f"id (this rank's is {self.job!r}), or changed after it was written")
+            why = (
+                "its tag is wrong: it was written with another job secret, for another key, for another job "
+                f"id (this rank's is {self.job!r}), or changed after it was written"
+            )
         raise BadSeal(why, had)

@@ -84,14 +84,23 @@ def open_session(store: Any, rank: int, size: int) -> Session:
     key = f"{_ANSWER}{rank}"
     reach = "let only the job's hosts reach the store's port"
     if len(nonce) == NONCE_BYTES and not echo:
-        why = (f"rank 0 answered no challenge: this rank's challenge in '{_HELLO}{rank}' failed rank 0's secret "
-               "check, so a process without the job secret overwrote it")
+        why = (
+            f"rank 0 answered no challenge: this rank's challenge in '{_HELLO}{rank}' failed rank 0's secret "
+            "check, so a process without the job secret overwrote it"
+        )
         fix = reach
     else:
-        why = (f"it answers the challenge {short(echo)}, not the challenge {short(mine)} this rank wrote, so it was "
-               "written for another start-up: recorded from an earlier job that used the same MESHCOMM_JOB_SECRET "
-               "and replayed here (the answer, or the challenge rank 0 read in this rank's place)")
+        why = (
+            f"it answers the challenge {short(echo)}, not the challenge {short(mine)} this rank wrote, so it was "
+            "written for another start-up: recorded from an earlier job that used the same MESHCOMM_JOB_SECRET "
+            "and replayed here (the answer, or the challenge rank 0 read in this rank's place)"
+        )
         fix = f"give every job its own MESHCOMM_JOB_SECRET (meshcomm launch makes a fresh one per job) and {reach}"
-    return Session(b"", refused=StoreAuthError(
-        f"[gloo] rank {rank}: refused the start-up nonce in {key!r}: {why}. Nothing of it was used. Fix: {fix}.",
-        key=key, peer=0))
+    return Session(
+        b"",
+        refused=StoreAuthError(
+            f"[gloo] rank {rank}: refused the start-up nonce in {key!r}: {why}. Nothing of it was used. Fix: {fix}.",
+            key=key,
+            peer=0,
+        ),
+    )

@@ -1,8 +1,8 @@
 """Start-up cost of the sealed rendezvous store: gloo's world group with and without AuthStore.
 
 Each round starts N fresh processes per variant; every process imports torch first, says so,
-and waits for the word to start (sent to all at once when all are ready), so imports are not timed. Timed per rank: opening the
-TCPStore (rank 0 hosts it), the start-up nonce handshake (sealed variant only, as in the
+and waits for the word to start (sent to all at once when all are ready), so imports are not timed.
+Timed per rank: opening the TCPStore (rank 0 hosts it), the start-up nonce handshake (sealed variant only, as in the
 backend), the start-up records (set own, get every rank's) and the ProcessGroupGloo
 connecting to every rank. A round's figure is the slowest rank's time;
 the script prints the median over rounds for each variant. Variants alternate round by round.
@@ -31,8 +31,9 @@ def _rank(variant: str, rank: int, size: int, port: int) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     t0 = time.perf_counter()
-    inner = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=True)
+    inner = dist.TCPStore(
+        "127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=60), wait_for_workers=True
+    )
     store = inner if variant == "plain" else AuthStore(inner, Sealer(b"bench-secret", "bench"), rank=rank)
     if variant != "plain":
         open_session(store, rank, size)
@@ -50,8 +51,15 @@ def _round(variant: str, size: int) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", variant, str(r), str(size), str(port)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", variant, str(r), str(size), str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(size)
+    ]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     for p in procs:
@@ -82,8 +90,10 @@ def main() -> None:
             for variant in got:
                 got[variant].append(_round(variant, size))
         med = {v: statistics.median(t) * 1000 for v, t in got.items()}
-        print(f"{size} ranks: plain TCPStore {med['plain']:.1f} ms, sealed AuthStore {med['sealed']:.1f} ms "
-              f"(+{med['sealed'] - med['plain']:.1f} ms); median of {args.rounds} rounds of the slowest rank")
+        print(
+            f"{size} ranks: plain TCPStore {med['plain']:.1f} ms, sealed AuthStore {med['sealed']:.1f} ms "
+            f"(+{med['sealed'] - med['plain']:.1f} ms); median of {args.rounds} rounds of the slowest rank"
+        )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,17 @@ class MPIBackend(Backend):
     #: results go straight into callers' out= arrays (out=x: MPI_IN_PLACE)
     direct_out = True
 
-    def __init__(self, comm: Any, ops: OpTable, control: Control, *, timeout: float = DEFAULT_TIMEOUT,
-                 cid: str = "world", members: list[int] | None = None, label: str = "the world") -> None:
+    def __init__(
+        self,
+        comm: Any,
+        ops: OpTable,
+        control: Control,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        cid: str = "world",
+        members: list[int] | None = None,
+        label: str = "the world",
+    ) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = comm
         self.timeout = timeout
@@ -128,8 +137,14 @@ class MPIBackend(Backend):
                 "end the job (or start a new one)"
             )
 
-    def _finish(self, reqs: list[Any], what: tuple[Any, ...], peer: int | None = None,
-                statuses: list[Any] | None = None, nbytes: int = 0) -> None:
+    def _finish(
+        self,
+        reqs: list[Any],
+        what: tuple[Any, ...],
+        peer: int | None = None,
+        statuses: list[Any] | None = None,
+        nbytes: int = 0,
+    ) -> None:
         """Complete ``reqs``: one test, then the control channel's deadline wait.
 
         ``nbytes`` (the size of the transfer) lengthens the initial spin: MPI progresses a
@@ -201,8 +216,15 @@ class MPIBackend(Backend):
             "same shape and dtype (recv_like(x, src) avoids restating them)"
         )
         self._ctl.last_error = err
-        self._ctl.last = {"cid": self.cid, "label": self.label, "text": f"recv #{self.recvd[src]} from rank {src}",
-                          "kind": "recv", "name": "recv", "seq": self.coll_count, "phase": "raised mismatch"}
+        self._ctl.last = {
+            "cid": self.cid,
+            "label": self.label,
+            "text": f"recv #{self.recvd[src]} from rank {src}",
+            "kind": "recv",
+            "name": "recv",
+            "seq": self.coll_count,
+            "phase": "raised mismatch",
+        }
         return err
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
@@ -211,8 +233,9 @@ class MPIBackend(Backend):
         status = MPI.Status()
         try:
             rreq = self.comm.Irecv([recvbuf, self._move[recvbuf.dtype]], src, _ANY_TAG)
-            sreq = self.comm.Isend([sendbuf, self._move[sendbuf.dtype]], dst,
-                                   self._tags.tag(sendbuf.dtype, sendbuf.size))
+            sreq = self.comm.Isend(
+                [sendbuf, self._move[sendbuf.dtype]], dst, self._tags.tag(sendbuf.dtype, sendbuf.size)
+            )
         except MPI.Exception as exc:
             raise self._fail(f"sendrecv (to {dst}, from {src})", exc) from None
         self.sent[dst] += 1
@@ -268,8 +291,9 @@ class MPIBackend(Backend):
             req = self.comm.Ireduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
             raise self._fail(f"reduce_scatter({op}, {sendbuf.dtype})", exc) from None
-        self._finish([req], ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})"), None, None,
-                     sendbuf.nbytes)
+        self._finish(
+            [req], ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})"), None, None, sendbuf.nbytes
+        )
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.broken is not None:
@@ -337,9 +361,15 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise self._fail(f"split(color={color}, key={key})", exc) from None
         cid = f"{self.cid}/{self._splits}:{index}"
-        return MPIBackend(sub, self._ops, self._ctl, timeout=self.timeout, cid=cid,
-                          members=[self.members[q] for q in members],
-                          label=f"split #{self._splits} of {self.label} (color={color})")
+        return MPIBackend(
+            sub,
+            self._ops,
+            self._ctl,
+            timeout=self.timeout,
+            cid=cid,
+            members=[self.members[q] for q in members],
+            label=f"split #{self._splits} of {self.label} (color={color})",
+        )
 
     # -- ending -------------------------------------------------------------------------------
     def abort(self, code: int, reason: str) -> None:

@@ -52,7 +52,8 @@ __all__ = ["Control", "host_cores", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "D
 QUERY, ANSWER, FAIL, ACK, EXIT, DOWN = 1, 2, 3, 4, 5, 6
 
 _ERRORS: dict[str, type[DistributedError]] = {
-    "PeerLostError": PeerLostError, "CommTimeoutError": CommTimeoutError,
+    "PeerLostError": PeerLostError,
+    "CommTimeoutError": CommTimeoutError,
     "CollectiveMismatchError": CollectiveMismatchError,
 }
 
@@ -107,8 +108,12 @@ class Control:
         out = {}
         for cid, b in self.comms.items():
             m = b.members
-            out[cid] = (b.coll_count, {m[q]: n for q, n in enumerate(b.sent) if n},
-                        {m[q]: n for q, n in enumerate(b.recvd) if n}, b.tail_text())
+            out[cid] = (
+                b.coll_count,
+                {m[q]: n for q, n in enumerate(b.sent) if n},
+                {m[q]: n for q, n in enumerate(b.recvd) if n},
+                b.tail_text(),
+            )
         return out
 
     def _counts_in(self, notice: dict[str, Any], desc: Desc) -> Counts | None:
@@ -142,8 +147,9 @@ class Control:
         return {"rank": self.rank, "counts": self._all_counts(), "state": self._state(), **fields}
 
     # -- the wait loop ----------------------------------------------------------------------
-    def wait(self, backend: Any, reqs: list[Any], what: tuple[Any, ...], statuses: list[Any] | None,
-             nbytes: int = 0) -> None:
+    def wait(
+        self, backend: Any, reqs: list[Any], what: tuple[Any, ...], statuses: list[Any] | None, nbytes: int = 0
+    ) -> None:
         """Complete ``reqs`` (already tested once) under ``backend.timeout``, or raise.
 
         First a spin on the requests alone (the base spin plus what the transfer takes at
@@ -261,8 +267,11 @@ class Control:
             if tag == QUERY:
                 b = self.comms.get(msg["cid"])
                 counts = b.counts_for(src) if b is not None else None
-                self._post(src, ANSWER, {"qid": msg["qid"], "state": self._state(),
-                                         "counts": None if counts is None else tuple(counts)})
+                self._post(
+                    src,
+                    ANSWER,
+                    {"qid": msg["qid"], "state": self._state(), "counts": None if counts is None else tuple(counts)},
+                )
             elif tag == ANSWER:
                 if msg["qid"] == self._qid:
                     self._answers[src] = msg
@@ -311,8 +320,10 @@ class Control:
         culprit = msg.get("peer")
         peer = desc.local.get(culprit, culprit) if culprit is not None else None
         cls = _ERRORS.get(msg.get("cls", ""), PeerLostError)
-        text = (f"[mpi] rank {desc.me} waits in {desc.where}, but {name} gave up and is ending the job "
-                f"because: {msg.get('msg')}")
+        text = (
+            f"[mpi] rank {desc.me} waits in {desc.where}, but {name} gave up and is ending the job "
+            f"because: {msg.get('msg')}"
+        )
         return _make(cls, text, peer)
 
     def _check_exit(self, desc: Desc, w: int, msg: dict[str, Any]) -> None:
@@ -393,26 +404,35 @@ class Control:
             else:
                 blocked.append((w, f"{name} waits in {st['text']} on {st['label']}"))
         head = f"[mpi] rank {desc.me} waited {backend.timeout:g} s (MLX_TIMEOUT) in {desc.where}"
-        fix = ("; raise MLX_TIMEOUT if the peer is only slow, otherwise fix or restart it")
+        fix = "; raise MLX_TIMEOUT if the peer is only slow, otherwise fix or restart it"
         if dead:
             self.peer_died = any("died" in t for _, t in dead)
-            return PeerLostError(f"{head}: {'; '.join(t for _, t in dead)}; the job cannot continue",
-                                 peer=self._peer_name(desc, dead[0][0])[1])
+            return PeerLostError(
+                f"{head}: {'; '.join(t for _, t in dead)}; the job cannot continue",
+                peer=self._peer_name(desc, dead[0][0])[1],
+            )
         if missing:
-            return CommTimeoutError(f"{head}: {'; '.join(t for _, t in missing)}{fix}",
-                                    peer=self._peer_name(desc, missing[0][0])[1])
+            return CommTimeoutError(
+                f"{head}: {'; '.join(t for _, t in missing)}{fix}", peer=self._peer_name(desc, missing[0][0])[1]
+            )
         if mismatch:
             return CollectiveMismatchError(
                 f"{head}, but {'; '.join(t for _, t in mismatch)}: the ranks called different operations "
                 f"on {desc.label} (rank {desc.me}'s {desc.text} against "
                 f"{', '.join(self._peer_name(desc, w)[0] for w, _ in mismatch)}); make every rank call the "
-                "same collectives in the same order, and match each send with a recv")
+                "same collectives in the same order, and match each send with a recv"
+            )
         if blocked:
-            return CommTimeoutError(f"{head}: {'; '.join(t for _, t in blocked)}: the ranks wait on each "
-                                    "other in a different order (a deadlock)",
-                                    peer=self._peer_name(desc, blocked[0][0])[1])
-        return CommTimeoutError(f"{head}: every peer has joined it but it did not complete (MPI is "
-                                "stalled or the network is too slow for this timeout){fix}", peer=None)
+            return CommTimeoutError(
+                f"{head}: {'; '.join(t for _, t in blocked)}: the ranks wait on each "
+                "other in a different order (a deadlock)",
+                peer=self._peer_name(desc, blocked[0][0])[1],
+            )
+        return CommTimeoutError(
+            f"{head}: every peer has joined it but it did not complete (MPI is "
+            "stalled or the network is too slow for this timeout){fix}",
+            peer=None,
+        )
 
     # -- ending -------------------------------------------------------------------------------
     def linger(self, seconds: float, done: Any) -> None:
@@ -530,6 +550,7 @@ def _exit_if_abort_hangs(code: int, after: float = 5.0) -> None:
     """MPI_Abort should end the job at once; once in many runs Open MPI's did not return or
     kill this process (a peer already in MPI_Finalize). End the process ourselves then: with
     ``code`` from a thread, and by SIGALRM's default action if the thread cannot run."""
+
     def _exit() -> None:
         time.sleep(after)
         os._exit(code)
@@ -559,7 +580,7 @@ def _unlink_shared_memory() -> None:
         i = line.find("/dev/shm/")
         if i < 0 or line.endswith("(deleted)"):
             continue
-        name = line[i + len("/dev/shm/"):].strip()
+        name = line[i + len("/dev/shm/") :].strip()
         if name.startswith(_MPI_SHM) and "/" not in name:
             try:
                 os.unlink("/dev/shm/" + name)

@@ -117,7 +117,7 @@ def find_library() -> MPILibrary:
 
 @functools.lru_cache(maxsize=16)
 def mpiexec_flavor(mpiexec: str) -> str | None:
-    """"openmpi", "mpich" or None, from ``mpiexec --version``."""
+    """ "openmpi", "mpich" or None, from ``mpiexec --version``."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):

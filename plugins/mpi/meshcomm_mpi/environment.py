@@ -39,8 +39,7 @@ def launched_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, 
     return None
 
 
-def launch_reason(config: Any = None, settings: Any = None,
-                  environ: Mapping[str, str] | None = None) -> str | None:
+def launch_reason(config: Any = None, settings: Any = None, environ: Mapping[str, str] | None = None) -> str | None:
     """The ``environment`` callback: None under an MPI launcher, else what is missing.
 
     A process started without mpiexec is not an MPI job even though MPI could run it

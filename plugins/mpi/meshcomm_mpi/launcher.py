@@ -135,8 +135,18 @@ def mpiexec_command(
 #: variables of the launcher's environment for ranks that may be shown on mpiexec's command
 #: line (job layout, not secrets); every other one (the job secret, --env and hostfile
 #: ``envs`` variables) is passed by name only
-_SHOWN = ("MLX_BACKEND", "MLX_WORLD_SIZE", "MLX_TIMEOUT", "MESHCOMM_JOB_ID", "MESHCOMM_JOB_DIR",
-          "MESHCOMM_OUTPUT_DIR", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_SHOWN = (
+    "MLX_BACKEND",
+    "MLX_WORLD_SIZE",
+    "MLX_TIMEOUT",
+    "MESHCOMM_JOB_ID",
+    "MESHCOMM_JOB_DIR",
+    "MESHCOMM_OUTPUT_DIR",
+    "PYTHONUNBUFFERED",
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
 
 
 def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:

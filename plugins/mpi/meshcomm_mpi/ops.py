@@ -32,8 +32,22 @@ class Desc:
             ``("sendrecv", dst, src)`` with group-local ranks.
     """
 
-    __slots__ = ("cid", "label", "kind", "name", "seq", "dst", "src", "send_k", "recv_k", "members", "local",
-                 "me", "me_world", "shown")
+    __slots__ = (
+        "cid",
+        "label",
+        "kind",
+        "name",
+        "seq",
+        "dst",
+        "src",
+        "send_k",
+        "recv_k",
+        "members",
+        "local",
+        "me",
+        "me_world",
+        "shown",
+    )
 
     def __init__(self, backend: Any, what: tuple[Any, ...]) -> None:
         self.cid: str = backend.cid
@@ -107,5 +121,11 @@ class Desc:
 
     def public(self) -> dict[str, Any]:
         """What a peer is told about this operation (picklable)."""
-        return {"cid": self.cid, "label": self.label, "text": self.text, "kind": self.kind,
-                "name": self.name, "seq": self.seq}
+        return {
+            "cid": self.cid,
+            "label": self.label,
+            "text": self.text,
+            "kind": self.kind,
+            "name": self.name,
+            "seq": self.seq,
+        }

@@ -49,7 +49,7 @@ class PeerTable:
         self.local_count = sum(self.local)
 
     def state(self, peer: int) -> str | None:
-        """"dead", "stopped", "running" for a peer on this host; None when it cannot be seen."""
+        """ "dead", "stopped", "running" for a peer on this host; None when it cannot be seen."""
         if not self.local[peer]:
             return None
         try:
@@ -74,7 +74,8 @@ class PeerTable:
         if s == "stopped":
             return f"is stopped (pid {pid} on this host is in state T: SIGSTOP, Ctrl-Z or a debugger)"
         if s == "running":
-            return (f"did not answer (pid {pid} on this host is running, but not inside a meshcomm "
-                    "operation: busy in other code, or blocked in another library)")
-        return ("did not answer (it runs on another host: stopped, busy outside meshcomm, or "
-                "its host is unreachable)")
+            return (
+                f"did not answer (pid {pid} on this host is running, but not inside a meshcomm "
+                "operation: busy in other code, or blocked in another library)"
+            )
+        return "did not answer (it runs on another host: stopped, busy outside meshcomm, or its host is unreachable)"

@@ -16,8 +16,21 @@ __all__ = ["TagCodec"]
 
 #: fixed order, identical on every rank: the code of a dtype is its index + 1 (0: other)
 _DTYPE_ORDER = (
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "bfloat16",
 )
 _CODE = {name: i + 1 for i, name in enumerate(_DTYPE_ORDER)}
 _DTYPE_BITS = 5

@@ -63,8 +63,17 @@ class SocketsBackend(MeshGroup):
     #: received after every send of it has left, because its final value depends on them)
     direct_out = True
 
-    def __init__(self, fabric: Fabric, members: list[int], *, group_id: int = 0, label: str = "world",
-                 chunk_bytes: int = 4 << 20, owner: bool = False, seq_start: int = 0) -> None:
+    def __init__(
+        self,
+        fabric: Fabric,
+        members: list[int],
+        *,
+        group_id: int = 0,
+        label: str = "world",
+        chunk_bytes: int = 4 << 20,
+        owner: bool = False,
+        seq_start: int = 0,
+    ) -> None:
         self.fabric = fabric
         self.members = members
         self.gid = group_id
@@ -112,22 +121,30 @@ class SocketsBackend(MeshGroup):
         if self._call is not None:
             return self._call
         counter[peer] = wire.next_seq(counter[peer])
-        return Call(self.gid, counter[peer], wire.OP_CODES["send"], dtype_code(buf.dtype), buf.size, self.label, 0,
-                    self)
+        return Call(
+            self.gid, counter[peer], wire.OP_CODES["send"], dtype_code(buf.dtype), buf.size, self.label, 0, self
+        )
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
         self.fabric.exchange(self.link(dst), self._p2p(self._sent, dst, buf), as_bytes(buf), None, None, FRAME_BYTES)
 
     def recv(self, buf: np.ndarray, src: int) -> None:
-        self.fabric.exchange(self.link(src), None, None, self._p2p(self._received, src, buf), as_bytes(buf),
-                             FRAME_BYTES)
+        self.fabric.exchange(
+            self.link(src), None, None, self._p2p(self._received, src, buf), as_bytes(buf), FRAME_BYTES
+        )
 
     def sendrecv(self, sendbuf: np.ndarray, dst: int, recvbuf: np.ndarray, src: int) -> None:
         out, inc = self.link(dst), self.link(src)
         if out is inc:
-            self.fabric.exchange(out, self._p2p(self._sent, dst, sendbuf), as_bytes(sendbuf),
-                                 self._p2p(self._received, src, recvbuf), as_bytes(recvbuf), FRAME_BYTES)
+            self.fabric.exchange(
+                out,
+                self._p2p(self._sent, dst, sendbuf),
+                as_bytes(sendbuf),
+                self._p2p(self._received, src, recvbuf),
+                as_bytes(recvbuf),
+                FRAME_BYTES,
+            )
             return
         self.fabric.post_send(out, self._p2p(self._sent, dst, sendbuf), as_bytes(sendbuf), FRAME_BYTES)
         self.fabric.post_recv(inc, self._p2p(self._received, src, recvbuf), as_bytes(recvbuf), FRAME_BYTES)
@@ -193,9 +210,14 @@ class SocketsBackend(MeshGroup):
             members = algorithms.split_members(self, color, key)
         self._splits += 1
         gid = zlib.crc32(f"{self.gid}/{self._splits}/{color}".encode()) & 0x7FFFFFFF or 1
-        sub = SocketsBackend(self.fabric, [self.members[m] for m in members], group_id=gid,
-                             label=f"{self.label}/split{self._splits}(color={color})",
-                             chunk_bytes=self.chunk_bytes, seq_start=self._seq_start)
+        sub = SocketsBackend(
+            self.fabric,
+            [self.members[m] for m in members],
+            group_id=gid,
+            label=f"{self.label}/split{self._splits}(color={color})",
+            chunk_bytes=self.chunk_bytes,
+            seq_start=self._seq_start,
+        )
         sub.local_key = self.local_key
         return sub
 

@@ -66,9 +66,16 @@ def _direct(rank: int, q: int, mine: str, theirs: str) -> bool:
     exchanged in the authenticated handshake); logs the two views when they differ."""
     if mine == theirs and mine != "?":
         return True
-    log.info("meshcomm sockets rank %d: the connection to rank %d is not direct (this rank sees %s, rank %d sees "
-             "%s: a relay, proxy or NAT between them); its payloads are authenticated under "
-             "MESHCOMM_SOCKETS_INTEGRITY=auto", rank, q, mine, q, theirs or "nothing")
+    log.info(
+        "meshcomm sockets rank %d: the connection to rank %d is not direct (this rank sees %s, rank %d sees "
+        "%s: a relay, proxy or NAT between them); its payloads are authenticated under "
+        "MESHCOMM_SOCKETS_INTEGRITY=auto",
+        rank,
+        q,
+        mine,
+        q,
+        theirs or "nothing",
+    )
     return False
 
 
@@ -116,7 +123,7 @@ def open_listener(rank: int, me: Peer, bind: str | None, backlog: int) -> socket
         if exc.errno == errno.EADDRNOTAVAIL:
             raise DistributedError(
                 f"rank {rank}: cannot listen on {where}: the address is not on this machine. "
-                "Set \"bind\" in its hostfile entry (or MESHCOMM_SOCKETS_BIND=0.0.0.0) to listen "
+                'Set "bind" in its hostfile entry (or MESHCOMM_SOCKETS_BIND=0.0.0.0) to listen '
                 "on a local address while peers use the advertised one."
             ) from None
         raise DistributedError(f"rank {rank}: cannot listen on {where}: {exc.strerror}") from None
@@ -152,8 +159,9 @@ def _connect_once(peer: Peer, deadline: float) -> socket.socket:
     return sock
 
 
-def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str,
-             deadline: float, timeout: float) -> Connection:
+def _connect(
+    rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str, deadline: float, timeout: float
+) -> Connection:
     delay, last, refused, refusal = 0.02, "no attempt", 0, ""
     while True:
         try:
@@ -177,8 +185,7 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                 sock.close()
                 if isinstance(exc, wire.HandshakeError):
                     raise DistributedError(
-                        f"rank {rank}: the process at {peer} (rank {q} in MLX_HOSTFILE) failed the "
-                        f"handshake: {exc}"
+                        f"rank {rank}: the process at {peer} (rank {q} in MLX_HOSTFILE) failed the handshake: {exc}"
                     ) from None
                 last = str(exc)
                 if said_hello and isinstance(exc, ConnectionError):
@@ -186,13 +193,18 @@ def _connect(rank: int, world: int, q: int, peer: Peer, secret: bytes, version: 
                     refused += 1
                     # kept apart from `last`: a later attempt's error (rank q gave up and stopped
                     # listening: "Connection refused") must not hide why this rank was turned away
-                    refusal = (f"rank {q} closed the connection right after this rank's HELLO, {refused} time(s): "
-                               "it did not accept this rank's proof of MESHCOMM_JOB_SECRET")
+                    refusal = (
+                        f"rank {q} closed the connection right after this rank's HELLO, {refused} time(s): "
+                        "it did not accept this rank's proof of MESHCOMM_JOB_SECRET"
+                    )
             else:
                 if w.status != wire.STATUS_OK:
                     sock.close()
-                    theirs = (f"rank {q} runs {w.version!r}" if w.version else
-                              f"rank {q} names its versions only to peers that prove MESHCOMM_JOB_SECRET")
+                    theirs = (
+                        f"rank {q} runs {w.version!r}"
+                        if w.version
+                        else f"rank {q} names its versions only to peers that prove MESHCOMM_JOB_SECRET"
+                    )
                     raise DistributedError(
                         f"rank {rank}: rank {q} at {peer} refused the connection: "
                         f"{wire.STATUS_TEXT.get(w.status, w.status)} ({theirs}, "
@@ -246,8 +258,15 @@ class _Greeters:
             self.count -= 1
 
 
-def _greet(sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline: float,
-           out: queue.Queue[_Hello], greeters: _Greeters) -> None:
+def _greet(
+    sock: socket.socket,
+    addr: tuple,
+    rank: int,
+    secret: bytes,
+    deadline: float,
+    out: queue.Queue[_Hello],
+    greeters: _Greeters,
+) -> None:
     """Challenge one accepted connection and queue its valid HELLO (runs on its own thread,
     so a silent or slow stranger delays nobody); strangers are closed and logged."""
     limit = min(deadline, time.monotonic() + _HANDSHAKE_LIMIT)
@@ -265,8 +284,9 @@ def _greet(sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline:
         greeters.leave()
 
 
-def _admit(got: _Hello, rank: int, world: int, pending: set[int], secret: bytes, version: str,
-           refused: list[str]) -> Connection | None:
+def _admit(
+    got: _Hello, rank: int, world: int, pending: set[int], secret: bytes, version: str, refused: list[str]
+) -> Connection | None:
     """Answer a valid HELLO: the connection when it is a peer we wait for, else None (or an
     error for a version or world-size skew, which no waiting can fix, when the HELLO proved
     the job secret; without a secret anybody can claim anything, so a claim is only noted
@@ -290,12 +310,19 @@ def _admit(got: _Hello, rank: int, world: int, pending: set[int], secret: bytes,
     sock.close()
     what = {
         wire.STATUS_VERSION: f"it runs {h.version!r} but rank {rank} runs {version!r}; install the same "
-                             "meshcomm versions and use the same settings on every host",
+        "meshcomm versions and use the same settings on every host",
         wire.STATUS_WORLD: f"it thinks the job has {h.world} ranks, this rank has {world}; every rank must use "
-                           "the same hostfile",
+        "the same hostfile",
     }.get(status, wire.STATUS_TEXT[status])
-    log.warning("meshcomm sockets rank %d: rejected %s claiming rank %d of %d (target %d): %s",
-                rank, addr[:2], h.rank, h.world, h.target, what)
+    log.warning(
+        "meshcomm sockets rank %d: rejected %s claiming rank %d of %d (target %d): %s",
+        rank,
+        addr[:2],
+        h.rank,
+        h.world,
+        h.target,
+        what,
+    )
     if status in (wire.STATUS_VERSION, wire.STATUS_WORLD):
         if secret:
             raise DistributedError(f"rank {rank}: rank {h.rank} (at {addr[0]}) cannot join: {what}.")
@@ -303,8 +330,9 @@ def _admit(got: _Hello, rank: int, world: int, pending: set[int], secret: bytes,
     return None
 
 
-def _accept_all(listener: socket.socket, peers: list[Peer], rank: int, secret: bytes, version: str,
-                deadline: float, timeout: float) -> dict[int, Connection]:
+def _accept_all(
+    listener: socket.socket, peers: list[Peer], rank: int, secret: bytes, version: str, deadline: float, timeout: float
+) -> dict[int, Connection]:
     """Accept every higher rank; each connection is challenged on its own thread, at most
     MAX_PENDING at once (more are closed at once and counted in one warning per burst)."""
     world = len(peers)
@@ -337,14 +365,20 @@ def _accept_all(listener: socket.socket, peers: list[Peer], rank: int, secret: b
                 sock, addr = listener.accept()
             except TimeoutError:
                 if turned_away:
-                    log.warning("meshcomm sockets rank %d: closed %d connections at once: %d handshakes were "
-                                "already pending (a flood of connections to this rank's port?)",
-                                rank, turned_away, MAX_PENDING)
+                    log.warning(
+                        "meshcomm sockets rank %d: closed %d connections at once: %d handshakes were "
+                        "already pending (a flood of connections to this rank's port?)",
+                        rank,
+                        turned_away,
+                        MAX_PENDING,
+                    )
                     turned_away = 0
                 continue
             except OSError as exc:
                 if exc.errno not in _EXHAUSTED:
-                    raise DistributedError(f"rank {rank}: accepting connections failed: {exc.strerror or exc}") from None
+                    raise DistributedError(
+                        f"rank {rank}: accepting connections failed: {exc.strerror or exc}"
+                    ) from None
                 if greeters.count == 0:  # nothing of ours will free a descriptor
                     raise _exhausted(rank, "accepting a connection from a peer", exc) from None
                 time.sleep(0.01)  # pending handshakes end within their limit and free theirs
@@ -354,20 +388,37 @@ def _accept_all(listener: socket.socket, peers: list[Peer], rank: int, secret: b
                 turned_away += 1
                 continue
             greeters.enter()
-            threading.Thread(target=_greet, args=(sock, addr, rank, secret, deadline, hellos, greeters),
-                             name="meshcomm-handshake", daemon=True).start()
+            threading.Thread(
+                target=_greet,
+                args=(sock, addr, rank, secret, deadline, hellos, greeters),
+                name="meshcomm-handshake",
+                daemon=True,
+            ).start()
     except BaseException:
         for c in conns.values():
             c.sock.close()
         raise
     if turned_away:
-        log.warning("meshcomm sockets rank %d: closed %d connections at once: %d handshakes were already pending "
-                    "(a flood of connections to this rank's port?)", rank, turned_away, MAX_PENDING)
+        log.warning(
+            "meshcomm sockets rank %d: closed %d connections at once: %d handshakes were already pending "
+            "(a flood of connections to this rank's port?)",
+            rank,
+            turned_away,
+            MAX_PENDING,
+        )
     return conns
 
 
-def establish(peers: list[Peer], rank: int, *, secret: bytes, version: str, timeout: float,
-              bind: str | None = None, listener: socket.socket | None = None) -> dict[int, Connection]:
+def establish(
+    peers: list[Peer],
+    rank: int,
+    *,
+    secret: bytes,
+    version: str,
+    timeout: float,
+    bind: str | None = None,
+    listener: socket.socket | None = None,
+) -> dict[int, Connection]:
     """Connect this rank to every other rank; returns world rank -> connection (socket and keys).
 
     ``listener`` is an already listening socket (inherited from the launcher); without

@@ -123,6 +123,7 @@ def _addr_text(addr: Any) -> str:
 
 # -- where to listen and which address to advertise ------------------------------------------
 
+
 def _is_loopback_name(host: str) -> bool:
     if host.lower() in ("localhost", "localhost.localdomain"):
         return True
@@ -182,7 +183,9 @@ def _listen(coord: Coordinator, size: int) -> tuple[socket.socket, bool]:
         raise RendezvousError(
             f"rank 0 cannot serve the coordinator at {coord} (from {coord.source}): the host name "
             f"{coord.host!r} does not resolve ({exc.strerror}). Set MLX_COORDINATOR=host:port to an address "
-            "of rank 0's machine that every rank can reach.", rank=0) from None
+            "of rank 0's machine that every rank can reach.",
+            rank=0,
+        ) from None
     family, _, _, _, addr = infos[0]
     ip = str(addr[0])
     literal = _is_loopback_name(coord.host) or _is_ip(coord.host)
@@ -208,10 +211,14 @@ def _listen(coord: Coordinator, size: int) -> tuple[socket.socket, bool]:
         raise RendezvousError(
             f"rank 0 cannot serve the coordinator at {coord} (from {coord.source}): port {coord.port} is "
             "already in use by another process (another job's coordinator? under torchrun MASTER_PORT is "
-            "torch's own store). Give the job another port: MLX_COORDINATOR=host:port.", rank=0)
+            "torch's own store). Give the job another port: MLX_COORDINATOR=host:port.",
+            rank=0,
+        )
     raise RendezvousError(
         f"rank 0 cannot serve the coordinator at {coord} (from {coord.source}): {last.strerror or last}. "
-        "Set MLX_COORDINATOR=host:port to an address and free port of rank 0's machine.", rank=0)
+        "Set MLX_COORDINATOR=host:port to an address and free port of rank 0's machine.",
+        rank=0,
+    )
 
 
 def _is_ip(host: str) -> bool:
@@ -237,6 +244,7 @@ def _raise_fd_limit(size: int) -> None:
 
 
 # -- rank 0: the server -------------------------------------------------------------------------
+
 
 @dataclass
 class _Pending:
@@ -322,8 +330,12 @@ class _Server:
             table = [self.entry] + [self.members[q].entry for q in range(1, self.size)]
             for q, m in sorted(self.members.items()):
                 if not self._send(m, TABLE, table):
-                    log.warning("meshcomm coordinator: could not send the table to rank %d at %s; it will "
-                                "report the failure itself", q, _addr_text(m.addr))
+                    log.warning(
+                        "meshcomm coordinator: could not send the table to rank %d at %s; it will "
+                        "report the failure itself",
+                        q,
+                        _addr_text(m.addr),
+                    )
             return table
         finally:
             if self.evicted or self.strays.total() > _LOGGED_STRAYS:
@@ -341,11 +353,17 @@ class _Server:
         """How many connections never completed a handshake, and from where (names a flood)."""
         unfinished = self._unfinished()
         host, most = unfinished.most_common(1)[0] if unfinished else ("nowhere", 0)
-        evicted = (f"; {self.evicted} of them were evicted from the full table of {MAX_PENDING} handshakes to "
-                   "make room for newer ones" if self.evicted else "")
-        return (f"coordinator at {self.coord} saw {unfinished.total()} connections that never completed a "
-                f"handshake in the last {round(time.monotonic() - self.started, 1):g} s, most from {host} "
-                f"({most}){evicted}")
+        evicted = (
+            f"; {self.evicted} of them were evicted from the full table of {MAX_PENDING} handshakes to "
+            "make room for newer ones"
+            if self.evicted
+            else ""
+        )
+        return (
+            f"coordinator at {self.coord} saw {unfinished.total()} connections that never completed a "
+            f"handshake in the last {round(time.monotonic() - self.started, 1):g} s, most from {host} "
+            f"({most}){evicted}"
+        )
 
     def _flooded(self) -> bool:
         """Whether the handshake table filled up: a flood of connections, not a stray one."""
@@ -357,27 +375,38 @@ class _Server:
         left = [q for q in missing if q in self.seen]
         also = f" Meanwhile: {'; '.join(self.refused[-3:])}." if self.refused else ""
         if left:
-            also = (f" Ranks {_ranks(left)} registered but closed their connection (they gave up or died)."
-                    + also)
+            also = f" Ranks {_ranks(left)} registered but closed their connection (they gave up or died)." + also
         if self._flooded():
             host = self._unfinished().most_common(1)[0][0]
-            also += (f" Rank 0's {self._strays_text()}: a flood of connections, which can keep the job's ranks "
-                     f"from getting in. Stop what connects from {host} (on that machine, `ss -tnp dport = "
-                     f":{self.coord.port}` names the process) or block it with a firewall rule, or give the job a "
-                     "coordinator port that only its own machines can reach (MLX_COORDINATOR=host:port).")
+            also += (
+                f" Rank 0's {self._strays_text()}: a flood of connections, which can keep the job's ranks "
+                f"from getting in. Stop what connects from {host} (on that machine, `ss -tnp dport = "
+                f":{self.coord.port}` names the process) or block it with a firewall rule, or give the job a "
+                "coordinator port that only its own machines can reach (MLX_COORDINATOR=host:port)."
+            )
         if self.wrong_secret:
             host, most = self.wrong_secret.most_common(1)[0]
-            also += (f" {self.wrong_secret.total()} connections sent a HELLO that failed the job secret check, "
-                     f"most from {host} ({most}): is MESHCOMM_JOB_SECRET the same on every rank?")
+            also += (
+                f" {self.wrong_secret.total()} connections sent a HELLO that failed the job secret check, "
+                f"most from {host} ({most}): is MESHCOMM_JOB_SECRET the same on every rank?"
+            )
         if not self.own_address:
-            also += (f" Note: {self.coord.host} is not an address of rank 0's machine, so rank 0 listens on every "
-                     f"interface; if {self.coord} is another machine, the other ranks knock there in vain: point "
-                     "MLX_COORDINATOR at rank 0's machine.")
-        what = (f"ranks {_ranks(never)} of {self.size}; they never registered. Did they start, and do they reach "
-                f"{self.coord}?" if never else f"ranks {_ranks(missing)} of {self.size} to come back.")
+            also += (
+                f" Note: {self.coord.host} is not an address of rank 0's machine, so rank 0 listens on every "
+                f"interface; if {self.coord} is another machine, the other ranks knock there in vain: point "
+                "MLX_COORDINATOR at rank 0's machine."
+            )
+        what = (
+            f"ranks {_ranks(never)} of {self.size}; they never registered. Did they start, and do they reach "
+            f"{self.coord}?"
+            if never
+            else f"ranks {_ranks(missing)} of {self.size} to come back."
+        )
         exc = CommTimeoutError(
             f"rank 0: waited {self.timeout:g} s (MLX_TIMEOUT) at the coordinator {self.coord} (from "
-            f"{self.coord.source}) for {what}{also}", peer=(never or missing)[0])
+            f"{self.coord.source}) for {what}{also}",
+            peer=(never or missing)[0],
+        )
         return self._fail(exc, "timeout", never or missing)  # type: ignore[return-value]
 
     def _broadcast_waiting(self) -> None:
@@ -413,8 +442,10 @@ class _Server:
         if n <= _LOGGED_STRAYS:
             log.warning("meshcomm coordinator (rank 0): rejected a connection from %s: %s", _addr_text(p.addr), why)
         if n == _LOGGED_STRAYS:
-            log.warning("meshcomm coordinator (rank 0): further connections that do not complete a handshake are "
-                        "counted, not logged one by one (a summary follows)")
+            log.warning(
+                "meshcomm coordinator (rank 0): further connections that do not complete a handshake are "
+                "counted, not logged one by one (a summary follows)"
+            )
 
     def _room_at(self) -> float:
         """When a newcomer can have a place in the handshake table: at once while it has room,
@@ -448,10 +479,14 @@ class _Server:
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-                    raise self._fail(DistributedError(
-                        f"rank 0: the coordinator at {self.coord} ran out of file descriptors accepting "
-                        f"connections ({exc.strerror}; open-file limit {soft}, hard limit {hard}, job size "
-                        f"{self.size}). Raise the limit (ulimit -n) on rank 0's machine."), "config") from None
+                    raise self._fail(
+                        DistributedError(
+                            f"rank 0: the coordinator at {self.coord} ran out of file descriptors accepting "
+                            f"connections ({exc.strerror}; open-file limit {soft}, hard limit {hard}, job size "
+                            f"{self.size}). Raise the limit (ulimit -n) on rank 0's machine."
+                        ),
+                        "config",
+                    ) from None
                 return
             nonce_s = os.urandom(16)
             try:
@@ -462,8 +497,11 @@ class _Server:
                 continue
             if len(self.pending) >= MAX_PENDING:
                 self.evicted += 1
-                self._drop(next(iter(self.pending.values())), "evicted from the full handshake table "
-                           f"({MAX_PENDING} connections without a complete HELLO: a flood?)")
+                self._drop(
+                    next(iter(self.pending.values())),
+                    "evicted from the full handshake table "
+                    f"({MAX_PENDING} connections without a complete HELLO: a flood?)",
+                )
             self.pending[sock] = _Pending(sock, addr, nonce_s, time.monotonic())
             self.sel.register(sock, selectors.EVENT_READ, None)
             if self._room_at() > time.monotonic():
@@ -482,8 +520,12 @@ class _Server:
                 if m.sock is sock:
                     del self.members[q]
                     self.changed = True
-                    log.warning("meshcomm coordinator (rank 0): rank %d at %s closed its connection before the "
-                                "table was ready; waiting for it to register again", q, _addr_text(m.addr))
+                    log.warning(
+                        "meshcomm coordinator (rank 0): rank %d at %s closed its connection before the "
+                        "table was ready; waiting for it to register again",
+                        q,
+                        _addr_text(m.addr),
+                    )
             self._close(sock)
             return
         if not chunk:
@@ -503,9 +545,11 @@ class _Server:
         body, mac = bytes(p.buf[:-_MAC]), bytes(p.buf[-_MAC:])
         if not hmac.compare_digest(mac, _mac(self.secret, b"meshcomm rendezvous hello", p.nonce_s, 0, body)):
             self.wrong_secret[_host(p.addr)] += 1
-            return self._reject(p, "wrong job secret (its MESHCOMM_JOB_SECRET differs, or it is not a rank of this job)")
+            return self._reject(
+                p, "wrong job secret (its MESHCOMM_JOB_SECRET differs, or it is not a rank of this job)"
+            )
         try:
-            entry = json.loads(body[_HELLO.size:])
+            entry = json.loads(body[_HELLO.size :])
         except ValueError:
             entry = None
         if not isinstance(entry, dict):
@@ -522,17 +566,23 @@ class _Server:
         where = _addr_text(m.addr)
         problem = None
         if size != self.size:
-            problem = (f"rank {rank} at {where} says the job has {size} ranks, rank 0 says {self.size}: every "
-                       "rank must be started with the same world size (check the launcher's -n / WORLD_SIZE)")
+            problem = (
+                f"rank {rank} at {where} says the job has {size} ranks, rank 0 says {self.size}: every "
+                "rank must be started with the same world size (check the launcher's -n / WORLD_SIZE)"
+            )
         elif rank == 0:
-            problem = (f"a process at {where} registered as rank 0, but rank 0 is the coordinator itself: two "
-                       "processes have rank 0 (check the rank variables every process got)")
+            problem = (
+                f"a process at {where} registered as rank 0, but rank 0 is the coordinator itself: two "
+                "processes have rank 0 (check the rank variables every process got)"
+            )
         elif rank >= self.size:
             problem = f"rank {rank} at {where} is not below the job size {self.size}"
         elif rank in self.members and self.members[rank].client_id != m.client_id:
             first = _addr_text(self.members[rank].addr)
-            problem = (f"rank {rank} registered twice: from {first} and from {where}. Two processes got the "
-                       "same rank; check the rank variables each process got (MLX_RANK, SLURM_PROCID, RANK ...)")
+            problem = (
+                f"rank {rank} registered twice: from {first} and from {where}. Two processes got the "
+                "same rank; check the rank variables each process got (MLX_RANK, SLURM_PROCID, RANK ...)"
+            )
         if problem is None:
             old = self.members.pop(rank, None)
             if old is not None:  # the same process again (its first connection broke)
@@ -546,8 +596,11 @@ class _Server:
         self._close(m.sock)
         if self.secret:  # the claim proved the secret: a real rank, so the job cannot succeed
             raise self._fail(RendezvousError(f"rank 0: {problem}", rank=0, peer=rank), "config")
-        log.warning("meshcomm coordinator (rank 0): refused %s (without a job secret anybody can claim anything, "
-                    "so the job goes on waiting for its real ranks)", problem)
+        log.warning(
+            "meshcomm coordinator (rank 0): refused %s (without a job secret anybody can claim anything, "
+            "so the job goes on waiting for its real ranks)",
+            problem,
+        )
         self.refused.append(problem)
 
 
@@ -557,6 +610,7 @@ def _ranks(qs: Sequence[int]) -> str:
 
 
 # -- every other rank: the client --------------------------------------------------------------
+
 
 class _Refused(Exception):
     """The coordinator closed the connection without an authenticated answer (retry).
@@ -573,15 +627,19 @@ def _closed_hint(before: int, after: int) -> str:
     own error names) drops handshakes too, so neither is claimed as the cause."""
     hint = ""
     if before:
-        hint += (f" {before} attempt(s) ended before this rank could send its HELLO (the process there closed the "
-                 f"connection or sent no challenge within {HANDSHAKE_LIMIT:g} s), so not over the secret: rank 0 "
-                 "drops handshakes when a flood of connections fills its table (its own error then names the "
-                 "flood), or it is another program on that port.")
+        hint += (
+            f" {before} attempt(s) ended before this rank could send its HELLO (the process there closed the "
+            f"connection or sent no challenge within {HANDSHAKE_LIMIT:g} s), so not over the secret: rank 0 "
+            "drops handshakes when a flood of connections fills its table (its own error then names the "
+            "flood), or it is another program on that port."
+        )
     if after:
-        hint += (f" The process there closed the connection {after} time(s) after this rank's HELLO without an "
-                 "answer: rank 0 refuses a HELLO that fails the job secret check (its log then says 'wrong job "
-                 "secret': is MESHCOMM_JOB_SECRET the same on every rank?), and drops handshakes under a flood of "
-                 "connections (its error then names the flood).")
+        hint += (
+            f" The process there closed the connection {after} time(s) after this rank's HELLO without an "
+            "answer: rank 0 refuses a HELLO that fails the job secret check (its log then says 'wrong job "
+            "secret': is MESHCOMM_JOB_SECRET the same on every rank?), and drops handshakes under a flood of "
+            "connections (its error then names the flood)."
+        )
     return hint
 
 
@@ -610,13 +668,23 @@ def _join(coord: Coordinator, rank: int, size: int, entry: dict, secret: bytes, 
                 f"{timeout:g} s (MLX_TIMEOUT); last error: {last}.{_closed_hint(before, after)} Is rank 0 running, "
                 f"and can this machine reach {coord}? Set MLX_COORDINATOR=host:port to an address of rank 0's "
                 "machine.",
-                peer=0)
+                peer=0,
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
 
 
-def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entry: dict, secret: bytes,
-             client_id: bytes, deadline: float, timeout: float) -> list[dict]:
+def _session(
+    sock: socket.socket,
+    coord: Coordinator,
+    rank: int,
+    size: int,
+    entry: dict,
+    secret: bytes,
+    client_id: bytes,
+    deadline: float,
+    timeout: float,
+) -> list[dict]:
     """One connection to the coordinator: handshake, then replies until the table."""
     limit = min(deadline, time.monotonic() + HANDSHAKE_LIMIT)
     try:
@@ -625,12 +693,14 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
         raise _Refused(f"no challenge from {coord} ({exc})", after_hello=False) from None
     magic, nonce_s = _CHALLENGE.unpack(challenge)
     if magic != MAGIC:
-        other = (" (another meshcomm version: use the same version on every rank)"
-                 if magic[:5] == MAGIC[:5] else "")
+        other = " (another meshcomm version: use the same version on every rank)" if magic[:5] == MAGIC[:5] else ""
         raise RendezvousError(
             f"rank {rank}: the process at {coord} (from {coord.source}) is not a meshcomm coordinator{other}. "
             "Point MLX_COORDINATOR at a free port of rank 0's machine (under torchrun, MASTER_PORT is torch's "
-            "own store; meshcomm uses MASTER_PORT + 1).", rank=rank, peer=0)
+            "own store; meshcomm uses MASTER_PORT + 1).",
+            rank=rank,
+            peer=0,
+        )
     nonce_c = os.urandom(16)
     data = _encode(entry)
     body = _HELLO.pack(MAGIC, nonce_c, client_id, rank, size, len(data)) + data
@@ -647,22 +717,35 @@ def _session(sock: socket.socket, coord: Coordinator, rank: int, size: int, entr
                 raise _forged(rank, coord, f"a reply of {length} bytes")
             rest = recv_exact(sock, length + _MAC, deadline)
         except TimeoutError:
-            said = (f"; it was still waiting for ranks {_ranks(missing)}" if missing
-                    else "" if missing is not None else "; it never answered this rank's HELLO")
-            ask = ("Did every rank start, with the same MESHCOMM_JOB_SECRET?" if missing is not None else
-                   "Is rank 0 still running? (It refuses a HELLO that fails the secret by closing the connection, "
-                   "not by silence.)")
+            said = (
+                f"; it was still waiting for ranks {_ranks(missing)}"
+                if missing
+                else ""
+                if missing is not None
+                else "; it never answered this rank's HELLO"
+            )
+            ask = (
+                "Did every rank start, with the same MESHCOMM_JOB_SECRET?"
+                if missing is not None
+                else "Is rank 0 still running? (It refuses a HELLO that fails the secret by closing the connection, "
+                "not by silence.)"
+            )
             raise CommTimeoutError(
                 f"rank {rank}: the coordinator at {coord} (rank 0) sent no table within {timeout:g} s "
                 f"(MLX_TIMEOUT){said}. {ask}",
-                peer=missing[0] if missing else 0) from None
+                peer=missing[0] if missing else 0,
+            ) from None
         except OSError as exc:
             if counter == 0:
-                raise _Refused(f"{coord} closed the connection without answering its HELLO ({exc})",
-                               after_hello=True) from None
+                raise _Refused(
+                    f"{coord} closed the connection without answering its HELLO ({exc})", after_hello=True
+                ) from None
             raise RendezvousError(
                 f"rank {rank}: rank 0 (the coordinator at {coord}) closed the connection before sending the "
-                "table: it failed or was stopped (its own error says why).", rank=rank, peer=0) from None
+                "table: it failed or was stopped (its own error says why).",
+                rank=rank,
+                peer=0,
+            ) from None
         data, mac = rest[:length], rest[length:]
         if not hmac.compare_digest(mac, _mac(secret, b"meshcomm rendezvous reply", nonce_c, counter, head + data)):
             raise _forged(rank, coord, "a reply that fails the job secret check")
@@ -689,15 +772,25 @@ def _forged(rank: int, coord: Coordinator, what: str) -> RendezvousError:
     return RendezvousError(
         f"rank {rank}: the process at {coord} (from {coord.source}) sent {what}: it is not this job's rank 0 "
         "(a coordinator of another job or an impostor on that port), or MESHCOMM_JOB_SECRET differs between "
-        "this rank and rank 0. Nothing it sent was used.", rank=rank, peer=0)
+        "this rank and rank 0. Nothing it sent was used.",
+        rank=rank,
+        peer=0,
+    )
 
 
 def _check_table(table: Any, rank: int, size: int, entry: dict, coord: Coordinator) -> list[dict]:
-    if (not isinstance(table, list) or len(table) != size or not all(isinstance(e, dict) for e in table)
-            or table[rank] != json.loads(_encode(entry))):
+    if (
+        not isinstance(table, list)
+        or len(table) != size
+        or not all(isinstance(e, dict) for e in table)
+        or table[rank] != json.loads(_encode(entry))
+    ):
         raise RendezvousError(
             f"rank {rank}: the table from the coordinator at {coord} does not list {size} entries with this "
-            "rank's own at its place; every rank must run the same meshcomm version.", rank=rank, peer=0)
+            "rank's own at its place; every rank must run the same meshcomm version.",
+            rank=rank,
+            peer=0,
+        )
     return table
 
 
@@ -706,8 +799,9 @@ def _check_table(table: Any, rank: int, size: int, entry: dict, coord: Coordinat
 _warned = False
 
 
-def exchange(coord: Coordinator, rank: int, size: int, entry: dict, *, secret: bytes, timeout: float,
-             warn_no_secret: bool = True) -> list[dict]:
+def exchange(
+    coord: Coordinator, rank: int, size: int, entry: dict, *, secret: bytes, timeout: float, warn_no_secret: bool = True
+) -> list[dict]:
     """Every rank's ``entry``, in rank order, learnt through the coordinator ``coord``.
 
     Rank 0 serves at ``coord`` until all ``size`` ranks registered; every other rank

@@ -50,7 +50,10 @@ _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
 _IOV = 64  # buffers handed to one sendmsg
 _MAX_ABORT = 4096
 _ABORT_CLASS: dict[int, type[DistributedError]] = {
-    1: PeerLostError, 2: CommTimeoutError, 3: CollectiveMismatchError, 4: DistributedError,
+    1: PeerLostError,
+    2: CommTimeoutError,
+    3: CollectiveMismatchError,
+    4: DistributedError,
 }
 _KIND_OF = {PeerLostError: 1, CommTimeoutError: 2, CollectiveMismatchError: 3}
 #: longest single wait in the kernel: any MLX_TIMEOUT (even inf) is waited for in slices,
@@ -104,10 +107,19 @@ class Call:
 
     __slots__ = ("group", "seq", "op", "dtype", "total", "label", "arg", "owner")
 
-    def __init__(self, group: int, seq: int, op: int, dtype: int, total: int, label: str, arg: int = 0,
-                 owner: Any = None) -> None:
+    def __init__(
+        self, group: int, seq: int, op: int, dtype: int, total: int, label: str, arg: int = 0, owner: Any = None
+    ) -> None:
         self.group, self.seq, self.op, self.dtype, self.total, self.label, self.arg, self.owner = (
-            group, seq, op, dtype, total, label, arg, owner)
+            group,
+            seq,
+            op,
+            dtype,
+            total,
+            label,
+            arg,
+            owner,
+        )
 
     def __repr__(self) -> str:
         return f"Call({self.label} {self.describe()}, group {self.group})"
@@ -158,8 +170,10 @@ def _describe(op: int, seq: int | None, dtype: int, total: int, arg: int = 0, na
 def shape_differs(mine: int, theirs: int) -> str:
     """What to add to a mismatch message when two totals differ only in the shape key."""
     if mine != theirs and (mine ^ theirs) & wire.COUNT_MASK == 0:
-        return (" with the same number of elements in another shape (arrays are never reinterpreted: "
-                "reshape them alike on every rank)")
+        return (
+            " with the same number of elements in another shape (arrays are never reinterpreted: "
+            "reshape them alike on every rank)"
+        )
     return ""
 
 
@@ -183,9 +197,33 @@ class Link:
     """The connection to one peer, with its send queue, its expected frames, and the keys
     and frame counters of both directions."""
 
-    __slots__ = ("peer", "sock", "fd", "where", "out", "starts", "expect", "cur", "hdr", "hdr_mv", "hdr_got",
-                 "got", "checked", "send_blocked", "recv_blocked", "closed", "send_mac", "recv_mac", "send_ctr",
-                 "recv_ctr", "tail", "tail_mv", "tail_got", "seal_payload", "ended")
+    __slots__ = (
+        "peer",
+        "sock",
+        "fd",
+        "where",
+        "out",
+        "starts",
+        "expect",
+        "cur",
+        "hdr",
+        "hdr_mv",
+        "hdr_got",
+        "got",
+        "checked",
+        "send_blocked",
+        "recv_blocked",
+        "closed",
+        "send_mac",
+        "recv_mac",
+        "send_ctr",
+        "recv_ctr",
+        "tail",
+        "tail_mv",
+        "tail_got",
+        "seal_payload",
+        "ended",
+    )
 
     def __init__(self, peer: int, sock: socket.socket, send_key: bytes = b"", recv_key: bytes = b"") -> None:
         self.peer = peer
@@ -230,9 +268,16 @@ def as_bytes(buf: np.ndarray) -> memoryview:
 class Fabric:
     """This rank's connections to every other rank of the world, and the transfer loop."""
 
-    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float,
-                 keys: dict[int, tuple[bytes, bytes]] | None = None,
-                 payload_integrity: bool | None = True, direct: Container[int] = ()) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        socks: dict[int, socket.socket],
+        timeout: float,
+        keys: dict[int, tuple[bytes, bytes]] | None = None,
+        payload_integrity: bool | None = True,
+        direct: Container[int] = (),
+    ) -> None:
         """``keys``: per peer (send key, receive key) from the handshake (empty keys without);
         ``payload_integrity``: every data frame's payload carries a tag (else only headers,
         ABORT frames and frames sent inside :meth:`sealed`); None decides per link: no tags
@@ -245,8 +290,9 @@ class Fabric:
         keys = keys or {}
         self.links: dict[int, Link] = {q: Link(q, s, *keys.get(q, (b"", b""))) for q, s in socks.items()}
         for link in self.links.values():
-            link.seal_payload = (not (link.peer in direct and is_loopback(link.sock)) if payload_integrity is None
-                                 else payload_integrity)
+            link.seal_payload = (
+                not (link.peer in direct and is_loopback(link.sock)) if payload_integrity is None else payload_integrity
+            )
         self._sealing = 0
         self.failure: DistributedError | None = None
         #: seconds a waiting rank polls without sleeping (see topology.wait_policy), also in ns
@@ -287,7 +333,8 @@ class Fabric:
         ctr, link.send_ctr = link.send_ctr, link.send_ctr + 1
         mac = link.send_mac
         parts: list[bytes | memoryview] = [
-            mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.arg, call.total))]
+            mac.seal(ctr, wire.HEADER.pack(call.group, call.seq, call.op, call.dtype, len(part), call.arg, call.total))
+        ]
         if len(part):
             parts.append(part)
             if seal:
@@ -306,8 +353,9 @@ class Fabric:
             link.out.append(memoryview(part)[sent:])
             sent = 0
 
-    def post_recv(self, link: Link, call: Call, target: memoryview, frame: int,
-                  done: Callable[[], None] | None = None) -> None:
+    def post_recv(
+        self, link: Link, call: Call, target: memoryview, frame: int, done: Callable[[], None] | None = None
+    ) -> None:
         """Expect ``target`` from ``link`` as frames of at most ``frame`` bytes."""
         n = len(target)
         if n == 0:
@@ -318,8 +366,15 @@ class Fabric:
             last = lo + frame >= n
             link.expect.append(_Expect(call, target[lo : lo + frame], done if last else None, seal))
 
-    def exchange(self, link: Link, out: Call | None, payload: memoryview | None, inc: Call | None,
-                 target: memoryview | None, frame: int) -> None:
+    def exchange(
+        self,
+        link: Link,
+        out: Call | None,
+        payload: memoryview | None,
+        inc: Call | None,
+        target: memoryview | None,
+        frame: int,
+    ) -> None:
         """Send ``payload`` (call ``out``) to ``link``'s peer and receive ``target`` (call
         ``inc``) from it, in frames of at most ``frame`` bytes; either may be None (a send
         or a recv alone). This is every point-to-point transfer and every round of a small
@@ -327,8 +382,13 @@ class Fabric:
         takes the short path (:meth:`_short`); otherwise both are queued for the general
         loop. Both paths put the same bytes on the wire."""
         limit = min(frame, SHORT_BYTES)
-        if (link.out or link.cur is not None or link.expect or (payload is not None and len(payload) > limit)
-                or (target is not None and len(target) > limit)):
+        if (
+            link.out
+            or link.cur is not None
+            or link.expect
+            or (payload is not None and len(payload) > limit)
+            or (target is not None and len(target) > limit)
+        ):
             if out is not None and payload is not None:
                 self.post_send(link, out, payload, frame)
             if inc is not None and target is not None:
@@ -337,8 +397,9 @@ class Fabric:
             return
         self._guarded(self._short, link, out, payload, inc, target)
 
-    def _short(self, link: Link, out: Call | None, payload: memoryview | None, inc: Call | None,
-               target: memoryview | None) -> None:
+    def _short(
+        self, link: Link, out: Call | None, payload: memoryview | None, inc: Call | None, target: memoryview | None
+    ) -> None:
         """One ``sendmsg`` of the whole frame, then reads spinning on the socket itself for
         the bounded spin; whatever does not move at once (a frame the socket did not take
         whole, a reply later than the spin) goes on in the general loop from the same
@@ -665,8 +726,10 @@ class Fabric:
 
     def _authentic(self, link: Link, head: bytes | bytearray) -> bool:
         """``head`` (a header and its tag) is the next frame ``link``'s peer sent."""
-        return hmac.compare_digest(link.recv_mac.tag(b"H", link.recv_ctr, bytes(head[: wire.HEADER_SIZE])),
-                                   bytes(head[wire.HEADER_SIZE : wire.FRAME_HEAD]))
+        return hmac.compare_digest(
+            link.recv_mac.tag(b"H", link.recv_ctr, bytes(head[: wire.HEADER_SIZE])),
+            bytes(head[wire.HEADER_SIZE : wire.FRAME_HEAD]),
+        )
 
     def _forged(self, link: Link, part: str, exp: _Expect | None) -> FrameAuthError:
         """The error for a frame from ``link`` whose ``part`` ("header"/"payload"/"abort
@@ -693,8 +756,15 @@ class Fabric:
         if op == wire.ABORT:  # what came after the header so far is the start of its message
             sofar = bytes(exp.target[: link.got]) + bytes(link.tail[: link.tail_got])
             raise self._abort_from(link, dtype, nbytes, sofar, None if group == 0xFFFFFFFF else group)
-        if (group, seq, op, dtype, nbytes, arg, total) == (call.group, call.seq, call.op, call.dtype,
-                                                           len(exp.target), call.arg, call.total):
+        if (group, seq, op, dtype, nbytes, arg, total) == (
+            call.group,
+            call.seq,
+            call.op,
+            call.dtype,
+            len(exp.target),
+            call.arg,
+            call.total,
+        ):
             return
         if group != call.group:
             theirs = f"a message of another group (id {group:#x}): {_describe(op, seq, dtype, total, arg)}"
@@ -747,7 +817,7 @@ class Fabric:
             )
         cls = _ABORT_CLASS.get(kind, DistributedError)
         if msg.startswith(f"rank {link.peer}: "):  # the peer's own error: its rank is said just before
-            msg = msg[len(f"rank {link.peer}: "):]
+            msg = msg[len(f"rank {link.peer}: ") :]
         text = f"rank {self.rank}: rank {link.peer} stopped the job: {msg}"
         peer = link.peer if lost is None else lost
         err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]  # PeerLostError/CommTimeoutError take peer=
@@ -846,7 +916,7 @@ class Fabric:
         if len(frame) < wire.FRAME_HEAD + wire.TAG:  # cut short by the peer's close: it ended all the same
             link.ended = True
             return
-        if not hmac.compare_digest(link.recv_mac.tag(b"P", link.recv_ctr, b""), frame[wire.FRAME_HEAD:]):
+        if not hmac.compare_digest(link.recv_mac.tag(b"P", link.recv_ctr, b""), frame[wire.FRAME_HEAD :]):
             link.closed = True
             raise self._forged(link, "end notice", None)
         link.recv_ctr += 1
@@ -869,7 +939,7 @@ class Fabric:
                 link.sock.sendall(link.send_mac.seal(ctr, header) + link.send_mac.tag(b"P", ctr, b""))
                 link.sock.shutdown(socket.SHUT_WR)
                 _discard_unread(link.sock)  # unread data would turn the close into a reset,
-            except OSError:                 # which can destroy the notice before it is read
+            except OSError:  # which can destroy the notice before it is read
                 pass
 
     def abort(self, code: int, reason: str) -> None:
@@ -877,10 +947,12 @@ class Fabric:
         raises PeerLostError about it at once) unless an earlier failure was reported."""
         if self.failure is not None:
             return
-        self.fail(PeerLostError(
-            f"its program failed: {reason} (exit code {code}); see rank {self.rank}'s output",
-            peer=self.rank,
-        ))
+        self.fail(
+            PeerLostError(
+                f"its program failed: {reason} (exit code {code}); see rank {self.rank}'s output",
+                peer=self.rank,
+            )
+        )
 
     def close(self) -> None:
         if self.failure is not None:

@@ -75,7 +75,7 @@ def _entry(i: int, item: Any) -> dict[str, Any]:
         return {"ip": host, "port": port}
     if isinstance(item, dict):
         return item
-    raise ValueError(f"expected an object like {{\"ip\": \"127.0.0.1\", \"port\": 5000}}, got {item!r}")
+    raise ValueError(f'expected an object like {{"ip": "127.0.0.1", "port": 5000}}, got {item!r}')
 
 
 def parse_hostfile(data: Any, source: str = "hostfile") -> list[Peer]:
@@ -83,7 +83,7 @@ def parse_hostfile(data: Any, source: str = "hostfile") -> list[Peer]:
     if isinstance(data, dict) and "hosts" in data:
         data = data["hosts"]
     if not isinstance(data, list) or not data:
-        raise ConfigError(f"{source}: expected a non-empty JSON list with one {{\"ip\", \"port\"}} entry per rank")
+        raise ConfigError(f'{source}: expected a non-empty JSON list with one {{"ip", "port"}} entry per rank')
     peers = []
     for i, item in enumerate(data):
         try:

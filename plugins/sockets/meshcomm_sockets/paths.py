@@ -82,8 +82,9 @@ class TcpPath:
         g = self.group
         n, r, m = g.size(), g.rank(), recvbuf.size
         if sendbuf.nbytes <= RING_MIN_BYTES:  # latency first: the all-reduce's doubling, then my block
-            algorithms.reduce_scatter_by_all_reduce(g, sendbuf, recvbuf, op,
-                                                    lambda s, d, o: self.all_reduce(call, s, d, o))
+            algorithms.reduce_scatter_by_all_reduce(
+                g, sendbuf, recvbuf, op, lambda s, d, o: self.all_reduce(call, s, d, o)
+            )
             return
         work = np.empty_like(sendbuf)
         self._ring(call, sendbuf, work, op, offset=-1, gather=False, bounds=[i * m for i in range(n + 1)])
@@ -125,8 +126,17 @@ class TcpPath:
         something else."""
         algorithms.barrier(self.group)
 
-    def _ring(self, call: Call, sendbuf: np.ndarray, out: np.ndarray, op: str, *, offset: int, gather: bool,
-              bounds: list[int] | None = None) -> None:
+    def _ring(
+        self,
+        call: Call,
+        sendbuf: np.ndarray,
+        out: np.ndarray,
+        op: str,
+        *,
+        offset: int,
+        gather: bool,
+        bounds: list[int] | None = None,
+    ) -> None:
         """Ring reduce-scatter (and all-gather) of ``sendbuf`` into ``out``, chunk by chunk.
 
         Reduce-scatter step s sends block (r+offset-s) and receives block (r+offset-s-1);
@@ -170,8 +180,9 @@ class TcpPath:
             d = (r + offset - step - 1) % n
             for lo in chunks(d):
                 hi = min(lo + ce, bounds[d + 1])
-                fab.post_recv(left, call, tmpb[: (hi - lo) * item], FRAME_BYTES,
-                              done=functools.partial(reduced, step, lo, hi))
+                fab.post_recv(
+                    left, call, tmpb[: (hi - lo) * item], FRAME_BYTES, done=functools.partial(reduced, step, lo, hi)
+                )
         if gather:
             for step in range(n - 1):
                 d = (r + offset - step) % n
@@ -260,7 +271,10 @@ class HostsPath(TcpPath):
             leaders.shape_key = call.total >> wire.SHAPE_SHIFT  # the leaders' call has the same shape
             if call.owner is not None:  # and is the same user call
                 leaders.user_op, leaders.user_no, leaders.user_step = (
-                    call.owner.user_op, call.owner.user_no, call.owner.user_step)
+                    call.owner.user_op,
+                    call.owner.user_no,
+                    call.owner.user_step,
+                )
             self.leaders.all_reduce(recvbuf.copy(), recvbuf, op)
         if self.shm is not None:
             self.shm.broadcast(call, recvbuf, 0)

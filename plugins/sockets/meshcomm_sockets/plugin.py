@@ -41,55 +41,80 @@ class SocketsSettings(JobSecretSettings):
     ``secret`` and ``require_secret`` (every connection proves the job secret) are inherited."""
 
     bind: str | None = setting(
-        None, env="MESHCOMM_SOCKETS_BIND",
+        None,
+        env="MESHCOMM_SOCKETS_BIND",
         accepts="a local address to listen on, e.g. 0.0.0.0 or ::",
         description="listen here instead of this rank's hostfile address (peers still use the hostfile's)",
     )
     integrity: Literal["auto", "payload", "header"] = setting(
-        "auto", env="MESHCOMM_SOCKETS_INTEGRITY", accepts="auto, payload or header (the same on every rank)",
+        "auto",
+        env="MESHCOMM_SOCKETS_INTEGRITY",
+        accepts="auto, payload or header (the same on every rank)",
         description="payload: every TCP frame's payload is authenticated too (HMAC-SHA256); header: only "
         "headers and control frames (a changed payload byte goes unnoticed); auto: payload on links "
         "that leave the host, header on loopback links, which no one off the host can be on",
     )
     chunk_kib: int = setting(
-        4096, env="MESHCOMM_SOCKETS_CHUNK_KIB", accepts="an integer from 4 to 65536",
-        description="chunk size of the pipelined ring, KiB (the same on every rank)", ge=4, le=65536,
+        4096,
+        env="MESHCOMM_SOCKETS_CHUNK_KIB",
+        accepts="an integer from 4 to 65536",
+        description="chunk size of the pipelined ring, KiB (the same on every rank)",
+        ge=4,
+        le=65536,
     )
     shm: bool = setting(
-        True, env="MESHCOMM_SOCKETS_SHM", accepts="1/0, true/false",
+        True,
+        env="MESHCOMM_SOCKETS_SHM",
+        accepts="1/0, true/false",
         description="ranks on the same host exchange data through shared memory (0: TCP only)",
     )
     shm_piece_kib: int | None = setting(
-        None, env="MESHCOMM_SOCKETS_SHM_PIECE_KIB", accepts="an integer from 4 to 65536",
+        None,
+        env="MESHCOMM_SOCKETS_SHM_PIECE_KIB",
+        accepts="an integer from 4 to 65536",
         description="size of one shared-memory slot, KiB (default: 512, or 2048 when a host has more "
-        "ranks than cores; the host's first rank decides for all)", ge=4, le=65536,
+        "ranks than cores; the host's first rank decides for all)",
+        ge=4,
+        le=65536,
     )
     direct: bool = setting(
-        True, env="MESHCOMM_SOCKETS_DIRECT", accepts="1/0, true/false",
+        True,
+        env="MESHCOMM_SOCKETS_DIRECT",
+        accepts="1/0, true/false",
         description="ranks on the same host read each other's arrays in place (process_vm_readv) for "
         "collectives of 256 KiB and more (all-reduces from 16 MiB): one copy instead of two (0: always copy "
         "through shared memory)",
     )
     native: bool = setting(
-        True, env="MESHCOMM_SOCKETS_NATIVE", accepts="1/0, true/false",
+        True,
+        env="MESHCOMM_SOCKETS_NATIVE",
+        accepts="1/0, true/false",
         description="publish and wait on shared memory in C when the optional meshcomm-sockets-native "
         "distribution is installed (0: the pure-Python loop; ranks may differ)",
     )
     host_id: str | None = setting(
-        None, env="MESHCOMM_HOST_ID", accepts="any string",
+        None,
+        env="MESHCOMM_HOST_ID",
+        accepts="any string",
         description="names this rank's host for shared memory (default: hostname + boot id + /dev/shm)",
     )
     spin_us: int = setting(
-        20000, env="MESHCOMM_SOCKETS_SPIN_US", accepts="an integer from 0 to 100000",
+        20000,
+        env="MESHCOMM_SOCKETS_SPIN_US",
+        accepts="an integer from 0 to 100000",
         description="microseconds a waiting rank polls before it sleeps in the kernel (0: sleep at once); "
         "several scheduler time slices, so on a machine shared with other busy processes a rank is still "
         "polling when its descheduled peer comes back, instead of waiting a slice to be woken",
-        ge=0, le=100000,
+        ge=0,
+        le=100000,
     )
     listen_fd: int | None = setting(
-        None, env="MESHCOMM_SOCKETS_LISTEN_FD", accepts="an inherited listening socket's file descriptor",
+        None,
+        env="MESHCOMM_SOCKETS_LISTEN_FD",
+        accepts="an inherited listening socket's file descriptor",
         description="set by meshcomm launch: a listening socket it opened for this rank (no port race)",
-        ge=0, le=2**31 - 1,
+        ge=0,
+        le=2**31 - 1,
     )
 
 
@@ -102,8 +127,10 @@ def _version(chunk_kib: int, integrity: str = "payload") -> str:
 
     from .wire import PROTOCOL
 
-    return (f"meshcomm {v('meshcomm')}, meshcomm-sockets {v('meshcomm-sockets')}, protocol {PROTOCOL}, "
-            f"chunk {chunk_kib} KiB, integrity {integrity}")
+    return (
+        f"meshcomm {v('meshcomm')}, meshcomm-sockets {v('meshcomm-sockets')}, protocol {PROTOCOL}, "
+        f"chunk {chunk_kib} KiB, integrity {integrity}"
+    )
 
 
 def _environment(config: Config, settings: SocketsSettings) -> str | None:
@@ -139,8 +166,9 @@ def _seq_start() -> int:
 
 def _check_secret(rank: int, settings: SocketsSettings, size: int, hosts: list[str]) -> bytes | None:
     """The per-user key when this one-host job has no secret and uses it (see check_job_secret)."""
-    return check_job_secret(settings, who="sockets backend", rank=rank, size=size, warning=NO_SECRET_WARNING,
-                            log=log, hosts=hosts)
+    return check_job_secret(
+        settings, who="sockets backend", rank=rank, size=size, warning=NO_SECRET_WARNING, log=log, hosts=hosts
+    )
 
 
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
@@ -172,24 +200,44 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         local_key = _check_secret(config.rank, settings, config.world_size or 1, [coord.host] if coord else [])
         secret = local_key or (settings.secret or "").encode()
         peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
-    conns = establish(peers, config.rank, secret=secret, version=_version(settings.chunk_kib, settings.integrity),
-                      timeout=startup, bind=settings.bind, listener=listener)
-    fabric = Fabric(config.rank, len(peers), {q: c.sock for q, c in conns.items()}, config.timeout,
-                    keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
-                    payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload",
-                    direct={q for q, c in conns.items() if c.direct})
+    conns = establish(
+        peers,
+        config.rank,
+        secret=secret,
+        version=_version(settings.chunk_kib, settings.integrity),
+        timeout=startup,
+        bind=settings.bind,
+        listener=listener,
+    )
+    fabric = Fabric(
+        config.rank,
+        len(peers),
+        {q: c.sock for q, c in conns.items()},
+        config.timeout,
+        keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
+        payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload",
+        direct={q for q, c in conns.items() if c.direct},
+    )
     start = _seq_start()
-    world = SocketsBackend(fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True,
-                           seq_start=start)
+    world = SocketsBackend(
+        fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True, seq_start=start
+    )
     world.local_key = local_key
     if len(peers) > 1:
         from .topology import choose_path
 
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
-        world.path = choose_path(world, enabled=settings.shm, piece=piece,
-                                 host_id=settings.host_id, job_id=os.environ.get("MESHCOMM_JOB_ID"),
-                                 spin_us=settings.spin_us, seq_start=start, direct=settings.direct,
-                                 native=settings.native)
+        world.path = choose_path(
+            world,
+            enabled=settings.shm,
+            piece=piece,
+            host_id=settings.host_id,
+            job_id=os.environ.get("MESHCOMM_JOB_ID"),
+            spin_us=settings.spin_us,
+            seq_start=start,
+            direct=settings.direct,
+            native=settings.native,
+        )
     return world
 
 
@@ -235,5 +283,3 @@ def meshcomm_register_backends(register: BackendRegistrar) -> None:
         priority=10,
         description="TCP sockets and shared memory, standard library + NumPy only (the default)",
     )
-
-

@@ -26,8 +26,7 @@ __all__ = ["peers_from_coordinator"]
 def _listen(rank: int, host: str, backlog: int) -> socket.socket:
     """A listener on an ephemeral port of ``host``."""
     try:
-        family, stype, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
-                                                           flags=socket.AI_PASSIVE)[0]
+        family, stype, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise ConfigError(f"rank {rank}: cannot resolve the listen address {host!r}: {exc.strerror}") from None
     sock = socket.socket(family, stype, proto)
@@ -36,14 +35,16 @@ def _listen(rank: int, host: str, backlog: int) -> socket.socket:
         sock.listen(max(backlog, 512))
     except OSError as exc:
         sock.close()
-        fix = (" Set MESHCOMM_SOCKETS_BIND to a local address (e.g. 0.0.0.0)."
-               if exc.errno == errno.EADDRNOTAVAIL else "")
+        fix = (
+            " Set MESHCOMM_SOCKETS_BIND to a local address (e.g. 0.0.0.0)." if exc.errno == errno.EADDRNOTAVAIL else ""
+        )
         raise DistributedError(f"rank {rank}: cannot listen on {host}: {exc.strerror or exc}.{fix}") from None
     return sock
 
 
-def peers_from_coordinator(config: Config, bind: str | None, host_id: str | None,
-                           secret: bytes) -> tuple[list[Peer], socket.socket, float]:
+def peers_from_coordinator(
+    config: Config, bind: str | None, host_id: str | None, secret: bytes
+) -> tuple[list[Peer], socket.socket, float]:
     """(every rank's address in rank order, this rank's listening socket, seconds of
     ``MLX_TIMEOUT`` left for connecting to the peers)."""
     coord = config.coordinator_address()
@@ -57,8 +58,9 @@ def peers_from_coordinator(config: Config, bind: str | None, host_id: str | None
         port = listener.getsockname()[1]
         entry = {"ip": ip, "port": port, "host_id": host_key(host_id).hex()}
         table = exchange(coord, rank, size, entry, secret=secret, timeout=config.timeout, warn_no_secret=False)
-        peers = parse_hostfile([{"ip": e.get("ip"), "port": e.get("port")} for e in table],
-                               f"the table of the coordinator at {coord}")
+        peers = parse_hostfile(
+            [{"ip": e.get("ip"), "port": e.get("port")} for e in table], f"the table of the coordinator at {coord}"
+        )
     except BaseException:
         listener.close()
         raise

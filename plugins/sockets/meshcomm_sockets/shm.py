@@ -72,8 +72,22 @@ from . import cma, wire
 from .engine import Call, Fabric, shape_differs
 from .results import OwnResults, PeerResults
 
-__all__ = ["host_key", "ShmGroup", "SHM_DIR", "ShmSpaceError", "ShmSetupError", "SEQ_WRAP", "next_piece",
-           "new_name", "check_name", "check_piece", "remove_dir", "MIN_PIECE", "MAX_PIECE", "DIRECT_MIN_BYTES"]
+__all__ = [
+    "host_key",
+    "ShmGroup",
+    "SHM_DIR",
+    "ShmSpaceError",
+    "ShmSetupError",
+    "SEQ_WRAP",
+    "next_piece",
+    "new_name",
+    "check_name",
+    "check_piece",
+    "remove_dir",
+    "MIN_PIECE",
+    "MAX_PIECE",
+    "DIRECT_MIN_BYTES",
+]
 
 SHM_DIR = Path("/dev/shm")
 _LINE = 24  # int64 words per rank's control line (three cache lines)
@@ -140,17 +154,21 @@ def check_name(name: str, job_id: str | None) -> str:
     """``name`` if it is exactly a name :func:`new_name` makes for this job (no ``/``, no
     ``..``, nothing else), else ShmSetupError."""
     if not re.fullmatch(rf"meshcomm-{re.escape(job_tag(job_id))}-[0-9a-f]{{12}}", name):
-        raise ShmSetupError(f"the host's first rank announced the shared-memory name {name[:80]!r}, which is not "
-                            f"of the form meshcomm-{job_tag(job_id)}-<12 hex digits> (is MESHCOMM_JOB_ID the same "
-                            "on every rank?)")
+        raise ShmSetupError(
+            f"the host's first rank announced the shared-memory name {name[:80]!r}, which is not "
+            f"of the form meshcomm-{job_tag(job_id)}-<12 hex digits> (is MESHCOMM_JOB_ID the same "
+            "on every rank?)"
+        )
     return name
 
 
 def check_piece(text: str) -> int:
     """The slot size a peer announced, if it is one MESHCOMM_SOCKETS_SHM_PIECE_KIB allows."""
     if not re.fullmatch(r"[0-9]{1,9}", text) or not MIN_PIECE <= int(text) <= MAX_PIECE or int(text) % 1024:
-        raise ShmSetupError(f"the host's first rank announced a shared-memory slot of {text[:40]!r} bytes; "
-                            f"expected a multiple of 1024 from {MIN_PIECE} to {MAX_PIECE}")
+        raise ShmSetupError(
+            f"the host's first rank announced a shared-memory slot of {text[:40]!r} bytes; "
+            f"expected a multiple of 1024 from {MIN_PIECE} to {MAX_PIECE}"
+        )
     return int(text)
 
 
@@ -158,8 +176,10 @@ def open_dir(path: Path) -> None:
     """Check that ``path`` is a directory (not a link) of this user with mode 0700."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
-        raise ShmSetupError(f"{path} is not a private directory of this user (type {stat.filemode(st.st_mode)}, "
-                            f"owner uid {st.st_uid}, this process runs as uid {os.geteuid()}); not using it")
+        raise ShmSetupError(
+            f"{path} is not a private directory of this user (type {stat.filemode(st.st_mode)}, "
+            f"owner uid {st.st_uid}, this process runs as uid {os.geteuid()}); not using it"
+        )
 
 
 def remove_dir(path: Path) -> None:
@@ -211,6 +231,8 @@ def reserve(fd: int, size: int, path: Path, ranks: int) -> None:
             "Memory on /dev/shm), use smaller slots (MESHCOMM_SOCKETS_SHM_PIECE_KIB), or set "
             "MESHCOMM_SOCKETS_SHM=0 to use TCP without this warning.",
         ) from None
+
+
 _fence_lock = threading.Lock()
 
 
@@ -260,8 +282,9 @@ def host_key(override: str | None = None) -> bytes:
 class ShmGroup:
     """The shared-memory channel of the local ranks ``local`` (world ranks, sorted)."""
 
-    def __init__(self, fabric: Fabric, local: list[int], name: str, piece: int, create: bool,
-                 seq_start: int = 0) -> None:
+    def __init__(
+        self, fabric: Fabric, local: list[int], name: str, piece: int, create: bool, seq_start: int = 0
+    ) -> None:
         self.fabric = fabric
         self.local = local
         self.n = len(local)
@@ -302,7 +325,8 @@ class ShmGroup:
                     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
                         raise ShmSetupError(
                             f"{path} is not this job's segment: {st.st_size} bytes where {self.n} local ranks with "
-                            f"{piece}-byte slots need {size}, owner uid {st.st_uid}; not using it")
+                            f"{piece}-byte slots need {size}, owner uid {st.st_uid}; not using it"
+                        )
                 self.map = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
@@ -416,8 +440,9 @@ class ShmGroup:
         views = self._slots.get(key)
         if views is None:
             per = self.piece // dtype.itemsize
-            views = [self.data[(2 * i + (k & 1)) * self.piece :][: per * dtype.itemsize].view(dtype)
-                     for i in range(self.n)]
+            views = [
+                self.data[(2 * i + (k & 1)) * self.piece :][: per * dtype.itemsize].view(dtype) for i in range(self.n)
+            ]
             self._slots[key] = views
         return views
 
@@ -438,8 +463,7 @@ class ShmGroup:
         seq = prev % SEQ_WRAP + 1  # next_piece, inline: this is the hot path
         nat = self.native
         if nat is not None:
-            mask = nat.publish(src, _DESC_AT[prev & 1], call.op, call.dtype, call.total, call.seq, call.arg,
-                               seq, prev)
+            mask = nat.publish(src, _DESC_AT[prev & 1], call.op, call.dtype, call.total, call.seq, call.arg, seq, prev)
             self.prev, self.seq = prev, seq
             if mask > 0:
                 for i, fd in self.peer_fifos.items():
@@ -481,8 +505,7 @@ class ShmGroup:
                 return
             # it may have failed because of someone else and said so (ABORT): that wins
             self.fabric.probe(self.fabric.links[self.local[i]])
-            mine = self.fabric.pending_abort() or self.fabric.stalled_error(
-                f"found local rank {self.local[i]} gone")
+            mine = self.fabric.pending_abort() or self.fabric.stalled_error(f"found local rank {self.local[i]} gone")
             if mine is not None:
                 raise mine from None
             raise PeerLostError(
@@ -605,8 +628,9 @@ class ShmGroup:
             self.fabric.fail(exc)
             raise
 
-    def _run(self, call: Call, src: np.ndarray, count: int, fill: bool,
-             use: Callable[[int, int, int], None] | None) -> None:
+    def _run(
+        self, call: Call, src: np.ndarray, count: int, fill: bool, use: Callable[[int, int, int], None] | None
+    ) -> None:
         """Move ``count`` elements piece by piece: copy ``src[lo:hi]`` into this rank's slot
         (when ``fill``), publish, wait for every local rank, then ``use(k, lo, hi)``."""
         dt = src.dtype
@@ -614,7 +638,9 @@ class ShmGroup:
         for lo in range(0, count, per):
             hi = min(lo + per, count)
             k = self.seq
-            self._step(call, src[lo:hi] if fill else None, functools.partial(use, k, lo, hi) if use is not None else None)
+            self._step(
+                call, src[lo:hi] if fill else None, functools.partial(use, k, lo, hi) if use is not None else None
+            )
 
     def _combine(self, f: np.ufunc, k: int, dt: np.dtype, count: int, part: slice, out: np.ndarray) -> None:
         """``out`` = every local rank's slot of piece ``k`` (elements ``part``) combined with
@@ -665,11 +691,17 @@ class ShmGroup:
             for lo in range(0, sendbuf.size, per):
                 self._split_all_reduce(call, sendbuf[lo : lo + per], recvbuf[lo : lo + per], f)
             return
-        self._run(call, sendbuf, sendbuf.size, True,
-                  lambda k, lo, hi: self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi]))
+        self._run(
+            call,
+            sendbuf,
+            sendbuf.size,
+            True,
+            lambda k, lo, hi: self._combine(f, k, dt, hi - lo, slice(None), recvbuf[lo:hi]),
+        )
 
-    def _slots_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc, parity: int,
-                      *, publish: bool) -> None:
+    def _slots_reduce(
+        self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc, parity: int, *, publish: bool
+    ) -> None:
         """The one-piece all-reduce in Python: publish ``sendbuf`` (unless already
         published) and wait, then combine every local rank's slot of ``parity`` in rank order."""
         key = (parity, sendbuf.dtype, sendbuf.size)
@@ -682,8 +714,16 @@ class ShmGroup:
         for v in views[2:]:
             f(recvbuf, v, out=recvbuf)
 
-    def quick_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, group_id: int, cseq: int, owner: Any,
-                  key: int = 0, call: Call | None = None) -> bool:
+    def quick_sum(
+        self,
+        sendbuf: np.ndarray,
+        recvbuf: np.ndarray,
+        group_id: int,
+        cseq: int,
+        owner: Any,
+        key: int = 0,
+        call: Call | None = None,
+    ) -> bool:
         """The all_sum numbered ``cseq`` in group ``group_id`` (of backend ``owner``, the core's shape
         ``key``; ``call``'s own total when it is given) when it is one piece
         of a dtype the compiled channel sums (:attr:`native_sums`): publish, spin, compare
@@ -705,8 +745,21 @@ class ShmGroup:
         # published as the call it is part of (a sum_scatter or hierarchical sum runs through
         # here too): every check compares descriptors with that call's op and argument
         code, arg = (call.op, call.arg) if call is not None else (_ALL_SUM, 0)
-        status = nat.all_sum(sendbuf, recvbuf, kind, _DESC_AT[prev & 1], code, dcode, total, cseq, arg,
-                             seq, prev, fab.spin_ns, fab.yielding)
+        status = nat.all_sum(
+            sendbuf,
+            recvbuf,
+            kind,
+            _DESC_AT[prev & 1],
+            code,
+            dcode,
+            total,
+            cseq,
+            arg,
+            seq,
+            prev,
+            fab.spin_ns,
+            fab.yielding,
+        )
         self.prev, self.seq = prev, seq
         if status == 0:
             return True
@@ -873,14 +926,27 @@ class ShmGroup:
         if mine is not None:
             raise mine from None
         if err == errno.ESRCH:
-            raise PeerLostError(f"rank {self.fabric.rank}: rank {peer} (same host) died during "
-                                f"{call.describe()} in group {call.label}; check its output.", peer=peer) from None
-        raise DistributedError(f"rank {self.fabric.rank}: cannot read rank {peer}'s array (same host) during "
-                               f"{call.describe()} in group {call.label}: {reason}. Set "
-                               "MESHCOMM_SOCKETS_DIRECT=0 to copy through shared memory instead.") from None
+            raise PeerLostError(
+                f"rank {self.fabric.rank}: rank {peer} (same host) died during "
+                f"{call.describe()} in group {call.label}; check its output.",
+                peer=peer,
+            ) from None
+        raise DistributedError(
+            f"rank {self.fabric.rank}: cannot read rank {peer}'s array (same host) during "
+            f"{call.describe()} in group {call.label}: {reason}. Set "
+            "MESHCOMM_SOCKETS_DIRECT=0 to copy through shared memory instead."
+        ) from None
 
-    def _reduce_block(self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray,
-                      f: np.ufunc, copies: list[int] | None = None) -> None:
+    def _reduce_block(
+        self,
+        call: Call,
+        sendbuf: np.ndarray,
+        first: int,
+        last: int,
+        out: np.ndarray,
+        f: np.ufunc,
+        copies: list[int] | None = None,
+    ) -> None:
         """``out`` = elements ``first:last`` of every local rank's send buffer combined with
         ``f`` in rank order (the expression of :meth:`_combine`: the same bytes whichever
         path or rank computes them), a chunk at a time read straight from each peer.
@@ -900,8 +966,9 @@ class ShmGroup:
         for address in copies or ():
             ctypes.memmove(address, out.ctypes.data, out.nbytes)
 
-    def _reduce_chunks(self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray,
-                       f: np.ufunc) -> None:
+    def _reduce_chunks(
+        self, call: Call, sendbuf: np.ndarray, first: int, last: int, out: np.ndarray, f: np.ufunc
+    ) -> None:
         """:meth:`_reduce_block` in NumPy (any dtype and op), a chunk at a time."""
         item = sendbuf.itemsize
         per = max(1, _DIRECT_CHUNK_BYTES // item)
@@ -971,8 +1038,9 @@ class ShmGroup:
             fd = self.words[i * _LINE + _RESULT_FD]
             if i == self.me or fd < 0:
                 continue
-            address = self.peer_results.address(i, int(self.ctrl[i, _PID]), fd,
-                                                self.words[i * _LINE + _RESULT_ID], nbytes)
+            address = self.peer_results.address(
+                i, int(self.ctrl[i, _PID]), fd, self.words[i * _LINE + _RESULT_ID], nbytes
+            )
             if address is not None:
                 copies.append(address + offset)
                 mask |= 1 << i
@@ -983,8 +1051,10 @@ class ShmGroup:
 _ALL_SUM = wire.OP_CODES["all_sum"]
 
 #: dtype -> the element kind the compiled channel sums (``Channel.all_sum``)
-_NATIVE_SUMS = {np.dtype(t): k for t, k in ((np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3),
-                                             (np.int64, 4), (np.uint64, 4))}
+_NATIVE_SUMS = {
+    np.dtype(t): k
+    for t, k in ((np.float32, 1), (np.float64, 2), (np.int32, 3), (np.uint32, 3), (np.int64, 4), (np.uint64, 4))
+}
 
 
 def _apart(sendbuf: np.ndarray, recvbuf: np.ndarray) -> np.ndarray:
@@ -996,6 +1066,3 @@ def _apart(sendbuf: np.ndarray, recvbuf: np.ndarray) -> np.ndarray:
 def segment_size(ranks: int, piece: int) -> int:
     """Bytes of the segment of ``ranks`` local ranks with slots of ``piece`` bytes."""
     return 8 * _LINE * ranks + 2 * ranks * piece
-
-
-

@@ -58,16 +58,34 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
     return (min(spin_us, CROWDED_SPIN_US) if crowded else spin_us) / 1e6, crowded
 
 
-def choose_path(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-                job_id: str | None, spin_us: int = 20000, seq_start: int = 0, direct: bool = True,
-                native: bool = True) -> Path:
+def choose_path(
+    world: SocketsBackend,
+    *,
+    enabled: bool,
+    piece: int | None,
+    host_id: str | None,
+    job_id: str | None,
+    spin_us: int = 20000,
+    seq_start: int = 0,
+    direct: bool = True,
+    native: bool = True,
+) -> Path:
     """Decide how ranks wait and the path of the world's collectives; map the host's segment.
 
     Every frame of this exchange carries a payload tag whatever MESHCOMM_SOCKETS_INTEGRITY
     says (it steers the job: who shares memory, and which file to map)."""
     with world.fabric.sealed():
-        return _choose(world, enabled=enabled, piece=piece, host_id=host_id, job_id=job_id, spin_us=spin_us,
-                       seq_start=seq_start, direct=direct, native=native)
+        return _choose(
+            world,
+            enabled=enabled,
+            piece=piece,
+            host_id=host_id,
+            job_id=job_id,
+            spin_us=spin_us,
+            seq_start=seq_start,
+            direct=direct,
+            native=native,
+        )
 
 
 def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: int, seq_start: int) -> ShmGroup:
@@ -82,8 +100,18 @@ def _create(world: SocketsBackend, local: list[int], job_id: str | None, size: i
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id: str | None,
-            job_id: str | None, spin_us: int, seq_start: int, direct: bool, native: bool) -> Path:
+def _choose(
+    world: SocketsBackend,
+    *,
+    enabled: bool,
+    piece: int | None,
+    host_id: str | None,
+    job_id: str | None,
+    spin_us: int,
+    seq_start: int,
+    direct: bool,
+    native: bool,
+) -> Path:
     tcp = TcpPath(world)
     n, r = world.size(), world.rank()
     mine = np.zeros(17, np.uint8)
@@ -101,8 +129,11 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
     if not table[:, 16].all():
         if enabled and r == 0:
             off = [q for q in range(n) if not table[q, 16]]
-            log.warning("meshcomm sockets rank 0: shared memory is off for this job (collectives use TCP): "
-                        "ranks %s have MESHCOMM_SOCKETS_SHM=0 or no /dev/shm", off)
+            log.warning(
+                "meshcomm sockets rank 0: shared memory is off for this job (collectives use TCP): "
+                "ranks %s have MESHCOMM_SOCKETS_SHM=0 or no /dev/shm",
+                off,
+            )
         return tcp
     if max(len(v) for v in hosts.values()) < 2:
         return tcp  # one rank per host: nothing to share
@@ -130,12 +161,22 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
                 name, _, size_text = bytes(raw).rstrip(b"\0").decode("ascii", "replace").partition(" ")
                 if name:
                     try:
-                        shm = ShmGroup(world.fabric, local, check_name(name, job_id), check_piece(size_text),
-                                       create=False, seq_start=seq_start)
+                        shm = ShmGroup(
+                            world.fabric,
+                            local,
+                            check_name(name, job_id),
+                            check_piece(size_text),
+                            create=False,
+                            seq_start=seq_start,
+                        )
                     except OSError as exc:
                         ok[0] = 0
-                        log.warning("meshcomm sockets rank %d: cannot use the shared memory of rank %d: %s; "
-                                    "using TCP", r, local[0], exc.strerror if exc.strerror else exc)
+                        log.warning(
+                            "meshcomm sockets rank %d: cannot use the shared memory of rank %d: %s; using TCP",
+                            r,
+                            local[0],
+                            exc.strerror if exc.strerror else exc,
+                        )
                 else:  # the host's first rank said why
                     ok[0] = 0
         world.barrier()  # every FIFO exists, every probe token is in the segment
@@ -144,8 +185,11 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
                 shm.connect_fifos()
         except OSError as exc:
             ok[0] = 0
-            log.warning("meshcomm sockets rank %d: cannot open the local ranks' FIFOs: %s; using TCP", r,
-                        exc.strerror if exc.strerror else exc)
+            log.warning(
+                "meshcomm sockets rank %d: cannot open the local ranks' FIFOs: %s; using TCP",
+                r,
+                exc.strerror if exc.strerror else exc,
+            )
         ok[1] = 1 if direct and shm is not None and ok[0] and shm.probe_direct() else 0
         abilities = np.empty(2 * n, np.uint8)  # per rank: shared memory works, can read every local peer
         world.all_gather(ok, abilities)
@@ -163,23 +207,36 @@ def _choose(world: SocketsBackend, *, enabled: bool, piece: int | None, host_id:
             shm.close()
         if r == 0:
             bad = [q for q in range(n) if not flags[q]]
-            log.warning("meshcomm sockets rank 0: shared memory is off for this job, collectives use TCP: "
-                        "ranks %s could not set it up (their warnings say why)", bad)
+            log.warning(
+                "meshcomm sockets rank 0: shared memory is off for this job, collectives use TCP: "
+                "ranks %s could not set it up (their warnings say why)",
+                bad,
+            )
         return tcp
     if shm is not None:
         shm.direct = bool(can_read[local].all())
         if native:
             shm.attach_native()
         if direct and not shm.direct and r == local[0]:
-            log.info("meshcomm sockets rank %d: local ranks %s cannot read each other's memory "
-                     "(process_vm_readv; see ptrace_scope): large collectives copy through shared memory",
-                     r, [q for q in local if not can_read[q]])
+            log.info(
+                "meshcomm sockets rank %d: local ranks %s cannot read each other's memory "
+                "(process_vm_readv; see ptrace_scope): large collectives copy through shared memory",
+                r,
+                [q for q in local if not can_read[q]],
+            )
     if len(hosts) == 1 and shm is not None:
         return LocalPath(world, shm)
     leaders = [v[0] for v in sorted(hosts.values())]
     leader_group = (
-        SocketsBackend(world.fabric, leaders, group_id=0x4C454144, label="world/host-leaders",
-                       chunk_bytes=world.chunk_bytes, seq_start=seq_start)
-        if r in leaders else None
+        SocketsBackend(
+            world.fabric,
+            leaders,
+            group_id=0x4C454144,
+            label="world/host-leaders",
+            chunk_bytes=world.chunk_bytes,
+            seq_start=seq_start,
+        )
+        if r in leaders
+        else None
     )
     return HostsPath(world, shm, leader_group)

@@ -44,11 +44,43 @@ from dataclasses import dataclass
 from meshcomm.plugin import wire_names
 
 __all__ = [
-    "MAGIC", "PROTOCOL", "HEADER", "HEADER_SIZE", "OPS", "OP_CODES", "ABORT", "ENDED", "SHAPE_SHIFT", "COUNT_MASK", "call_total",
-    "HandshakeError", "Hello", "Welcome", "challenge", "parse_challenge", "hello", "parse_hello",
-    "welcome", "parse_welcome", "connection_view", "CHALLENGE_SIZE", "HELLO_FIXED", "WELCOME_FIXED", "MAX_VERSION",
-    "STATUS_OK", "STATUS_VERSION", "STATUS_WORLD", "STATUS_RANK", "STATUS_TEXT", "SEQ_MASK", "next_seq",
-    "TAG", "FRAME_HEAD", "Mac", "derive_keys", "INTEGRITY_MODES",
+    "MAGIC",
+    "PROTOCOL",
+    "HEADER",
+    "HEADER_SIZE",
+    "OPS",
+    "OP_CODES",
+    "ABORT",
+    "ENDED",
+    "SHAPE_SHIFT",
+    "COUNT_MASK",
+    "call_total",
+    "HandshakeError",
+    "Hello",
+    "Welcome",
+    "challenge",
+    "parse_challenge",
+    "hello",
+    "parse_hello",
+    "welcome",
+    "parse_welcome",
+    "connection_view",
+    "CHALLENGE_SIZE",
+    "HELLO_FIXED",
+    "WELCOME_FIXED",
+    "MAX_VERSION",
+    "STATUS_OK",
+    "STATUS_VERSION",
+    "STATUS_WORLD",
+    "STATUS_RANK",
+    "STATUS_TEXT",
+    "SEQ_MASK",
+    "next_seq",
+    "TAG",
+    "FRAME_HEAD",
+    "Mac",
+    "derive_keys",
+    "INTEGRITY_MODES",
 ]
 
 MAGIC = b"MESHCOMM"
@@ -144,6 +176,7 @@ def parse_challenge(data: bytes) -> bytes:
 def connection_view(sock: socket.socket, connector: bool) -> str:
     """``"connector ip:port > acceptor ip:port"`` as this end of ``sock`` sees it (IPv4-mapped
     IPv6 addresses written as IPv4): the same text on both ends of a direct connection."""
+
     def where(addr: tuple) -> str:
         ip = ipaddress.ip_address(addr[0].split("%", 1)[0])
         mapped = getattr(ip, "ipv4_mapped", None)
@@ -167,8 +200,7 @@ def _unpack_text(var: bytes) -> tuple[str, str]:
     if not var or var[-1] + 1 > len(var):
         raise HandshakeError("malformed version and view field")
     n = var[-1]
-    return (var[: len(var) - 1 - n].decode("utf-8", "replace"),
-            var[len(var) - 1 - n : -1].decode("utf-8", "replace"))
+    return (var[: len(var) - 1 - n].decode("utf-8", "replace"), var[len(var) - 1 - n : -1].decode("utf-8", "replace"))
 
 
 @dataclass(frozen=True)
@@ -208,8 +240,9 @@ def hello_size(prefix: bytes) -> int:
     return _message_size(prefix, _HELLO, "hello")
 
 
-def _authenticated(data: bytes, layout: struct.Struct, what: str, secret: bytes, nonce: bytes,
-                   refusal: str) -> tuple[tuple, bytes]:
+def _authenticated(
+    data: bytes, layout: struct.Struct, what: str, secret: bytes, nonce: bytes, refusal: str
+) -> tuple[tuple, bytes]:
     """The fixed fields and the variable part of a HELLO/WELCOME whose size and MAC are right."""
     size = _message_size(data, layout, what)
     if len(data) != size:
@@ -222,8 +255,9 @@ def _authenticated(data: bytes, layout: struct.Struct, what: str, secret: bytes,
 
 def parse_hello(secret: bytes, nonce_a: bytes, data: bytes) -> Hello:
     """Decode and authenticate a HELLO; HandshakeError on anything wrong."""
-    fields, version = _authenticated(data, _HELLO, "hello", secret, nonce_a,
-                                     "wrong job secret (MESHCOMM_JOB_SECRET differs or is missing)")
+    fields, version = _authenticated(
+        data, _HELLO, "hello", secret, nonce_a, "wrong job secret (MESHCOMM_JOB_SECRET differs or is missing)"
+    )
     _magic, _proto, world, rank, target, nonce, _vlen = fields
     return Hello(world, rank, target, nonce, *_unpack_text(version))
 
@@ -249,8 +283,9 @@ def welcome_size(prefix: bytes) -> int:
 
 def parse_welcome(secret: bytes, nonce_c: bytes, data: bytes) -> Welcome:
     """Decode and authenticate a WELCOME; HandshakeError on anything wrong."""
-    fields, version = _authenticated(data, _WELCOME, "welcome", secret, nonce_c,
-                                     "peer failed the job secret check (MESHCOMM_JOB_SECRET differs)")
+    fields, version = _authenticated(
+        data, _WELCOME, "welcome", secret, nonce_c, "peer failed the job secret check (MESHCOMM_JOB_SECRET differs)"
+    )
     _magic, _proto, status, rank, _vlen = fields
     return Welcome(status, rank, *_unpack_text(version))
 

@@ -53,8 +53,14 @@ def run(code: str | None, mode: str | None) -> dict[str, float]:
         env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
     if mode:
         env["MESHCOMM_SOCKETS_INTEGRITY"] = mode
-    res = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", "sockets", "--",
-                          "-c", RANK], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "meshcomm", "launch", "-n", "2", "--backend", "sockets", "--", "-c", RANK],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     line = next((ln for ln in res.stdout.splitlines() if "BENCH " in ln), None)
     if line is None:
         raise SystemExit(f"job failed: {res.stdout[-2000:]}{res.stderr[-2000:]}")
@@ -74,7 +80,7 @@ def main() -> None:
     variants += [(None, m, f"integrity={m}") for m in args.mode]
     got: dict[str, list[dict[str, float]]] = {v[2]: [] for v in variants}
     for i in range(args.rounds):
-        for code, mode, label in (variants if i % 2 == 0 else variants[::-1]):
+        for code, mode, label in variants if i % 2 == 0 else variants[::-1]:
             got[label].append(run(code, mode))
     print("| variant | " + " | ".join(SIZES) + " |")
     print("|---|" + "---|" * len(SIZES))

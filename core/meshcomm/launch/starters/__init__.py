@@ -69,8 +69,18 @@ from ..spec import RankPlace
 if TYPE_CHECKING:
     from ..options import LaunchOptions
 
-__all__ = ["RankStart", "HostStart", "Output", "Session", "Starter", "STARTERS", "LAUNCHERS", "choose",
-           "starter_name", "start_all"]
+__all__ = [
+    "RankStart",
+    "HostStart",
+    "Output",
+    "Session",
+    "Starter",
+    "STARTERS",
+    "LAUNCHERS",
+    "choose",
+    "starter_name",
+    "start_all",
+]
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,7 @@ def choose(options: LaunchOptions, environ: Mapping[str, str] | None = None) -> 
     module = importlib.import_module(f"{__name__}.{STARTERS[name]}")
     starter = module.create(options)
     if not isinstance(starter, Starter):
-        raise ConfigError(f"--launcher {name}: meshcomm.launch.starters.{STARTERS[name]}.create() "
-                          "did not return a Starter")
+        raise ConfigError(
+            f"--launcher {name}: meshcomm.launch.starters.{STARTERS[name]}.create() did not return a Starter"
+        )
     return starter

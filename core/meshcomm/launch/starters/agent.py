@@ -69,8 +69,13 @@ class Rank:
         env = {**os.environ, **{str(k): str(v) for k, v in spec["env"].items()}}
         try:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [str(a) for a in spec["argv"]], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                [str(a) for a in spec["argv"]],
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
                 preexec_fn=die_with_parent,
             )
         except OSError as exc:
@@ -81,8 +86,10 @@ class Rank:
             return
         send("S", self.rank, self.proc.pid)
         assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, "O"), daemon=True),
-                      threading.Thread(target=self._pump, args=(self.proc.stderr, "E"), daemon=True)]
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, "O"), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, "E"), daemon=True),
+        ]
         for t in self.pumps:
             t.start()
         threading.Thread(target=self._wait, daemon=True).start()
@@ -152,8 +159,12 @@ class Agent:
     def stop(self) -> None:
         """The launcher is gone: SIGTERM every rank's group (SIGCONT after it, so that a
         stopped rank gets it now), SIGKILL after the grace period."""
-        stop(self.signal_groups, lambda grace: wait_until(lambda: not self.running(), grace), self.grace,
-             kill_always=True)
+        stop(
+            self.signal_groups,
+            lambda grace: wait_until(lambda: not self.running(), grace),
+            self.grace,
+            kill_always=True,
+        )
 
     def signal_groups(self, signals: Sequence[int]) -> None:
         """Send each of ``signals`` in turn to every rank's process group."""
@@ -179,8 +190,14 @@ class Agent:
             pass
         if self.cleanup_cmd:
             try:
-                subprocess.run(["/bin/sh", "-c", str(self.cleanup_cmd)], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=15, check=False)
+                subprocess.run(
+                    ["/bin/sh", "-c", str(self.cleanup_cmd)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=15,
+                    check=False,
+                )
             except (OSError, subprocess.TimeoutExpired):
                 pass
         send("F")

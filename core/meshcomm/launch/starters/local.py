@@ -40,9 +40,15 @@ class LocalSession:
         env = {**hs.env, **r.env}
         try:
             proc = subprocess.Popen(
-                r.argv, env={**os.environ, **env}, cwd=hs.cwd, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=tuple(r.pass_fds),
-                start_new_session=True, preexec_fn=die_with_parent,
+                r.argv,
+                env={**os.environ, **env},
+                cwd=hs.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=tuple(r.pass_fds),
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             self.signal(signal.SIGKILL)
@@ -54,8 +60,10 @@ class LocalSession:
             sys.stderr.write(mask(f"meshcomm launch: rank {r.rank}: {shown}\n", env))
         assert proc.stdout is not None and proc.stderr is not None
         rank = r.rank
-        self.threads += [pump_lines(proc.stdout, lambda line: output.rank_line(rank, "out", line)),
-                         pump_lines(proc.stderr, lambda line: output.rank_line(rank, "err", line))]
+        self.threads += [
+            pump_lines(proc.stdout, lambda line: output.rank_line(rank, "out", line)),
+            pump_lines(proc.stderr, lambda line: output.rank_line(rank, "err", line)),
+        ]
 
     def poll(self) -> dict[int, int | None]:
         return {rank: p.poll() for rank, p in self.procs.items()}
@@ -88,8 +96,14 @@ class LocalSession:
             t.join(2.0)
         if self.cleanup:
             try:
-                subprocess.run(["bash", "-c", self.cleanup], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=15, check=False)
+                subprocess.run(
+                    ["bash", "-c", self.cleanup],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=15,
+                    check=False,
+                )
             except (OSError, subprocess.TimeoutExpired):
                 pass
 
@@ -102,8 +116,10 @@ class LocalStarter:
     def start(self, hosts: Sequence[HostStart], output: Output) -> list[Session]:
         remote = [h.host for h in hosts if h.host is not None]
         if remote:
-            raise ConfigError(f"--launcher local starts ranks on this machine only, but the job has ranks on "
-                              f"{', '.join(remote)}; use --launcher ssh (or auto)")
+            raise ConfigError(
+                f"--launcher local starts ranks on this machine only, but the job has ranks on "
+                f"{', '.join(remote)}; use --launcher ssh (or auto)"
+            )
         return start_all(hosts, lambda h: LocalSession(h, output))
 
 

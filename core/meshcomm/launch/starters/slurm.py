@@ -42,13 +42,40 @@ __all__ = ["SlurmStarter", "create", "srun_argv", "allocation_hosts", "STEP_VARI
 #: variables of the agent's one-task step that must not reach the ranks (they would say
 #: rank 0 of 1, or make a rank look like a task of an MPI step)
 STEP_VARIABLES = (
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_GTIDS",
-    "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS",
-    "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASK_PID", "SLURM_CPU_BIND", "SLURM_CPU_BIND_LIST",
-    "SLURM_CPU_BIND_TYPE", "SLURM_CPU_BIND_VERBOSE", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_SRUN_COMM_HOST",
-    "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT", "SLURM_UMASK", "SLURM_PRIO_PROCESS",
-    "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI", "PMIX_SERVER_URI2", "PMIX_SERVER_URI3",
-    "PMIX_SERVER_URI4", "PMIX_SERVER_URI21", "PMIX_SERVER_URI41", "PMI_RANK", "PMI_SIZE", "PMI_FD",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_GTIDS",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASK_PID",
+    "SLURM_CPU_BIND",
+    "SLURM_CPU_BIND_LIST",
+    "SLURM_CPU_BIND_TYPE",
+    "SLURM_CPU_BIND_VERBOSE",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_SRUN_COMM_HOST",
+    "SLURM_SRUN_COMM_PORT",
+    "SLURM_STEP_LAUNCHER_PORT",
+    "SLURM_UMASK",
+    "SLURM_PRIO_PROCESS",
+    "PMIX_RANK",
+    "PMIX_NAMESPACE",
+    "PMIX_SERVER_URI",
+    "PMIX_SERVER_URI2",
+    "PMIX_SERVER_URI3",
+    "PMIX_SERVER_URI4",
+    "PMIX_SERVER_URI21",
+    "PMIX_SERVER_URI41",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMI_FD",
     "PMI_JOBID",
 )
 
@@ -75,9 +102,11 @@ def allocation_hosts(nranks: int | None, environ: Mapping[str, str] | None = Non
     text = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     nodes = expand_hostlist(text) if text.strip() else []
     if not nodes:
-        raise ConfigError("--launcher slurm: SLURM_JOB_NODELIST is not set; run meshcomm launch inside an "
-                          "allocation (salloc -N 2 meshcomm launch ..., or in an sbatch script), or name the "
-                          "nodes with --hosts")
+        raise ConfigError(
+            "--launcher slurm: SLURM_JOB_NODELIST is not set; run meshcomm launch inside an "
+            "allocation (salloc -N 2 meshcomm launch ..., or in an sbatch script), or name the "
+            "nodes with --hosts"
+        )
     counts = _counts(env.get("SLURM_TASKS_PER_NODE", "")) if nranks is None else []
     if len(counts) != len(nodes):
         counts = [0] * len(nodes)
@@ -89,8 +118,21 @@ def allocation_hosts(nranks: int | None, environ: Mapping[str, str] | None = Non
 def srun_argv(srun: str, node: str, extra: Sequence[str] = ()) -> list[str]:
     """The srun command that runs the host agent's start script (read from stdin) on ``node``."""
     unset = [a for v in STEP_VARIABLES for a in ("-u", v)]
-    return [srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--mpi=none",
-            "--quiet", "--job-name=meshcomm-launch", *extra, "env", *unset, "bash", "-s"]
+    return [
+        srun,
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        "--overlap",
+        "--mpi=none",
+        "--quiet",
+        "--job-name=meshcomm-launch",
+        *extra,
+        "env",
+        *unset,
+        "bash",
+        "-s",
+    ]
 
 
 class SlurmStarter:
@@ -132,8 +174,10 @@ def _with_host(h: HostStart, node: str) -> HostStart:
 
 def create(options: Any) -> SlurmStarter:
     if not os.environ.get("SLURM_JOB_ID"):
-        raise ConfigError("--launcher slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); run "
-                          "meshcomm launch inside salloc or an sbatch script, or use --launcher ssh")
+        raise ConfigError(
+            "--launcher slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); run "
+            "meshcomm launch inside salloc or an sbatch script, or use --launcher ssh"
+        )
     srun = os.environ.get("MESHCOMM_SRUN") or shutil.which("srun")
     if not srun:
         raise ConfigError("--launcher slurm: srun is not on PATH (set MESHCOMM_SRUN to its path)")

@@ -67,10 +67,12 @@ def start_script(hs: HostStart) -> str:
     agent = shlex.quote(hs.job_dir + "/" + AGENT_FILE)
     # one line, the last: bash reads its script from stdin line by line, and what follows
     # it there (the plan, then commands) is the agent's
-    lines.append(f"for mc_py in {' '.join(shlex.quote(p) for p in tried)}; do "
-                 f'if command -v "$mc_py" >/dev/null 2>&1; then exec "$mc_py" {agent}; fi; done; '
-                 f'echo "meshcomm launch: error: no Python on $(hostname) to run the host agent (tried '
-                 f'{" ".join(tried)})" >&2; exit 127')
+    lines.append(
+        f"for mc_py in {' '.join(shlex.quote(p) for p in tried)}; do "
+        f'if command -v "$mc_py" >/dev/null 2>&1; then exec "$mc_py" {agent}; fi; done; '
+        f'echo "meshcomm launch: error: no Python on $(hostname) to run the host agent (tried '
+        f'{" ".join(tried)})" >&2; exit 127'
+    )
     return "\n".join(lines)
 
 
@@ -89,13 +91,20 @@ class SshSession:
         self._finished = False
         script = start_script(hs)
         plan = {
-            "cwd": hs.cwd, "job_dir": hs.job_dir, "cleanup": hs.cleanup, "grace": STOP_GRACE,
+            "cwd": hs.cwd,
+            "job_dir": hs.job_dir,
+            "cleanup": hs.cleanup,
+            "grace": STOP_GRACE,
             "ranks": [{"rank": r.rank, "argv": r.argv, "env": r.env} for r in hs.ranks],
         }
         self.command = ssh_argv(ssh, hs.host, "bash -s")
         self.proc = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent,
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         if hs.verbose:  # secrets (the job's, and credential-like --env values) shown as <hidden>
             every = {**hs.env, **{k: v for r in hs.ranks for k, v in r.env.items()}}

@@ -29,8 +29,12 @@ _LEN = struct.Struct("<Q")
 
 
 class UdsSettings(BaseModel):
-    dir: Path | None = setting(None, env="MESHCOMM_UDS_DIR", accepts="a directory shared by the ranks",
-                               description="where the ranks' sockets live")
+    dir: Path | None = setting(
+        None,
+        env="MESHCOMM_UDS_DIR",
+        accepts="a directory shared by the ranks",
+        description="where the ranks' sockets live",
+    )
 
 
 class UdsBackend(Backend):
@@ -52,7 +56,9 @@ class UdsBackend(Backend):
                 except OSError:
                     s.close()
                     if time.monotonic() > deadline:
-                        raise CommTimeoutError(f"[uds] rank {rank}: rank {q} never listened at {path}", peer=q) from None
+                        raise CommTimeoutError(
+                            f"[uds] rank {rank}: rank {q} never listened at {path}", peer=q
+                        ) from None
                     time.sleep(0.02)
             self.conns[q] = s
         listener.settimeout(timeout)
@@ -77,7 +83,9 @@ class UdsBackend(Backend):
             try:
                 k = s.recv_into(view[got:])
             except TimeoutError:
-                raise CommTimeoutError(f"[uds] rank {self._rank}: rank {peer} sent nothing for {self.timeout} s", peer=peer) from None
+                raise CommTimeoutError(
+                    f"[uds] rank {self._rank}: rank {peer} sent nothing for {self.timeout} s", peer=peer
+                ) from None
             if k == 0:
                 raise PeerLostError(f"[uds] rank {self._rank}: rank {peer} closed its connection", peer=peer)
             got += k
@@ -120,7 +128,12 @@ class _Launcher:
 
 @hookimpl
 def meshcomm_register_backends(register: BackendRegistrar) -> None:
-    register("uds", factory=_factory, environment=_environment, settings=UdsSettings,
-             launcher=_Launcher(), priority=50, description="example: Unix domain sockets")
-
-
+    register(
+        "uds",
+        factory=_factory,
+        environment=_environment,
+        settings=UdsSettings,
+        launcher=_Launcher(),
+        priority=50,
+        description="example: Unix domain sockets",
+    )

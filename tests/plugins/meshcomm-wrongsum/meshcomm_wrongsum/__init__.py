@@ -27,5 +27,12 @@ def _factory(config: Any, settings: Any) -> Backend:
 
 @hookimpl
 def meshcomm_register_backends(register: Any) -> None:
-    register("wrongsum", factory=_factory, environment=sockets._environment, settings=sockets.SocketsSettings,
-             launcher=sockets.SocketsLauncher(), priority=1000, description="test: sockets with a wrong all_sum")
+    register(
+        "wrongsum",
+        factory=_factory,
+        environment=sockets._environment,
+        settings=sockets.SocketsSettings,
+        launcher=sockets.SocketsLauncher(),
+        priority=1000,
+        description="test: sockets with a wrong all_sum",
+    )
