@@ -6,11 +6,12 @@ Five jobs, so that the site is built from the files people read on a checkout:
 * a link from a page to a file of the repository outside ``docs/`` (``scripts/demo.sh``,
   ``bench/results/compare.png``) is copied into the site under ``_repo/`` and the link
   points there, so strict mode still fails on a link to a file that does not exist;
-* the settings table of ``docs/settings.md`` is rendered from the pydantic models (the
-  core's ``Config`` and every bundled backend's settings model) at build time, so it
-  cannot drift from the code, and the README's list of every variable name from that
-  page. ``python scripts/docs_hooks.py --write`` writes both into the files for readers
-  of the raw markdown; ``tests/test_docs.py`` fails when either is out of date;
+* the settings tables are rendered from the pydantic models (the core's ``Config`` and
+  every bundled backend's settings model) at build time, so they cannot drift from the
+  code: the user's settings into ``docs/settings.md``, the knobs marked ``tuning`` into
+  ``docs/tuning.md``; and the README's list of every variable name from the settings
+  page. ``python scripts/docs_hooks.py --write`` writes them into the files for readers of
+  the raw markdown; ``tests/test_docs.py`` fails when one is out of date;
 * a page of docs/ that the nav of mkdocs.yml does not list is appended to the nav;
 * the API reference drops the Sphinx roles of the docstrings (``:func:`x``` shows ``x``).
 """
@@ -34,6 +35,7 @@ __all__ = [
     "settings_models",
     "settings_table",
     "with_settings_table",
+    "with_tuning_table",
     "rewrite_links",
     "NAMES_BEGIN",
     "NAMES_END",
@@ -60,8 +62,8 @@ def settings_models() -> list[tuple[str, type[BaseModel]]]:
 
     Raises RuntimeError naming the missing backends when a bundled plugin is not installed
     (the table would silently lose its rows)."""
-    from meshcomm.config import Config
-    from meshcomm.registry import Registry
+    from meshcomm.runtime.config import Config
+    from meshcomm.runtime.registry import Registry
 
     registry = Registry().load(environ={})
     out: list[tuple[str, type[BaseModel]]] = [("core", Config)]
@@ -103,17 +105,18 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def settings_table() -> str:
-    """The markdown table: one row per environment variable, in the models' order."""
-    from meshcomm.config import env_names
+def settings_table(tuning: bool = False) -> str:
+    """The markdown table: one row per environment variable, in the models' order; the
+    user's settings, or with ``tuning`` the knobs marked ``setting(..., tuning=True)``."""
+    from meshcomm.runtime.config import env_names
 
     rows: dict[str, dict[str, Any]] = {}
     for section, model in settings_models():
         envs = env_names(model)
         for name, field in model.model_fields.items():
-            if name not in envs:
-                continue
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            if name not in envs or bool(extra.get("tuning")) != tuning:
+                continue
             var = envs[name]
             row = rows.setdefault(
                 var,
@@ -139,12 +142,18 @@ def settings_table() -> str:
     return "\n".join(lines)
 
 
-def with_settings_table(markdown: str) -> str:
-    """``markdown`` with the text between the table markers replaced by the current table."""
+def with_settings_table(markdown: str, tuning: bool = False) -> str:
+    """``markdown`` (docs/settings.md, or with ``tuning`` docs/tuning.md) with the text between
+    the table markers replaced by the current table."""
     begin, end = markdown.find(TABLE_BEGIN), markdown.find(TABLE_END)
     if begin < 0 or end < begin:
-        raise ValueError(f"docs/settings.md lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
-    return markdown[: begin + len(TABLE_BEGIN)] + "\n" + settings_table() + "\n" + markdown[end:]
+        raise ValueError(f"the page lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
+    return markdown[: begin + len(TABLE_BEGIN)] + "\n" + settings_table(tuning) + "\n" + markdown[end:]
+
+
+def with_tuning_table(markdown: str) -> str:
+    """docs/tuning.md with its table of the tuning knobs current."""
+    return with_settings_table(markdown, tuning=True)
 
 
 def variable_names() -> list[str]:
@@ -275,6 +284,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     src_uri = page.file.src_uri
     if src_uri == "settings.md":
         markdown = with_settings_table(markdown)
+    elif src_uri == "tuning.md":
+        markdown = with_tuning_table(markdown)
     elif src_uri == "index.md" and NAMES_BEGIN in markdown:
         markdown = with_variable_names(markdown)
     text, _ = rewrite_links(markdown, _real_path(src_uri), str(Path(src_uri).parent))
@@ -290,14 +301,19 @@ def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--write``: render the settings table into docs/settings.md and the variable names
-    into README.md; ``--check``: exit 1 if either is stale."""
+    """``--write``: render the settings tables into docs/settings.md and docs/tuning.md and
+    the variable names into README.md; ``--check``: exit 1 if any is stale."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="write the table into docs/settings.md")
-    ap.add_argument("--check", action="store_true", help="exit 1 when docs/settings.md is out of date")
+    ap.add_argument("--write", action="store_true", help="write the tables into docs/settings.md and docs/tuning.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a generated part is out of date")
     args = ap.parse_args(argv)
     stale = 0
-    for path, render in ((DOCS / "settings.md", with_settings_table), (ROOT / "README.md", with_variable_names)):
+    pages = (
+        (DOCS / "settings.md", with_settings_table),
+        (DOCS / "tuning.md", with_tuning_table),
+        (ROOT / "README.md", with_variable_names),
+    )
+    for path, render in pages:
         old = path.read_text()
         new = render(old)
         if args.write and new != old:

@@ -18,7 +18,8 @@ for _name in THREAD_VARS:
 @pytest.fixture
 def fresh_registry():
     """Forget loaded plugins and worlds before and after the test."""
-    from meshcomm import registry, world
+    from meshcomm.api import world
+    from meshcomm.runtime import registry
 
     registry.reset_registry()
     world.shutdown()

@@ -12,7 +12,7 @@ import meshcomm as mc
 import numpy as np
 import pytest
 from jobs import launch
-from meshcomm import operations
+from meshcomm.protocol import dtypes, operations
 from meshcomm.testing.threaded import make_threaded_groups, run_threaded
 
 MORE = (
@@ -179,7 +179,7 @@ def test_operation_table_keeps_the_sockets_wire_codes():
         assert op.kind in ("collective", "p2p", "object", "group")
         if op.kind != "p2p" and op.name not in ("split", "barrier"):
             assert hasattr(mc, op.name) and hasattr(mc.Group, op.name), op.name
-    assert mc.dtypes.REDUCTIONS == operations.REDUCTIONS
+    assert dtypes.REDUCTIONS == operations.REDUCTIONS
     wire_mod = pytest.importorskip("meshcomm_sockets.wire")
     assert tuple(wire_mod.OPS) == wire[: len(wire_mod.OPS)], "the sockets opcodes must be the table's codes"
 
@@ -234,8 +234,8 @@ def test_out_in_place_and_overlap_rules():
 
 
 def test_a_backend_is_told_in_place_only_for_the_very_same_buffer():
-    """``meshcomm.backend.in_place``: what MPI and gloo use to pick MPI_IN_PLACE."""
-    from meshcomm.backend import in_place
+    """``meshcomm.protocol.backend.in_place``: what MPI and gloo use to pick MPI_IN_PLACE."""
+    from meshcomm.protocol.backend import in_place
 
     a = np.arange(8.0)
     assert in_place(a, a.reshape(-1)) and in_place(a.reshape(2, 4).reshape(-1), a)
@@ -454,7 +454,7 @@ def test_async_on_size_one_and_every_op_returns_a_handle(fresh_registry, monkeyp
 
 
 def test_every_dtype_in_process():
-    from meshcomm.dtypes import SUPPORTED
+    from meshcomm.protocol.dtypes import SUPPORTED
 
     def body(g):
         n, r = g.size(), g.rank()

@@ -138,7 +138,7 @@ def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
     pytest.importorskip("ml_dtypes")
     _fresh(
         "import ml_dtypes, numpy as np\n"
-        "from meshcomm import dtypes\n"
+        "from meshcomm.protocol import dtypes\n"
         "x = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)\n"
         "y = mc.all_sum(x)\n"
         "assert y.dtype == x.dtype and y.tolist() == x.tolist()\n"
@@ -158,7 +158,7 @@ def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
 def test_shape_keys_tell_shapes_of_one_count_apart() -> None:
     """Backend.shape_key: 0 for 1-D, never 0 otherwise, different for the reshapes of one
     count, fixed numbers (every rank and Python version must compute the same key)."""
-    from meshcomm.backend import SHAPE_KEYS, shape_key
+    from meshcomm.protocol.backend import SHAPE_KEYS, shape_key
 
     assert shape_key((6,)) == 0 and shape_key((0,)) == 0
     assert shape_key((2, 3)) == 2504155 and shape_key((3, 2)) == 4638221 and shape_key(()) == 3635637

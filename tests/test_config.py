@@ -119,7 +119,7 @@ def test_unknown_backend_is_a_config_error(monkeypatch):
 def test_backend_settings_out_of_range_are_refused_at_start_up(var, value):
     """Every backend's numeric settings have both ends checked, so a value is refused at
     start-up (and by meshcomm launch before any rank starts), never overflows mid-call."""
-    from meshcomm.registry import get_registry
+    from meshcomm.runtime.registry import get_registry
 
     specs = [
         s
@@ -133,6 +133,6 @@ def test_backend_settings_out_of_range_are_refused_at_start_up(var, value):
     if not specs:
         pytest.skip(f"no installed backend reads {var}")
     with pytest.raises(ConfigError, match=var):
-        from meshcomm.config import load_settings
+        from meshcomm.runtime.config import load_settings
 
         load_settings(specs[0].settings, None, {var: value})

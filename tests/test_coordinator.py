@@ -30,8 +30,8 @@ import time
 import pytest
 from jobs import ROOT, finish, free_ports
 from meshcomm import BackendUnavailableError, CommTimeoutError, Config
-from meshcomm.placement import parse_coordinator
-from meshcomm.registry import Registry
+from meshcomm.runtime.placement import parse_coordinator
+from meshcomm.runtime.registry import Registry
 from meshcomm_sockets import coordinator as rdv
 
 PROG = ROOT / "tests" / "programs" / "coordinator_rank.py"

@@ -225,7 +225,7 @@ def run_block(block: Block, work: Path) -> None:
 
 def _register(script: Path) -> None:
     """A plugin example's hook must be accepted by the core's real ``register``."""
-    from meshcomm.registry import BackendRegistrar, Registry
+    from meshcomm.runtime.registry import BackendRegistrar, Registry
 
     spec = importlib.util.spec_from_file_location(f"docs_block_{script.stem}", script)
     assert spec is not None and spec.loader is not None
@@ -339,10 +339,11 @@ def _hooks():
 def test_settings_table_is_current() -> None:
     """The generated parts committed in the markdown match what the build renders."""
     hooks = _hooks()
-    text = (DOCS / "settings.md").read_text()
-    assert hooks.with_settings_table(text) == text, (
-        "docs/settings.md's table differs from the pydantic models: run .venv/bin/python scripts/docs_hooks.py --write"
-    )
+    for page, render in (("settings.md", hooks.with_settings_table), ("tuning.md", hooks.with_tuning_table)):
+        text = (DOCS / page).read_text()
+        assert render(text) == text, (
+            f"docs/{page}'s table differs from the pydantic models: run .venv/bin/python scripts/docs_hooks.py --write"
+        )
     readme = (ROOT / "README.md").read_text()
     assert hooks.with_variable_names(readme) == readme, (
         "README.md's list of variables differs from docs/settings.md: run "
@@ -351,14 +352,22 @@ def test_settings_table_is_current() -> None:
 
 
 def test_settings_page_names_every_variable() -> None:
-    """Every MLX_*/MESHCOMM_* name the code reads is on the settings page."""
-    text = _hooks().with_settings_table((DOCS / "settings.md").read_text())
+    """Every MLX_*/MESHCOMM_* name the code reads is on the settings page or, for the
+    knobs users need not turn, on the tuning page; no variable is on both tables."""
+    hooks = _hooks()
+    users = hooks.settings_table()
+    knobs = hooks.settings_table(tuning=True)
+    both = sorted(set(re.findall(r"^\| `(\w+)`", users, re.M)) & set(re.findall(r"^\| `(\w+)`", knobs, re.M)))
+    assert not both and "MESHCOMM_SOCKETS_CHUNK_KIB" in knobs and "MLX_TIMEOUT" in users, both
+    text = hooks.with_settings_table((DOCS / "settings.md").read_text()) + hooks.with_tuning_table(
+        (DOCS / "tuning.md").read_text()
+    )
     names = set()
     for folder in (ROOT / "core", ROOT / "plugins"):
         for py in folder.rglob("*.py"):
             names.update(re.findall(r"[\"']((?:MLX|MESHCOMM)_[A-Z0-9_]+)[\"']", py.read_text()))
     missing = sorted(n for n in names - INTERNAL_VARS if f"`{n}`" not in text and n not in text)
-    assert not missing, f"docs/settings.md does not mention {missing}"
+    assert not missing, f"neither docs/settings.md nor docs/tuning.md mentions {missing}"
 
 
 def test_launch_page_matches_the_command_line() -> None:

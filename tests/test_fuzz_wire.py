@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jobs import connect_when_listening, finish, free_ports, start_ranks, tcp_pair, write_hostfile
-from meshcomm.errors import (
+from meshcomm.protocol.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import meshcomm as mc
 import numpy as np
 import pytest
-from meshcomm import algorithms
+from meshcomm.protocol import algorithms
 from meshcomm.testing.contract import CHECKS, run_checks
 from meshcomm.testing.threaded import make_threaded_groups, run_threaded
 
@@ -57,7 +57,7 @@ def test_contract_checks_catch_a_wrong_backend() -> None:
 
     groups = make_threaded_groups(2)
     for g in groups:
-        g._b = OffByOne(g._b._fabric, g.rank())  # type: ignore[attr-defined]
+        g._b = g._moves = OffByOne(g._b._fabric, g.rank())  # type: ignore[attr-defined]
     import threading
 
     out: list = [None, None]

@@ -125,7 +125,7 @@ def test_contract_over_filestore(tmp_path: Path) -> None:
 
 # -- dtype plans (pure NumPy, no processes) -------------------------------------------
 def _cases() -> list[tuple[np.dtype, str]]:
-    from meshcomm.dtypes import SUPPORTED
+    from meshcomm.protocol.dtypes import SUPPORTED
 
     return [(dt, op) for dt in SUPPORTED for op in ("sum", "max", "min")]
 
@@ -202,7 +202,7 @@ def _extreme_inputs(dt: np.dtype, n: int) -> list[np.ndarray]:
 def test_p2p_tags_are_distinct_and_fit_in_31_bits() -> None:
     """Two messages get the same tag only if dtype and count agree (below BIG), so gloo never pairs
     a send with a recv of another size; tags are non-negative 31-bit ints (torch's int tag)."""
-    from meshcomm.dtypes import SUPPORTED
+    from meshcomm.protocol.dtypes import SUPPORTED
     from meshcomm_gloo.calls import BIG, p2p_tag
 
     counts = [1, 2, 3, 4, 5, 1000, BIG - 1]
@@ -379,7 +379,7 @@ def test_missing_rank_times_out_at_start_up() -> None:
 
 # -- settings, environment, launcher (in process) ----------------------------------------
 def test_environment_says_what_is_missing() -> None:
-    from meshcomm.config import Config, load_settings
+    from meshcomm.runtime.config import Config, load_settings
     from meshcomm_gloo.plugin import environment
     from meshcomm_gloo.settings import GlooSettings
 
@@ -393,8 +393,8 @@ def test_environment_says_what_is_missing() -> None:
 
 
 def test_bad_settings_name_the_variable() -> None:
-    from meshcomm.config import Config, load_settings
-    from meshcomm.errors import ConfigError
+    from meshcomm.protocol.errors import ConfigError
+    from meshcomm.runtime.config import Config, load_settings
     from meshcomm_gloo.settings import GlooSettings
 
     with pytest.raises(ConfigError, match="MESHCOMM_GLOO_PORT='70000'.*65535"):
@@ -404,8 +404,8 @@ def test_bad_settings_name_the_variable() -> None:
 
 
 def test_rank_beyond_world_size_is_a_config_error() -> None:
-    from meshcomm.config import Config
-    from meshcomm.errors import ConfigError
+    from meshcomm.protocol.errors import ConfigError
+    from meshcomm.runtime.config import Config
     from meshcomm_gloo.plugin import factory
     from meshcomm_gloo.settings import GlooSettings
 
@@ -427,8 +427,8 @@ def test_unavailable_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_registered_with_settings_and_launcher() -> None:
     from types import SimpleNamespace
 
-    from meshcomm.launch.spec import RankEnvLauncher, RankPlace
-    from meshcomm.registry import Registry
+    from meshcomm.runtime.launchspec import RankEnvLauncher, RankPlace
+    from meshcomm.runtime.registry import Registry
 
     spec = Registry().load().spec("gloo")
     assert spec.unavailable_reason() is None
@@ -451,7 +451,7 @@ def test_registered_with_settings_and_launcher() -> None:
 
 
 def test_error_translation_names_peer_and_fix() -> None:
-    from meshcomm.errors import CommTimeoutError, DistributedError, PeerLostError
+    from meshcomm.protocol.errors import CommTimeoutError, DistributedError, PeerLostError
     from meshcomm_gloo.errors import translate
 
     lost = translate(
@@ -478,7 +478,7 @@ def test_error_translation_names_peer_and_fix() -> None:
 def _w_dtypes() -> None:
     """Every fallback path on 3 real ranks, against NumPy, bit-identical on every rank."""
     import meshcomm as mc
-    from meshcomm.dtypes import SUPPORTED
+    from meshcomm.protocol.dtypes import SUPPORTED
     from meshcomm_gloo.codecs import plan_for
 
     g = mc.init(strict=True, backend="gloo")

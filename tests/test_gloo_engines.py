@@ -197,7 +197,7 @@ def test_mpirun_launches_gloo_ranks_with_a_coordinator() -> None:
 
 # -- where the rendezvous comes from (no processes) ------------------------------------------------
 def _resolve(env: dict[str, str]):  # type: ignore[no-untyped-def]
-    from meshcomm.config import Config, load_settings
+    from meshcomm.runtime.config import Config, load_settings
     from meshcomm_gloo.placing import resolve
     from meshcomm_gloo.settings import GlooSettings
 
@@ -242,7 +242,7 @@ def test_resolve_under_torchrun_is_a_client_of_the_agent_store() -> None:
 
 
 def test_missing_names_every_way_to_start() -> None:
-    from meshcomm.config import Config, load_settings
+    from meshcomm.runtime.config import Config, load_settings
     from meshcomm_gloo.placing import missing
     from meshcomm_gloo.settings import GlooSettings
 

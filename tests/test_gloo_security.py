@@ -221,7 +221,7 @@ def test_auth_store_namespace_is_part_of_the_sealed_key() -> None:
 
 
 def test_job_id_names_the_scheduler_that_placed_the_rank() -> None:
-    from meshcomm.config import Config, load_settings
+    from meshcomm.runtime.config import Config, load_settings
     from meshcomm_gloo.placing import job_id, resolve
     from meshcomm_gloo.settings import GlooSettings
 

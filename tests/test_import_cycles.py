@@ -48,13 +48,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walk_sees_the_packages_and_their_imports() -> None:
     edges = graph()
     assert {
-        "meshcomm.group",
-        "meshcomm.observer",
+        "meshcomm.api.group",
+        "meshcomm.api.observer",
         "meshcomm_sockets.backend",
         "meshcomm_mpi.backend",
         "meshcomm_gloo.backend",
     } <= set(edges)
-    assert "meshcomm.observer" in edges["meshcomm.group"]  # `from . import observer as _observer`
+    assert "meshcomm.api.observer" in edges["meshcomm.api.group"]  # `from . import observer as _observer`
     assert "meshcomm.plugin" in edges["meshcomm_sockets.backend"]
 
 

@@ -6,7 +6,7 @@
 * a rank's CommTimeoutError makes every rank print its Python stack before the job ends;
 * MPI output arrives as whole lines prefixed ``[rank R] ``, on Open MPI and on MPICH;
 * the rank runner (``python -m meshcomm.launch.rank``) runs programs exactly as ``python``
-  does, and :mod:`meshcomm.exits` writes failure records after the traceback.
+  does, and :mod:`meshcomm.runtime.exits` writes failure records after the traceback.
 
 The ``mpich`` cases run the launcher of ``.venv-mpich`` (``scripts/setup-mpich.sh``), and
 are skipped when that environment does not exist. Timing bounds are the contract's
@@ -51,7 +51,7 @@ def _unavailable(backend: str) -> str | None:
         if Path(sys.prefix).resolve() == MPICH_PY.parent.parent.resolve():
             return "this is the MPICH environment already (see the mpi case)"
         return None
-    from meshcomm.registry import get_registry
+    from meshcomm.runtime.registry import get_registry
 
     spec = get_registry().specs.get(backend)
     if spec is None:
@@ -351,7 +351,7 @@ def test_rank_runner_runs_programs_like_python(how: str, mode: list[str], tmp_pa
     assert program_lines(runner.stderr) == program_lines(plain.stderr), (show(plain), show(runner))
 
 
-# -- meshcomm.exits: records after the traceback ---------------------------------------------------
+# -- meshcomm.runtime.exits: records after the traceback ---------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -363,7 +363,9 @@ def test_rank_runner_runs_programs_like_python(how: str, mode: list[str], tmp_pa
     ],
 )
 def test_excepthook_prints_then_records(error: str, consequence: bool, peer: int | None, tmp_path: Path) -> None:
-    code = f"import meshcomm as mc\nfrom meshcomm import exits\nexits.install()\nexits.install()\nraise {error}\n"
+    code = (
+        f"import meshcomm as mc\nfrom meshcomm.runtime import exits\nexits.install()\nexits.install()\nraise {error}\n"
+    )
     p = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

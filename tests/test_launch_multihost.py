@@ -353,7 +353,7 @@ def test_killed_launcher_stops_remote_ranks(sshd: LoopbackSshd, tmp_path: Path) 
 def test_other_backends_over_ssh(backend: str, sshd: LoopbackSshd, tmp_path: Path) -> None:
     """gloo: ranks started by the host agent; mpi: mpiexec's daemons started through the test
     sshd. Both: the rank variables and the [rank R] prefix as on sockets."""
-    from meshcomm.registry import get_registry
+    from meshcomm.runtime.registry import get_registry
 
     spec = get_registry().specs.get(backend)
     reason = f"backend {backend} is not installed" if spec is None else spec.unavailable_reason()

@@ -20,10 +20,10 @@ import os
 from pathlib import Path
 
 import pytest
-from meshcomm.errors import ConfigError
 from meshcomm.launch.hosts import Host, job_size, parse_hosts_arg, place_ranks
 from meshcomm.launch.run import THREAD_VARS
 from meshcomm.launch.starters import STARTERS, choose, starter_name
+from meshcomm.protocol.errors import ConfigError
 from test_launch import (
     RANK_PROG,
     SHOW_ENV,
@@ -78,7 +78,7 @@ def envs(stdout: bytes, n: int) -> dict[int, dict]:
 
 
 def _reason(backend: str) -> str | None:
-    from meshcomm.registry import get_registry
+    from meshcomm.runtime.registry import get_registry
 
     spec = get_registry().specs.get(backend)
     return f"backend {backend} is not installed" if spec is None else spec.unavailable_reason()

@@ -92,7 +92,7 @@ def rank_integer_wrap(g: Any) -> None:
 def rank_forced_numpy_int_sum(g: Any) -> None:
     """The user-defined NumPy op path (MESHCOMM_MPI_INT_SUM=numpy) is correct as well."""
     import meshcomm as mc
-    from meshcomm.config import Config
+    from meshcomm.runtime.config import Config
     from meshcomm_mpi.factory import create_backend
     from meshcomm_mpi.settings import MPISettings
 
@@ -114,7 +114,7 @@ def rank_forced_numpy_int_sum(g: Any) -> None:
 def rank_half_floats(g: Any) -> None:
     """float16 and bfloat16 sum/max/min (MPI has no portable half types)."""
     import meshcomm as mc
-    from meshcomm.dtypes import bfloat16
+    from meshcomm.protocol.dtypes import bfloat16
 
     n, r = g.size(), g.rank()
     dts = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
@@ -487,7 +487,7 @@ def test_plugin_imports_fast_without_mpi() -> None:
     """plugin.py loads neither mpi4py nor MPI; importing it adds little to the core's import."""
     code = (
         "import sys, time\n"
-        "import meshcomm.config, meshcomm.backend, meshcomm.hookspecs\n"  # the core's own cost
+        "import meshcomm.runtime.config, meshcomm.protocol.backend, meshcomm.runtime.hookspecs\n"  # the core's own cost
         "t = time.perf_counter()\n"
         "import meshcomm_mpi.plugin\n"
         "print('RESULT', time.perf_counter() - t, 'mpi4py' in sys.modules)\n"
@@ -532,7 +532,7 @@ def test_job_command_places_ranks_on_hosts(monkeypatch: pytest.MonkeyPatch) -> N
     from types import SimpleNamespace
 
     import meshcomm_mpi.launcher as L
-    from meshcomm.launch.spec import RankPlace
+    from meshcomm.runtime.launchspec import RankPlace
     from meshcomm_mpi.plugin import MPILauncher
 
     monkeypatch.setattr(L, "resolve_mpiexec", lambda settings=None: (Path("/x/mpiexec"), "openmpi"))

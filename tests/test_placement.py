@@ -1,10 +1,10 @@
-"""Where a process sits in a job, from each starter's variables (core/meshcomm/placement.py)."""
+"""Where a process sits in a job, from each starter's variables (core/meshcomm/runtime/placement.py)."""
 
 from __future__ import annotations
 
 import pytest
-from meshcomm.errors import ConfigError
-from meshcomm.placement import Placement, coordinator, expand_hostlist, placement
+from meshcomm.protocol.errors import ConfigError
+from meshcomm.runtime.placement import Placement, coordinator, expand_hostlist, placement
 
 SLURM_TASK = {
     "SLURM_JOB_ID": "12",

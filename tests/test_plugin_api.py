@@ -56,7 +56,7 @@ def test_the_checker_catches_private_imports(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
     f.write_text(
         "import meshcomm\nfrom meshcomm import all_sum, algorithms\nfrom meshcomm.plugin import Backend\n"
-        "def f():\n    from meshcomm.registry import get_registry\n    import meshcomm.dtypes\n"
+        "def f():\n    from meshcomm.runtime.registry import get_registry\n    import meshcomm.protocol.dtypes\n"
     )
     assert [b.split(":")[0] for b in private_imports(f)] == ["2", "5", "6"]
 
@@ -77,7 +77,7 @@ def test_the_plugin_api_loads_no_plugin_and_no_launcher() -> None:
 
 
 def test_register_checks_the_launcher_type() -> None:
-    from meshcomm.registry import Registry
+    from meshcomm.runtime.registry import Registry
 
     reg = Registry()
 

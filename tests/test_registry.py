@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from meshcomm import BackendUnavailableError, Config
-from meshcomm.hookspecs import hookimpl
-from meshcomm.registry import Registry
-from meshcomm.single import SingleBackend
+from meshcomm.runtime.hookspecs import hookimpl
+from meshcomm.runtime.registry import Registry
+from meshcomm.runtime.single import SingleBackend
 
 
 class _Plugin:
@@ -119,7 +119,7 @@ def test_factory_must_return_a_backend():
             register("bad", factory=lambda c, s: np.zeros(1))
 
     reg = _registry(Bad())
-    with pytest.raises(TypeError, match="not a meshcomm.backend.Backend"):
+    with pytest.raises(TypeError, match="not a meshcomm.protocol.backend.Backend"):
         reg.start("bad", Config(), strict=True)
 
 

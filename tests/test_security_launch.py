@@ -408,7 +408,7 @@ def test_log_and_trace_files_are_the_users_only(tmp_path: Path) -> None:
     assert {f.name for f in files} >= {"rank-0.log", "rank-1.log", "trace.json"}, files
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
-    from meshcomm import private_files
+    from meshcomm.runtime import private_files
 
     made = []
     real = private_files.os.open
@@ -436,7 +436,7 @@ def _mpi_reason(name: str) -> str | None:
         if Path(sys.prefix).resolve() == MPICH_PY.parent.parent.resolve():
             return "this is the MPICH environment already (see the mpi case)"
         return None
-    from meshcomm.registry import get_registry
+    from meshcomm.runtime.registry import get_registry
 
     spec = get_registry().specs.get(name)
     return f"backend {name} is not installed" if spec is None else spec.unavailable_reason()

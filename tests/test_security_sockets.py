@@ -673,7 +673,7 @@ def test_a_flood_of_silent_connections_during_start_up_does_not_stop_the_job(tmp
 
 EXHAUST = """
 import json, os, socket, sys
-from meshcomm.errors import DistributedError
+from meshcomm.protocol.errors import DistributedError
 from meshcomm_sockets.connect import establish, open_listener
 from meshcomm_sockets.hostfile import Peer
 peers = [Peer(ip="127.0.0.1", port=int(sys.argv[1])), Peer(ip="127.0.0.1", port=int(sys.argv[2]))]

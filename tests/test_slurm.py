@@ -397,8 +397,8 @@ def test_killed_cluster_owner_leaves_nothing() -> None:
 
 
 def test_starter_hosts_from_the_allocation() -> None:
-    from meshcomm.errors import ConfigError
     from meshcomm.launch.starters.slurm import allocation_hosts
+    from meshcomm.protocol.errors import ConfigError
 
     env = {"SLURM_JOB_NODELIST": "n[01-03],gpu7", "SLURM_TASKS_PER_NODE": "2(x3),1"}
     hosts = allocation_hosts(None, env)

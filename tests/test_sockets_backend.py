@@ -10,7 +10,7 @@ import time
 import pytest
 from jobs import connect_when_listening, finish, free_ports, launch, start_ranks, write_hostfile
 from meshcomm import DistributedError
-from meshcomm.errors import ConfigError
+from meshcomm.protocol.errors import ConfigError
 
 PROG = "tests/programs/sockets_faults.py"
 
@@ -236,7 +236,8 @@ class TestHostfile:
 
 def test_rank_outside_hostfile_is_a_config_error(tmp_path, monkeypatch):
     import meshcomm as mc
-    from meshcomm import registry, world
+    from meshcomm.api import world
+    from meshcomm.runtime import registry
 
     hf = write_hostfile(tmp_path / "h.json", free_ports(2))
     monkeypatch.setenv("MLX_HOSTFILE", str(hf))

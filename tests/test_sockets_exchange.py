@@ -25,7 +25,7 @@ from functools import partial
 import numpy as np
 import pytest
 from jobs import tcp_pair
-from meshcomm.errors import CollectiveMismatchError, PeerLostError
+from meshcomm.protocol.errors import CollectiveMismatchError, PeerLostError
 
 engine = pytest.importorskip("meshcomm_sockets.engine")
 wire = pytest.importorskip("meshcomm_sockets.wire")

@@ -88,7 +88,7 @@ def test_the_guard_discards_exactly_the_operations_in_flight_when_another_thread
     """The guard's bookkeeping alone (no ranks): tickets issued before an intrusion and
     still in flight raise when they end well; one issued after it, or one that failed
     anyway, does not; once idle, any thread may enter."""
-    from meshcomm.guard import WorldGuard
+    from meshcomm.api.guard import WorldGuard
 
     guard = WorldGuard()
     first = guard.enter("all_sum", "rank 0")

@@ -124,8 +124,8 @@ def test_stall_inspector_names_the_rank_that_has_not_joined(backend: str, tmp_pa
 
 
 def _errors(out: str, rank: int) -> str:
-    """Rank ``rank``'s error lines (``meshcomm.errors.X: ...``)."""
-    prefix = f"[rank {rank}] meshcomm.errors."
+    """Rank ``rank``'s error lines (``meshcomm.protocol.errors.X: ...``)."""
+    prefix = f"[rank {rank}] meshcomm.protocol.errors."
     return "\n".join(ln[len(prefix) :] for ln in out.splitlines() if ln.startswith(prefix))
 
 
@@ -368,7 +368,7 @@ def test_stall_message_without_a_job_directory() -> None:
 
 def test_settings_validate() -> None:
     from meshcomm import Config
-    from meshcomm.errors import ConfigError
+    from meshcomm.protocol.errors import ConfigError
 
     cfg = Config.load({"MESHCOMM_TRACE": "/tmp/x", "MESHCOMM_STALL_AFTER": "0"})
     assert str(cfg.trace) == "/tmp/x" and cfg.stall_after == 0 and cfg.trace_events == 100_000

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 from jobs import finish, free_ports, start_ranks, write_hostfile
-from meshcomm.errors import ConfigError
-from meshcomm.jobsecret import JobSecretSettings, check_job_secret
-from meshcomm.userkey import KeyUnavailable, all_loopback, user_key, user_key_path
+from meshcomm.protocol.errors import ConfigError
+from meshcomm.runtime.jobsecret import JobSecretSettings, check_job_secret
+from meshcomm.runtime.userkey import KeyUnavailable, all_loopback, user_key, user_key_path
 
 wire = pytest.importorskip("meshcomm_sockets.wire")
 

@@ -9,18 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .backend import Backend
-from .errors import (
-    BackendUnavailableError,
-    CollectiveMismatchError,
-    CommTimeoutError,
-    ConfigError,
-    DistributedError,
-    ObjectAuthError,
-    PeerLostError,
-)
-from .group import Group
-from .ops import (
+from .api.group import Group
+from .api.ops import (
     all_gather,
     all_gather_object,
     all_max,
@@ -38,21 +28,31 @@ from .ops import (
     send,
     sum_scatter,
 )
-from .registry import BackendInfo
-from .work import Work
-from .world import backends, init, is_available
+from .api.work import Work
+from .api.world import backends, init, is_available
+from .protocol.backend import Backend
+from .protocol.errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CommTimeoutError,
+    ConfigError,
+    DistributedError,
+    ObjectAuthError,
+    PeerLostError,
+)
+from .runtime.registry import BackendInfo
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .runtime.config import Config
 
 
 def __getattr__(name: str) -> Any:
     """``Config`` on first use: the settings model needs pydantic, which ``init()`` imports
     anyway and ``import meshcomm`` need not (start-up of every rank)."""
     if name == "Config":
-        from .config import Config
+        from .runtime.config import Config
 
         return Config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ def _info(args: argparse.Namespace) -> int:
     import numpy
 
     from . import __version__
-    from .registry import get_registry
+    from .runtime.registry import get_registry
 
     infos = get_registry().info()
     if args.json:

@@ -5,7 +5,7 @@ user API), nothing else::
 
     from meshcomm.plugin import Backend, BackendRegistrar, hookimpl, setting
 
-Every other module of meshcomm (``meshcomm.registry``, ``meshcomm.dtypes``,
+Every other module of meshcomm (``meshcomm.runtime.registry``, ``meshcomm.protocol.dtypes``,
 ``meshcomm.launch`` …) is private by convention: it may change in any release without
 notice. What is listed in ``__all__`` below is kept compatible within a major version.
 ``tests/test_plugin_api.py`` checks that the project's own plugins keep to this rule.
@@ -49,13 +49,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import algorithms
-from . import dtypes as _dtypes
-from .algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
-from .backend import DEFAULT_TIMEOUT, Backend, in_place
-from .config import Config, Settings, load_settings, setting
-from .dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
-from .errors import (
+from .protocol import algorithms
+from .protocol import dtypes as _dtypes
+from .protocol.algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
+from .protocol.backend import DEFAULT_TIMEOUT, Backend, in_place
+from .protocol.dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
+from .protocol.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
     CommTimeoutError,
@@ -63,11 +62,12 @@ from .errors import (
     DistributedError,
     PeerLostError,
 )
-from .hookspecs import Availability, BackendRegistrar, EnvironmentCheck, Factory, hookimpl
-from .jobsecret import SECRET_HINT, JobSecretSettings, check_job_secret
-from .launch.lifetime import die_with_parent
-from .launch.safety import check_env_name, secret_names
-from .launch.spec import (
+from .protocol.operations import wire_names
+from .runtime.config import Config, Settings, load_settings, setting
+from .runtime.hookspecs import Availability, BackendRegistrar, EnvironmentCheck, Factory, hookimpl
+from .runtime.jobsecret import SECRET_HINT, JobSecretSettings, check_job_secret
+from .runtime.launchsafety import check_env_name, secret_names
+from .runtime.launchspec import (
     CleanupLauncher,
     ExternalLauncher,
     JobSpec,
@@ -75,12 +75,12 @@ from .launch.spec import (
     RankEnvLauncher,
     RankPlace,
 )
-from .launchvars import FAMILIES, MPI_FAMILIES, Family
-from .operations import wire_names
-from .placement import Coordinator, Placement, coordinator, placement
+from .runtime.launchvars import FAMILIES, MPI_FAMILIES, Family
+from .runtime.lifetime import die_with_parent
+from .runtime.placement import Coordinator, Placement, coordinator, placement
 
 if TYPE_CHECKING:  # resolved by __getattr__ at run time
-    from .dtypes import SUPPORTED, bfloat16
+    from .protocol.dtypes import SUPPORTED, bfloat16
 
 __all__ = [
     # registering

@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from meshcomm.errors import DistributedError
-from meshcomm.placement import parse_coordinator
+from meshcomm.protocol.errors import DistributedError
+from meshcomm.runtime.placement import parse_coordinator
 from meshcomm_sockets.coordinator import exchange
 
 

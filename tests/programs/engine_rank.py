@@ -9,7 +9,7 @@ import time
 
 import meshcomm as mc
 import numpy as np
-from meshcomm.config import Config
+from meshcomm.runtime.config import Config
 
 
 def main() -> int:

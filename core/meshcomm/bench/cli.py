@@ -47,7 +47,7 @@ def parse_ops(text: str) -> list[str]:
 
 def parse_dtype(text: str) -> np.dtype:
     """A dtype meshcomm supports (``float32``, ``int8``, ``bfloat16`` with ml_dtypes, …)."""
-    from ..dtypes import check_dtype
+    from ..protocol.dtypes import check_dtype
 
     try:
         if text == "bfloat16":

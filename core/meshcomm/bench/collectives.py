@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import operations
-from ..group import Group
+from ..api.group import Group
+from ..protocol import operations
 
 __all__ = ["Collective", "Case", "OPS", "bus_factor", "rank_input", "describe_mismatch"]
 
@@ -198,7 +198,7 @@ class Collective:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw of ``op`` on ``n`` ranks (:func:`meshcomm.operations.bus_factor`, the
+    """busbw / algbw of ``op`` on ``n`` ranks (:func:`meshcomm.protocol.operations.bus_factor`, the
     nccl-tests convention), for the operations ``meshcomm bench`` times."""
     if op not in OPS:
         raise ValueError(f"unknown operation {op!r}; known: {', '.join(OPS)}")

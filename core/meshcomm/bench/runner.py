@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import ops as _ops
-from ..group import Group
+from ..api import ops as _ops
+from ..api.group import Group
 from .collectives import OPS
 from .measure import Stats, time_op
 from .sizes import format_size

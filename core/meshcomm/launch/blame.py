@@ -2,7 +2,7 @@
 
 When one rank fails, its peers fail too, with ``PeerLostError`` or ``CommTimeoutError``
 naming it, often before the failed rank's process has finished exiting. The launcher
-therefore blames from the ranks' failure records (:mod:`meshcomm.exits`): records that are
+therefore blames from the ranks' failure records (:mod:`meshcomm.runtime.exits`): records that are
 a consequence of a peer are skipped; a rank that exited non-zero without a record, or was
 killed by a signal, failed for its own reason. Only when no rank did (a rank that stopped
 answering, or exited 0 while its peers still needed it) is the peer the records name blamed,

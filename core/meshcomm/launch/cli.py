@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import ConfigError
+from ..protocol.errors import ConfigError
 from .options import DEFAULT_BACKEND, DEFAULT_SSH, LaunchOptions
 
 __all__ = ["add_parser", "options_from_args"]
@@ -76,8 +76,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """The parsed command line as one :class:`LaunchOptions` (hostfile read, ``--env`` checked)."""
+    from ..runtime.launchsafety import parse_env_item
     from .hosts import parse_hosts_arg, read_launch_hostfile
-    from .safety import parse_env_item
 
     prog = list(args.program)
     if prog and prog[0] == "--":

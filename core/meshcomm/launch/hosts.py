@@ -11,7 +11,7 @@ how many ranks it takes (default: ranks are spread evenly in blocks), ``envs`` v
 for every rank (``KEY=VALUE``, KEY a shell identifier, like ``--env``).
 
 Host names and ``envs`` keys reach ssh's argv and the remote start script, so they are
-checked here (:mod:`meshcomm.launch.safety`): a name starting with ``-`` (an ssh option such
+checked here (:mod:`meshcomm.runtime.launchsafety`): a name starting with ``-`` (an ssh option such
 as ``-oProxyCommand=...``) or holding shell characters, and a key that is not a shell
 identifier, are refused with a ConfigError before anything runs.
 """
@@ -26,9 +26,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import ConfigError
-from .safety import check_host, parse_env_item
-from .spec import RankPlace
+from ..protocol.errors import ConfigError
+from ..runtime.launchsafety import check_host, parse_env_item
+from ..runtime.launchspec import RankPlace
 
 __all__ = ["Host", "LaunchHostfile", "read_launch_hostfile", "parse_hosts_arg", "place_ranks", "job_size", "is_local"]
 

@@ -14,14 +14,14 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from ..errors import ConfigError
-from .spec import RankPlace
+from ..protocol.errors import ConfigError
+from ..runtime.launchspec import RankPlace
 
 __all__ = ["Job"]
 
 
 class Job:
-    """Implements :class:`meshcomm.launch.spec.JobSpec` for one run of ``meshcomm launch``."""
+    """Implements :class:`meshcomm.runtime.launchspec.JobSpec` for one run of ``meshcomm launch``."""
 
     def __init__(
         self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None, shm_dir: bool = False

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
+from ..protocol.errors import ConfigError
 from .hosts import LaunchHostfile
 
 __all__ = ["LaunchOptions", "DEFAULT_SSH", "DEFAULT_BACKEND"]

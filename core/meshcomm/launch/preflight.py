@@ -12,9 +12,9 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..config import MAX_TIMEOUT, Config, load_settings
-from ..errors import ConfigError
-from ..registry import BackendSpec
+from ..protocol.errors import ConfigError
+from ..runtime.config import MAX_TIMEOUT, Config, load_settings
+from ..runtime.registry import BackendSpec
 
 __all__ = ["check_timeout", "check_program", "check_settings"]
 

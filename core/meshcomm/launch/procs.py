@@ -10,8 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
-from ..errors import ConfigError
-from ..private_files import create_file, open_dir, private_dir
+from ..protocol.errors import ConfigError
+from ..runtime.private_files import create_file, open_dir, private_dir
 
 __all__ = ["RankOutput", "FifoOutput", "private_dir_script", "DIR_REFUSED", "pump_lines", "say"]
 

@@ -6,7 +6,7 @@ way ``python`` would (``sys.argv``, ``__main__``, ``sys.path[0]``) and adds what
 a job needs and a plain interpreter lacks:
 
 * a failed program (uncaught exception, or ``sys.exit`` with a non-zero code) prints as
-  usual, then :func:`meshcomm.exits.end_rank` writes the failure record the launcher uses
+  usual, then :func:`meshcomm.runtime.exits.end_rank` writes the failure record the launcher uses
   to blame the right rank and calls ``backend.abort(code, reason)`` on every started world
   (so MPI's mpiexec ends the job with this rank's code);
 * ``SIGUSR1`` prints every thread's Python stack to stderr (``faulthandler``): the launcher
@@ -26,7 +26,7 @@ execs COMMAND in place of the runner (same pid, same output FIFOs).
 
 Importing this module needs only the standard library: it also runs under a ``--python``
 interpreter (by path) whose program may never import meshcomm. Its two modules of meshcomm,
-:mod:`meshcomm.launchvars` (the launchers' rank variables) and :mod:`meshcomm.launch.lifetime`
+:mod:`meshcomm.runtime.launchvars` (the launchers' rank variables) and :mod:`meshcomm.runtime.lifetime`
 (the parent-death signal), are standard-library only too and, run by path, are loaded from
 their files.
 """
@@ -53,12 +53,12 @@ def _by_path(*parts: str) -> dict[str, Any]:
 
 
 if __package__ or TYPE_CHECKING:  # python -m meshcomm.launch.rank
-    from ..launchvars import FROM_MPI_LAUNCHER, rank_from_env
-    from .lifetime import die_with_parent
+    from ..runtime.launchvars import FROM_MPI_LAUNCHER, rank_from_env
+    from ..runtime.lifetime import die_with_parent
 else:  # python .../launch/rank.py (launch.run.program_argv)
-    _VARS = _by_path(os.pardir, "launchvars.py")
+    _VARS = _by_path(os.pardir, "runtime", "launchvars.py")
     FROM_MPI_LAUNCHER, rank_from_env = _VARS["FROM_MPI_LAUNCHER"], _VARS["rank_from_env"]
-    die_with_parent = _by_path("lifetime.py")["die_with_parent"]
+    die_with_parent = _by_path(os.pardir, "runtime", "lifetime.py")["die_with_parent"]
 
 __all__ = ["main", "OUTPUT_DIR_ENV"]
 
@@ -218,17 +218,17 @@ def _fresh_main() -> types.ModuleType:
 
 
 def _end_rank(code: int, reason: str, exc: BaseException | None) -> None:
-    """Record and abort through meshcomm.exits (imported only now: the program may not use
+    """Record and abort through meshcomm.runtime.exits (imported only now: the program may not use
     meshcomm, and then there is no world to abort but the record still blames this rank)."""
     try:
-        from meshcomm import exits
+        from meshcomm.runtime import exits
     except ImportError:
         return
     exits.end_rank(code, reason, exc)
     if exits.worlds_without_abort():
         # A backend with no abort cannot tell its peers; close the worlds ourselves and end
         # now, so that no collective shutdown (MPI_Finalize waiting for the peers) can hang.
-        world = sys.modules.get("meshcomm.world")
+        world = sys.modules.get("meshcomm.api.world")
         if world is not None:
             world.shutdown()
         for stream in (sys.stdout, sys.stderr):

@@ -15,22 +15,22 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..errors import BackendUnavailableError, ConfigError
-from ..exits import JOB_DIR_ENV, STACKS_FILE, read_records
-from ..private_files import private_dir
-from ..registry import BackendSpec, get_registry
+from ..protocol.errors import BackendUnavailableError, ConfigError
+from ..runtime.exits import JOB_DIR_ENV, STACKS_FILE, read_records
+from ..runtime.launchsafety import check_env_name, mask
+from ..runtime.launchspec import CleanupLauncher, ExternalLauncher, RankEnvLauncher
+from ..runtime.lifetime import die_with_parent, stop, wait_until
+from ..runtime.private_files import private_dir
+from ..runtime.registry import BackendSpec, get_registry
 from .blame import Failure, blame, describe_status, exit_code
 from .hosts import Host, job_size, place_ranks
 from .job import Job
-from .lifetime import die_with_parent, stop, wait_until
 from .mpiexec_lines import MpiexecLines
 from .options import LaunchOptions
 from .preflight import check_program, check_settings, check_timeout
 from .procs import FifoOutput, RankOutput, pump_lines, say
 from .rank import OUTPUT_DIR_ENV
 from .reaper import in_job
-from .safety import check_env_name, mask
-from .spec import CleanupLauncher, ExternalLauncher, RankEnvLauncher
 from .starters import HostStart, RankStart, Session, Starter
 from .starters import choose as choose_starter
 
@@ -560,7 +560,7 @@ def _job_pids(job: Job, pattern: str) -> list[int]:
 
 def _stack_signaller(job: Job) -> Callable[[int], None]:
     """Signals the ranks that said they print their stacks on SIGUSR1 (``meshcomm.init`` does,
-    :data:`meshcomm.exits.STACKS_FILE`): for programs the rank runner does not run
+    :data:`meshcomm.runtime.exits.STACKS_FILE`): for programs the rank runner does not run
     (``-- python prog.py``), whose processes would otherwise die of the signal."""
 
     def signal_ranks(sig: int) -> None:

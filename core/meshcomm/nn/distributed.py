@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..group import Group
-from ..ops import all_sum
-from ..world import init
+from ..api.group import Group
+from ..api.ops import all_sum
+from ..api.world import init
 from .linear import Cached, Linear, QuantizedLinear, Seed, affine, init_linear
 from .module import Module
 from .quantize import check_mode, dequantize, quantize

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ..group import Group
-from ..ops import all_sum
-from ..world import init
+from ..api.group import Group
+from ..api.ops import all_sum
+from ..api.world import init
 from .module import tree_flatten, tree_map
 
 __all__ = ["average_gradients"]

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing
 
 import meshcomm as mc
-from meshcomm.dtypes import SUPPORTED, UFUNCS
+from meshcomm.protocol.dtypes import SUPPORTED, UFUNCS
 
 __all__ = ["SHAPES", "LARGE", "rank_input"]
 

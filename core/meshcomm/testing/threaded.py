@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..backend import Backend
-from ..errors import CommTimeoutError, DistributedError
-from ..group import Group
+from ..api.group import Group
+from ..protocol.backend import Backend
+from ..protocol.errors import CommTimeoutError, DistributedError
 
 __all__ = ["ThreadedBackend", "make_threaded_groups", "run_threaded"]
 

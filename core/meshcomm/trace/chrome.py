@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..private_files import write_atomic
+from ..runtime.private_files import write_atomic
 from .recorder import RANK_FILE_FORMAT
 
 __all__ = ["Op", "load_rank_files", "operations", "chrome_trace", "merge_dir", "MERGED_NAME", "load_trace"]

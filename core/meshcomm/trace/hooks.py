@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..hookspecs import hookimpl
+from ..runtime.hookspecs import hookimpl
 from . import recorder
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..runtime.config import Config
 
 __all__ = ["meshcomm_world_started"]
 

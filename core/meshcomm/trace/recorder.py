@@ -1,6 +1,6 @@
 """The per-rank recorder: every operation's name, group, sequence, bytes, dtype, start and end.
 
-``Group._execute`` runs each operation through the observer slot (:mod:`meshcomm.observer`)
+``Group._execute`` runs each operation through the observer slot (:mod:`meshcomm.api.observer`)
 when it is set, handing over what the operation's method already holds: the
 :data:`Payload` this rank passes and the peer (send, recv) or color (split).
 :meth:`Recorder.call` notes the start, runs the operation, notes the end. :func:`start` sets it up from the
@@ -8,7 +8,7 @@ world's settings:
 
 * ``MESHCOMM_TRACE=DIR``: events go into a bounded ring (``MESHCOMM_TRACE_EVENTS``; the
   oldest are dropped and counted) written to ``DIR/rank-<R>.json`` at exit, and when the
-  rank's program fails (:func:`start` hands :func:`meshcomm.exits.end_rank` the dump to run
+  rank's program fails (:func:`start` hands :func:`meshcomm.runtime.exits.end_rank` the dump to run
   before it aborts the worlds);
 * ``MESHCOMM_STALL_AFTER`` > 0: the stall inspector (:mod:`meshcomm.trace.stall`) and,
   under ``meshcomm launch`` or a PMIx ``mpirun``, this rank's progress record
@@ -40,15 +40,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .. import exits, observer
-from ..observer import Payload
-from ..private_files import private_dir, write_atomic
+from ..api import observer
+from ..api.observer import Payload
+from ..runtime import exits
+from ..runtime.private_files import private_dir, write_atomic
 from .progress import ProgressWriter, job_progress_dir
 from .stall import Current, StallInspector
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from ..group import Group
+    from ..api.group import Group
+    from ..runtime.config import Config
 
 __all__ = ["Recorder", "Payload", "active", "start", "attach", "dump", "stop", "RANK_FILE_FORMAT", "rank_file"]
 

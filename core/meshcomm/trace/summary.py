@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..operations import bus_factor
+from ..protocol.operations import bus_factor
 
 __all__ = ["Instance", "Row", "instances", "table", "slow", "format_summary", "bucket"]
 

@@ -140,7 +140,7 @@ def plan_for(dtype: np.dtype, op: str) -> Plan:
     except (ValueError, KeyError):
         raise ValueError(
             f"gloo backend: no way to reduce dtype {np.dtype(dtype)} with op {op!r}; "
-            "ops are 'sum', 'max', 'min' and dtypes those of meshcomm.dtypes.SUPPORTED"
+            "ops are 'sum', 'max', 'min' and dtypes those of meshcomm.protocol.dtypes.SUPPORTED"
         ) from None
     plan = _PLANS[key] = make(op)
     return plan

@@ -1,6 +1,6 @@
 """The gloo backend's settings section: where the rendezvous store is, how big the job is, the secret.
 
-Every field is built with :func:`meshcomm.config.setting`, so it names its environment
+Every field is built with :func:`meshcomm.runtime.config.setting`, so it names its environment
 variable and what it accepts; a bad value raises a ConfigError naming the variable.
 Rank, world size and the coordinator come from the core's Config (``MLX_RANK``,
 ``MLX_WORLD_SIZE``, ``MLX_COORDINATOR`` or any launcher's variables); :mod:`.placing`

@@ -1,6 +1,6 @@
 """The mpi backend's own settings, each tied to an environment variable.
 
-Loaded by the core with :func:`meshcomm.config.load_settings`, so an invalid value is a
+Loaded by the core with :func:`meshcomm.runtime.config.load_settings`, so an invalid value is a
 ConfigError naming the variable and what it accepts.
 """
 
@@ -38,6 +38,7 @@ class MPISettings(BaseModel):
     int_sum: Literal["auto", "native", "numpy"] = setting(
         "auto",
         env="MESHCOMM_MPI_INT_SUM",
+        tuning=True,
         accepts="auto, native or numpy",
         description=(
             "how 8/16-bit integer sums are reduced: auto = MPI's own op unless a start-up "
@@ -48,6 +49,7 @@ class MPISettings(BaseModel):
     spin_us: float = setting(
         200.0,
         env="MESHCOMM_MPI_SPIN_US",
+        tuning=True,
         accepts="a number of microseconds from 0 to 10000000",
         description=(
             "how long a waiting operation polls MPI without sleeping before it starts to "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ class SocketsSettings(JobSecretSettings):
     chunk_kib: int = setting(
         4096,
         env="MESHCOMM_SOCKETS_CHUNK_KIB",
+        tuning=True,
         accepts="an integer from 4 to 65536",
         description="chunk size of the pipelined ring, KiB (the same on every rank)",
         ge=4,
@@ -71,6 +73,7 @@ class SocketsSettings(JobSecretSettings):
     shm_piece_kib: int | None = setting(
         None,
         env="MESHCOMM_SOCKETS_SHM_PIECE_KIB",
+        tuning=True,
         accepts="an integer from 4 to 65536",
         description="size of one shared-memory slot, KiB (default: 512, or 2048 when a host has more "
         "ranks than cores; the host's first rank decides for all)",
@@ -80,6 +83,7 @@ class SocketsSettings(JobSecretSettings):
     direct: bool = setting(
         True,
         env="MESHCOMM_SOCKETS_DIRECT",
+        tuning=True,
         accepts="1/0, true/false",
         description="ranks on the same host read each other's arrays in place (process_vm_readv) for "
         "collectives of 256 KiB and more (all-reduces from 16 MiB): one copy instead of two (0: always copy "
@@ -88,9 +92,10 @@ class SocketsSettings(JobSecretSettings):
     native: bool = setting(
         True,
         env="MESHCOMM_SOCKETS_NATIVE",
+        tuning=True,
         accepts="1/0, true/false",
-        description="publish and wait on shared memory in C when the optional meshcomm-sockets-native "
-        "distribution is installed (0: the pure-Python loop; ranks may differ)",
+        description="publish and wait on shared memory in C when this installation has the compiled loop "
+        "(meshcomm info says; 0: the pure-Python loop; ranks may differ)",
     )
     host_id: str | None = setting(
         None,
@@ -101,6 +106,7 @@ class SocketsSettings(JobSecretSettings):
     spin_us: int = setting(
         20000,
         env="MESHCOMM_SOCKETS_SPIN_US",
+        tuning=True,
         accepts="an integer from 0 to 100000",
         description="microseconds a waiting rank polls before it sleeps in the kernel (0: sleep at once); "
         "several scheduler time slices, so on a machine shared with other busy processes a rank is still "
@@ -111,6 +117,7 @@ class SocketsSettings(JobSecretSettings):
     listen_fd: int | None = setting(
         None,
         env="MESHCOMM_SOCKETS_LISTEN_FD",
+        tuning=True,
         accepts="an inherited listening socket's file descriptor",
         description="set by meshcomm launch: a listening socket it opened for this rank (no port race)",
         ge=0,
@@ -281,5 +288,11 @@ def meshcomm_register_backends(register: BackendRegistrar) -> None:
         settings=SocketsSettings,
         launcher=SocketsLauncher(),
         priority=10,
-        description="TCP sockets and shared memory, standard library + NumPy only (the default)",
+        description=f"TCP sockets and shared memory, NumPy only (the default); {loop_name()} loop",
     )
+
+
+def loop_name() -> str:
+    """Which shared-memory loop this installation runs: "compiled" when the wheel's extension
+    (``meshcomm_sockets._shm``) is there, else "pure-Python" (a build without a compiler)."""
+    return "compiled" if importlib.util.find_spec("meshcomm_sockets._shm") is not None else "pure-Python"

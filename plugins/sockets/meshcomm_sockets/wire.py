@@ -109,7 +109,7 @@ def next_seq(seq: int) -> int:
     return (seq + 1) & SEQ_MASK
 
 
-#: opcodes are the core's operation codes (meshcomm.operations), which are never reused
+#: opcodes are the core's operation codes (meshcomm.protocol.operations), which are never reused
 OPS = wire_names()
 OP_CODES = {name: i for i, name in enumerate(OPS) if name != "?"}
 #: a call's ``total`` (frame header, shared-memory descriptor): the element count in the low

@@ -39,7 +39,7 @@ A :class:`Session` is what the launcher watches and stops:
   started), also of ranks that already exited (their children must not outlive the job);
 * ``signal_rank(sig)``: send ``sig`` to each running rank's own process only (``SIGUSR1``:
   the rank runner prints its Python stacks);
-* ``records() -> list[dict]``: failure records (:mod:`meshcomm.exits`) that ranks of
+* ``records() -> list[dict]``: failure records (:mod:`meshcomm.runtime.exits`) that ranks of
   another machine wrote there (the launcher reads this machine's itself); may be called
   repeatedly and return the ones seen so far;
 * ``finish()``: the job is over (every rank exited or was killed): wait for the last
@@ -50,7 +50,7 @@ Promises every starter keeps: no secret on a command line (``HostStart.env`` car
 job secret and user variables: pass them through a pipe or the environment, never argv);
 a rank never outlives the launcher (``die_with_parent`` locally; remotely, the end of the
 connection stops the ranks); ``--verbose`` output goes through
-:func:`meshcomm.launch.safety.mask`.
+:func:`meshcomm.runtime.launchsafety.mask`.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ...errors import ConfigError
-from ..spec import RankPlace
+from ...protocol.errors import ConfigError
+from ...runtime.launchspec import RankPlace
 
 if TYPE_CHECKING:
     from ..options import LaunchOptions

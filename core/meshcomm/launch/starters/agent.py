@@ -22,7 +22,7 @@ stdout (agent -> launcher), one line each, written whole:
   ``R <json>`` a failure record a rank left in ``job_dir/failures``; ``F`` done.
 
 Only the standard library: the host may run the agent with an interpreter that has no
-meshcomm. The ssh starter ships :mod:`meshcomm.launch.lifetime` next to it (as
+meshcomm. The ssh starter ships :mod:`meshcomm.runtime.lifetime` next to it (as
 ``lifetime.py``): the parent-death signal and the stop sequence come from there.
 """
 
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 if __package__:  # imported as meshcomm.launch.starters.agent
-    from ..lifetime import die_with_parent, stop, wait_until
+    from ...runtime.lifetime import die_with_parent, stop, wait_until
 else:  # run as the shipped file: lifetime.py lies next to it (sys.path need not hold it)
     import runpy
 

@@ -16,10 +16,10 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from ...errors import ConfigError
-from ..lifetime import die_with_parent
+from ...protocol.errors import ConfigError
+from ...runtime.launchsafety import mask
+from ...runtime.lifetime import die_with_parent
 from ..procs import pump_lines
-from ..safety import mask
 from . import HostStart, Output, RankStart, Session, start_all
 
 __all__ = ["LocalStarter", "LocalSession", "create"]

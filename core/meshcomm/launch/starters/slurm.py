@@ -31,8 +31,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...errors import ConfigError
-from ...placement import expand_hostlist
+from ...protocol.errors import ConfigError
+from ...runtime.placement import expand_hostlist
 from ..hosts import Host
 from . import HostStart, Output, Session, start_all
 from .ssh import SshSession

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError
-from ..lifetime import die_with_parent
+from ...protocol.errors import ConfigError
+from ...runtime.launchsafety import check_env_name, mask, ssh_argv
+from ...runtime.lifetime import die_with_parent
 from ..procs import private_dir_script, pump_lines
-from ..safety import check_env_name, mask, ssh_argv
 from . import HostStart, Output, Session, start_all
 from .local import LocalSession
 
@@ -39,7 +39,7 @@ __all__ = ["SshStarter", "SshSession", "start_script", "create", "AGENT_FILE", "
 
 #: the agent's file name in the job's directory on each remote host
 AGENT_FILE = ".meshcomm-agent.py"
-#: the module the agent imports (:mod:`meshcomm.launch.lifetime`), shipped next to it
+#: the module the agent imports (:mod:`meshcomm.runtime.lifetime`), shipped next to it
 LIFETIME_FILE = "lifetime.py"
 #: seconds the agent gives ranks between SIGTERM and SIGKILL when its connection ends
 STOP_GRACE = 3.0
@@ -195,7 +195,10 @@ class SshSession:
 def agent_files() -> dict[str, str]:
     """The agent's source and the module it imports, by file name in the job's directory."""
     here = Path(__file__).parent
-    return {LIFETIME_FILE: (here.parent / "lifetime.py").read_text(), AGENT_FILE: (here / "agent.py").read_text()}
+    return {
+        LIFETIME_FILE: (here.parent.parent / "runtime" / "lifetime.py").read_text(),
+        AGENT_FILE: (here / "agent.py").read_text(),
+    }
 
 
 def without_agent(script: str) -> str:

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from .errors import CommTimeoutError
+from ..protocol.errors import CommTimeoutError
 
 __all__ = ["Work", "WorldWorker"]
 

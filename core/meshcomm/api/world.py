@@ -6,14 +6,14 @@ import atexit
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import exits
-from .backend import Backend
+from ..protocol.backend import Backend
+from ..protocol.memory import keep_freed_memory
+from ..runtime import exits
+from ..runtime.registry import BackendInfo, get_registry
 from .group import Group
-from .memory import keep_freed_memory
-from .registry import BackendInfo, get_registry
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..runtime.config import Config
 
 __all__ = ["init", "is_available", "backends", "default_group", "started_backends", "shutdown"]
 
@@ -41,7 +41,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             overrides: dict[str, Any] = dict(settings)
             if backend:
                 overrides["backend"] = backend
-            from .config import (
+            from ..runtime.config import (
                 Config,  # pydantic: imported by the first init(), not by import meshcomm
             )
 

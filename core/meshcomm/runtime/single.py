@@ -1,7 +1,7 @@
 """The size-1 backend: what ``init()`` returns when no multi-process backend is set up.
 
 Registered through the same hook as every other backend. It imports only the hook
-vocabulary (:mod:`meshcomm.hookspecs`), never the registry, which loads it.
+vocabulary (:mod:`meshcomm.runtime.hookspecs`), never the registry, which loads it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backend import DEFAULT_TIMEOUT, Backend
+from ..protocol.backend import DEFAULT_TIMEOUT, Backend
 from .hookspecs import BackendRegistrar, hookimpl
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 meshcomm's own launcher sets ``MLX_RANK``/``MLX_WORLD_SIZE``/``MLX_LOCAL_RANK``/``MLX_LOCAL_SIZE``;
 Slurm's ``srun``, Open MPI's and MPICH's ``mpirun``/``mpiexec`` and ``torchrun`` set their
-own (:data:`meshcomm.launchvars.FAMILIES` names them all). :func:`placement` reads the first
+own (:data:`meshcomm.runtime.launchvars.FAMILIES` names them all). :func:`placement` reads the first
 family present, rank and sizes from the same family (mixing ``SLURM_PROCID`` with torchrun's
 ``WORLD_SIZE`` would pair numbers from two jobs).
 :func:`coordinator` says where rank 0 serves the rendezvous: ``MLX_COORDINATOR``, else
@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..protocol.errors import ConfigError
 from .launchvars import FAMILIES
 
 __all__ = ["Placement", "Coordinator", "placement", "coordinator", "parse_coordinator", "expand_hostlist", "FAMILIES"]

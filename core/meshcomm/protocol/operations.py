@@ -1,15 +1,15 @@
 """The one table of meshcomm's operations: names, stable codes, and what each needs.
 
 Every part of the core that lists operations reads it from here: the cross-rank call
-checks (:mod:`meshcomm.debug`) put :attr:`Operation.code` in their fingerprints, the
+checks (:mod:`meshcomm.api.debug`) put :attr:`Operation.code` in their fingerprints, the
 reductions a backend may be asked for are :data:`REDUCTIONS`, the benchmarks' and the
 trace summary's bus bandwidth is :func:`bus_factor` of :attr:`Operation.traffic`, and a
 transport that tags its frames with an operation code should use :func:`wire_names`
 (index = code), whose first ten entries are the codes the sockets wire protocol has always used.
 
 Adding an operation touches: this table (a new, never reused code), the ``Group`` method
-and the function in :mod:`meshcomm.ops` (exported from ``meshcomm``), a default in
-:class:`meshcomm.backend.Backend` built from point-to-point messages (:mod:`meshcomm.algorithms`)
+and the function in :mod:`meshcomm.api.ops` (exported from ``meshcomm``), a default in
+:class:`meshcomm.protocol.backend.Backend` built from point-to-point messages (:mod:`meshcomm.protocol.algorithms`)
 when a backend may do it natively, and a conformance check in :mod:`meshcomm.testing.contract`.
 """
 

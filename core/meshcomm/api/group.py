@@ -7,7 +7,7 @@ Every operation goes the same way: arguments are checked on the caller's thread 
 ValueError or TypeError before any communication), then the operation is *issued*
 (:meth:`Group._submit`): admitted by the world's one-thread guard, and run either at once
 on the caller's thread or, for ``async_op=True`` and for anything issued behind an
-asynchronous operation, on the world's worker thread in issue order (:mod:`meshcomm.work`).
+asynchronous operation, on the world's worker thread in issue order (:mod:`meshcomm.api.work`).
 Running it means the cross-rank call check (:meth:`Group._check`) and then the backend.
 """
 
@@ -20,16 +20,18 @@ from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
+from ..protocol.backend import SHAPE_KEYS, Backend
+from ..protocol.dtypes import BASE_SUPPORTED, check_dtype
+from ..protocol.errors import DistributedError
+from ..protocol.operations import REDUCTIONS
+from ..runtime import exits
+from ..runtime.single import SingleBackend
 from . import debug as _debug
-from . import exits, objects
+from . import objects
 from . import observer as _observer
-from .backend import SHAPE_KEYS, Backend
-from .dtypes import BASE_SUPPORTED, check_dtype
-from .errors import DistributedError
 from .frameworks import MappedWork, result_type, to_numpy
 from .guard import Ticket, WorldGuard
 from .objects import ObjectSeal
-from .operations import REDUCTIONS
 from .work import Work, WorldWorker
 
 __all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
@@ -105,11 +107,14 @@ class Group:
         _ident: str = "world",
     ) -> None:
         self._b = backend
+        self._size = int(backend.size())
+        #: what moves this group's data: the backend, or for a group of one rank (a world of
+        #: one, a split that kept one rank) the size-1 backend, whose collectives are copies
+        self._moves: Backend = backend if self._size > 1 else SingleBackend(float(backend.timeout))
         self._name = name
         self._debug = debug
         self._label = label
         self._rank = int(backend.rank())
-        self._size = int(backend.size())
         # The core compares calls across ranks only where the transport does not (MLX_DEBUG
         # does the full comparison everywhere).
         self._check_calls = check_calls
@@ -120,10 +125,12 @@ class Group:
         self._closed = False
         self._who = f"[{name}] rank {self._rank}"
         self._native: dict[str, bool] = {}
-        #: the blocking all-reduce needs no core check (see :meth:`_reduce`)
-        self._plain_reduce = not debug and (not check_calls or self._natively_checked("all_reduce"))
+        #: the all-reduce needs no core check (see :meth:`_check`)
+        self._plain_reduce = self._size == 1 or (
+            not debug and (not check_calls or self._natively_checked("all_reduce"))
+        )
         #: the backend compares calls in-band: it is told each collective's shape key
-        self._keyed = bool(backend.checks_calls)
+        self._keyed = bool(self._moves.checks_calls)
         #: names this group the same on every member, distinct from its parent's other splits
         #: (object payloads are sealed over it); splits made so far; object calls made so far
         self._ident = _ident
@@ -241,12 +248,10 @@ class Group:
         """Return on each rank only after every rank of the group has entered the barrier."""
 
         def run() -> None:
-            if self._size == 1:
-                return
             # The call check is an all-reduce, which no rank leaves before every rank entered
             # it: when it runs, it is the barrier.
             if not self._check("barrier", (), None, 0, "barrier"):
-                self._b.barrier()
+                self._moves.barrier()
 
         return self._submit("barrier", run, async_op)
 
@@ -255,66 +260,47 @@ class Group:
         """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_sum, x, out=out, async_op=async_op)
-        if not async_op:
-            return self._reduce("sum", x, out)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise maximum over ranks."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_max, x, out=out, async_op=async_op)
-        if not async_op:
-            return self._reduce("max", x, out)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise minimum over ranks."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_min, x, out=out, async_op=async_op)
-        if not async_op:
-            return self._reduce("min", x, out)
         return self._all_reduce("min", x, out, async_op)
 
-    def _reduce(self, op: str, x: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """The plain blocking all-reduce (kept as its own method: tests and tools wrap it).
-
-        It is the latency path of small calls, so when no core check applies (the backend
-        checks calls in-band) it runs the backend with fewer Python calls than
-        :meth:`_all_reduce`, which does everything else (handles, size 1, checks, ``out=``
-        on backends that cannot write into it)."""
-        a = as_array(x)
-        backend = self._b
-        if not self._plain_reduce or self._size == 1 or not a.size or (out is not None and not backend.direct_out):
-            # x itself only for out= (whose checks ask "is out x?"): a converts a list once
-            return self._all_reduce(op, a if out is None else x, out, False)
-        o = None if out is None else self._out(_ALL_NAMES[op], out, a.shape, a.dtype, x, in_place=True)
-        send = _flat(a)
-
-        def run() -> np.ndarray:
-            if self._keyed:
-                backend.shape_key = 0 if a.ndim == 1 else SHAPE_KEYS[a.shape]
-            if o is not None:
-                res = o
-            elif a.nbytes < backend.EMPTY_MIN_BYTES:
-                res = np.empty(a.shape, a.dtype)
-            else:
-                res = backend.empty(a.shape, a.dtype)
-            backend.all_reduce(send, res if res.ndim == 1 else res.reshape(-1), op)
-            return res
-
-        return self._submit(_ALL_NAMES[op], run, False, a)
-
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
+        """all_sum, all_max and all_min: the latency path of small calls, so the checks that
+        do not apply (no core call check when the backend checks calls in-band) cost no call."""
         name = _ALL_NAMES[op]
         a = as_array(x)
         o = None if out is None else self._out(name, out, a.shape, a.dtype, x, in_place=True)
         send = _flat(a)
+        moves = self._moves
+        plain = self._plain_reduce
+        # a blocking call's new result may be the backend's own kind of array (Backend.empty)
+        fresh = moves.empty if not async_op and a.nbytes >= moves.EMPTY_MIN_BYTES else np.empty
 
         def run() -> np.ndarray:
-            if self._size == 1:
-                return self._local(o, a)
-            self._check(name, a.shape, a.dtype, 0, "all_reduce")
-            return self._into(o, a.shape, a.dtype, (lambda buf: self._b.all_reduce(send, buf, op)) if a.size else None)
+            if not plain:
+                self._check(name, a.shape, a.dtype, 0, "all_reduce")
+            elif self._keyed:
+                moves.shape_key = 0 if a.ndim == 1 else SHAPE_KEYS[a.shape]
+            if o is not None and moves.direct_out:
+                res = o
+            else:
+                res = np.empty(a.shape, a.dtype) if o is not None else fresh(a.shape, a.dtype)
+            if a.size:
+                moves.all_reduce(send, res if res.ndim == 1 else res.reshape(-1), op)
+            if o is None or res is o:
+                return res
+            o[...] = res
+            return o
 
         return self._submit(name, run, async_op, a)
 
@@ -337,14 +323,12 @@ class Group:
         me = self._rank == root
 
         def run() -> np.ndarray | None:
-            if self._size == 1:
-                return self._local(o, a)
             self._check("reduce", a.shape, a.dtype, root, "reduce", reduction=op)
             if not a.size:
                 return self._into(o, a.shape, a.dtype, None) if me else None
             if me:
-                return self._into(o, a.shape, a.dtype, lambda buf: self._b.reduce(send, buf, op, root))
-            self._b.reduce(send, None, op, root)
+                return self._into(o, a.shape, a.dtype, lambda buf: self._moves.reduce(send, buf, op, root))
+            self._moves.reduce(send, None, op, root)
             return None
 
         return self._submit("reduce", run, async_op, a)
@@ -360,11 +344,9 @@ class Group:
         send = _flat(a)
 
         def run() -> np.ndarray:
-            if self._size == 1:
-                return self._local(o, a)
             self._check("sum_scatter", a.shape, a.dtype, 0, "reduce_scatter")
             return self._into(
-                o, shape, a.dtype, (lambda buf: self._b.reduce_scatter(send, buf, "sum")) if a.size else None
+                o, shape, a.dtype, (lambda buf: self._moves.reduce_scatter(send, buf, "sum")) if a.size else None
             )
 
         return self._submit("sum_scatter", run, async_op, a)
@@ -380,10 +362,8 @@ class Group:
         send = _flat(a)
 
         def run() -> np.ndarray:
-            if self._size == 1:
-                return self._local(o, a, shape)
             self._check("all_gather", a.shape, a.dtype, 0, "all_gather")
-            return self._into(o, shape, a.dtype, (lambda buf: self._b.all_gather(send, buf)) if a.size else None)
+            return self._into(o, shape, a.dtype, (lambda buf: self._moves.all_gather(send, buf)) if a.size else None)
 
         return self._submit("all_gather", run, async_op, a)
 
@@ -399,13 +379,13 @@ class Group:
         me = self._rank == root
 
         def run() -> np.ndarray | None:
-            if self._size == 1:
-                return self._local(o, a, shape)
             self._check("gather", a.shape, a.dtype, root, "gather")
             if me:
-                return self._into(o, shape, a.dtype, (lambda buf: self._b.gather(send, buf, root)) if a.size else None)
+                return self._into(
+                    o, shape, a.dtype, (lambda buf: self._moves.gather(send, buf, root)) if a.size else None
+                )
             if a.size:
-                self._b.gather(send, None, root)
+                self._moves.gather(send, None, root)
             return None
 
         return self._submit("gather", run, async_op, a)
@@ -426,10 +406,8 @@ class Group:
         send = _flat(a) if me else None
 
         def run() -> np.ndarray:
-            if self._size == 1:
-                return self._local(o, a)
             self._check("scatter", a.shape, a.dtype, root, "scatter")
-            return self._into(o, shape, a.dtype, (lambda buf: self._b.scatter(send, buf, root)) if a.size else None)
+            return self._into(o, shape, a.dtype, (lambda buf: self._moves.scatter(send, buf, root)) if a.size else None)
 
         return self._submit("scatter", run, async_op, a)
 
@@ -444,10 +422,8 @@ class Group:
         send = _flat(a)
 
         def run() -> np.ndarray:
-            if self._size == 1:
-                return self._local(o, a)
             self._check("all_to_all", a.shape, a.dtype, 0, "all_to_all")
-            return self._into(o, a.shape, a.dtype, (lambda buf: self._b.all_to_all(send, buf)) if a.size else None)
+            return self._into(o, a.shape, a.dtype, (lambda buf: self._moves.all_to_all(send, buf)) if a.size else None)
 
         return self._submit("all_to_all", run, async_op, a)
 
@@ -461,16 +437,14 @@ class Group:
         me = self._rank == root
 
         def run() -> np.ndarray:
-            if self._size == 1:
-                return self._local(o, a)
             self._check("broadcast", a.shape, a.dtype, root, "broadcast")
-            direct = o is not None and self._b.direct_out
+            direct = o is not None and self._moves.direct_out
             buf = o if direct else np.empty(a.shape, a.dtype)
             assert buf is not None
             if me and buf is not a:
                 buf[...] = a
             if a.size:
-                self._b.broadcast(buf.reshape(-1), root)
+                self._moves.broadcast(buf.reshape(-1), root)
             if o is not None and buf is not o:
                 o[...] = buf
                 return o
@@ -535,21 +509,18 @@ class Group:
         seal = self._object_seal(op)
 
         def run() -> list[Any]:
-            if self._size == 1:
-                self._object_sizes(op, np.array([[objects.size_code(data, failure), limit]]), failure, None)
-                return [objects.loads(data, 0, op, self._who)]
             self._check(op, (), None, 0, None)
             self._object_calls += 1
             mine = np.array([objects.size_code(data, failure), limit], np.int64)
             table = np.empty(2 * self._size, np.int64)
-            self._b.all_gather(mine, table)
+            self._moves.all_gather(mine, table)
             sizes = self._object_sizes(op, table.reshape(self._size, 2), failure, None)
             sealed = seal.seal(self._ident, self._object_calls, self._rank, data)
             width = max(sizes) + seal.tag_bytes
             pad = np.zeros(width, np.uint8)
             pad[: len(sealed)] = np.frombuffer(sealed, np.uint8)
             every = np.empty(width * self._size, np.uint8)
-            self._b.all_gather(pad, every)
+            self._moves.all_gather(pad, every)
             got = [
                 seal.open(
                     self._ident,
@@ -579,20 +550,17 @@ class Group:
         seal = self._object_seal(op)
 
         def run() -> Any:
-            if self._size == 1:
-                self._object_sizes(op, np.array([[objects.size_code(data, failure), limit]]), failure, root)
-                return obj
             self._check(op, (), None, root, None)
             self._object_calls += 1
             mine = np.array([objects.size_code(data, failure) if me else 0, limit], np.int64)
             table = np.empty(2 * self._size, np.int64)
-            self._b.all_gather(mine, table)
+            self._moves.all_gather(mine, table)
             size = self._object_sizes(op, table.reshape(self._size, 2), failure, root)[root] + seal.tag_bytes
             if me:
                 buf = np.frombuffer(seal.seal(self._ident, self._object_calls, root, data), np.uint8).copy()
             else:
                 buf = np.empty(size, np.uint8)
-            self._b.broadcast(buf, root)
+            self._moves.broadcast(buf, root)
             if me:
                 return obj
             got = seal.open(self._ident, self._object_calls, root, buf.tobytes(), self._who, op)
@@ -613,7 +581,7 @@ class Group:
 
     def _object_limit(self) -> int:
         if self._max_object_bytes is None:
-            from .config import Config
+            from ..runtime.config import Config
 
             self._max_object_bytes = int(getattr(Config(), "max_object_bytes", DEFAULT_MAX_OBJECT_BYTES))
         return self._max_object_bytes
@@ -738,20 +706,12 @@ class Group:
             )
         return out
 
-    def _local(self, o: np.ndarray | None, a: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """A size-1 group's result: a copy of ``a`` (reshaped), or written into ``o``."""
-        if o is None:
-            return np.array(a, copy=True).reshape(a.shape if shape is None else shape)
-        if o is not a:
-            o[...] = a.reshape(o.shape)
-        return o
-
     def _into(
         self, o: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, fill: Callable[[np.ndarray], None] | None
     ) -> np.ndarray:
         """Run ``fill(buf)`` on a flat receive buffer: ``out`` itself when the backend takes
         callers' buffers (``direct_out``), else a fresh array (copied into ``out`` if given)."""
-        if o is not None and self._b.direct_out:
+        if o is not None and self._moves.direct_out:
             if fill is not None:
                 fill(o.reshape(-1))
             return o
@@ -786,8 +746,8 @@ class Group:
         the backend checks ``method`` in-band); True if a check ran (a check is a barrier).
         A backend that checks calls in-band is given the shape's key first (Backend.shape_key)."""
         if self._keyed:
-            self._b.shape_key = SHAPE_KEYS[shape]
-        if self._debug or (self._check_calls and not self._natively_checked(method)):
+            self._moves.shape_key = SHAPE_KEYS[shape]
+        if self._size > 1 and (self._debug or (self._check_calls and not self._natively_checked(method))):
             check = _debug.check_collective if self._debug else _debug.quick_check
             self._b.user_step = "the call check"  # messages name the user's call, not the check's all-reduce
             try:
@@ -806,7 +766,7 @@ class Group:
 
         ``payload`` and ``arg`` describe the operation to the recorder, which only reads them
         when tracing or the stall inspector is on: what this rank passes (see
-        :data:`meshcomm.observer.Payload`), and the peer of ``send``/``recv`` or the
+        :data:`meshcomm.api.observer.Payload`), and the peer of ``send``/``recv`` or the
         color of ``split``. Callers pass values they already hold (only ``recv`` pairs its
         shape and dtype), so with the recorder off they cost two passed arguments.
         """

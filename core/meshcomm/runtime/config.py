@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .backend import DEFAULT_TIMEOUT
-from .errors import ConfigError
+from ..protocol.backend import DEFAULT_TIMEOUT
+from ..protocol.errors import ConfigError
 from .placement import Coordinator, coordinator, parse_coordinator, placement
 
 __all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_TIMEOUT", "MAX_RANKS"]
@@ -24,9 +24,16 @@ __all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_T
 M = TypeVar("M", bound=BaseModel)
 
 
-def setting(default: Any, *, env: str, accepts: str, description: str, **kw: Any) -> Any:
-    """A pydantic field that knows its environment variable and what values it accepts."""
-    return Field(default, description=description, json_schema_extra={"env": env, "accepts": accepts}, **kw)
+def setting(default: Any, *, env: str, accepts: str, description: str, tuning: bool = False, **kw: Any) -> Any:
+    """A pydantic field that knows its environment variable and what values it accepts.
+
+    ``tuning=True`` marks a knob that benchmarks, tests or the launcher turn and users need
+    not: it works the same, and is documented among the tuning knobs (docs/tuning.md)
+    instead of the user's settings (docs/settings.md)."""
+    extra: dict[str, Any] = {"env": env, "accepts": accepts}
+    if tuning:
+        extra["tuning"] = True
+    return Field(default, description=description, json_schema_extra=extra, **kw)
 
 
 def env_names(model: type[BaseModel]) -> dict[str, str]:
@@ -121,7 +128,7 @@ class Settings(BaseModel):
 
 def _from_starter(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """Rank, world size and coordinator from whatever started the process (Slurm, mpirun,
-    torchrun; see :mod:`meshcomm.placement`) where neither an argument nor meshcomm's own
+    torchrun; see :mod:`meshcomm.runtime.placement`) where neither an argument nor meshcomm's own
     variable gives them."""
     out = dict(data)
 
@@ -219,6 +226,7 @@ class Config(Settings):
     keep_memory: bool = setting(
         True,
         env="MESHCOMM_KEEP_MEMORY",
+        tuning=True,
         accepts="1/0, true/false, yes/no, on/off",
         description="keep freed blocks up to 1 GiB in the process so result arrays do not page-fault",
     )
@@ -232,6 +240,7 @@ class Config(Settings):
     trace_events: int = setting(
         100_000,
         env="MESHCOMM_TRACE_EVENTS",
+        tuning=True,
         accepts="a number of events from 1 to 2**31 - 1",
         description="operations each rank keeps while tracing (the oldest are dropped beyond it)",
         ge=1,

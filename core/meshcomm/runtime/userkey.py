@@ -18,7 +18,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .errors import ConfigError
+from ..protocol.errors import ConfigError
 from .private_files import open_dir, private_dir
 
 __all__ = ["KeyUnavailable", "user_key_path", "user_key", "all_loopback"]

@@ -6,8 +6,8 @@ unavailable with its error and does not affect the others.
 
 The hook and what it deals in (:class:`BackendRegistrar`, :class:`BackendSpec`, the
 ``Factory`` / ``Availability`` / ``EnvironmentCheck`` types) are defined in
-:mod:`meshcomm.hookspecs`, below this module, and re-exported here; the built-in size-1
-plugin :mod:`meshcomm.single` imports only that vocabulary, so this module can import it.
+:mod:`meshcomm.runtime.hookspecs`, below this module, and re-exported here; the built-in size-1
+plugin :mod:`meshcomm.runtime.single` imports only that vocabulary, so this module can import it.
 
 It also loads the tools of the entry-point group ``meshcomm.tools`` (the core's tracer is
 one) and tells them when a world starts (:meth:`Registry.world_started`).
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from ..protocol.backend import Backend
+from ..protocol.errors import BackendUnavailableError, ConfigError
 from . import hookspecs, single
-from .backend import Backend
-from .errors import BackendUnavailableError, ConfigError
 from .hookspecs import Availability, BackendRegistrar, BackendSpec, EnvironmentCheck, Factory
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ class Registry:
         if not isinstance(backend, Backend):
             raise TypeError(
                 f"backend {spec.name!r} (plugin {spec.plugin!r}) returned {type(backend).__name__}, "
-                "which is not a meshcomm.backend.Backend"
+                "which is not a meshcomm.protocol.backend.Backend"
             )
         return backend
 

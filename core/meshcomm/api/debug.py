@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import operations
-from .dtypes import dtype_code, dtype_from_code
-from .errors import CollectiveMismatchError
-from .operations import REDUCTIONS
+from ..protocol import operations
+from ..protocol.dtypes import dtype_code, dtype_from_code
+from ..protocol.errors import CollectiveMismatchError
+from ..protocol.operations import REDUCTIONS
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from ..protocol.backend import Backend
 
 __all__ = ["check_collective", "quick_check", "check_send", "check_recv"]
 
@@ -110,7 +110,7 @@ def check_collective(
 ) -> None:
     """All-gather this call's fingerprint; raise the same error on every rank on a mismatch.
 
-    ``op`` is a name from :mod:`meshcomm.operations`; ``reduction`` the one ``reduce`` applies.
+    ``op`` is a name from :mod:`meshcomm.protocol.operations`; ``reduction`` the one ``reduce`` applies.
     """
     n = b.size()
     mine = _fingerprint(op, shape, dtype, arg, reduction, _number(b))

@@ -12,8 +12,8 @@ watches a job (meshcomm's tracer and stall inspector are one) is listed in the g
 ``meshcomm.tools`` and implements :func:`meshcomm_world_started`; ``MESHCOMM_PLUGINS``
 chooses among the backend plugins only.
 
-This module sits below the plugin manager (:mod:`meshcomm.registry`) and the built-in
-plugin (:mod:`meshcomm.single`): both import it, it imports neither, so the imports among
+This module sits below the plugin manager (:mod:`meshcomm.runtime.registry`) and the built-in
+plugin (:mod:`meshcomm.runtime.single`): both import it, it imports neither, so the imports among
 the three go one way.
 """
 
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
-from .backend import Backend
-from .launch.spec import ExternalLauncher, LauncherSupport, RankEnvLauncher
+from ..protocol.backend import Backend
+from .launchspec import ExternalLauncher, LauncherSupport, RankEnvLauncher
 
 if TYPE_CHECKING:  # pydantic is imported by the first init(), not by import meshcomm
     from pydantic import BaseModel
@@ -97,7 +97,7 @@ class BackendSpec:
 
 class SpecTable(Protocol):
     """Where a :class:`BackendRegistrar` puts the backends it is given, by name
-    (:class:`meshcomm.registry.Registry`); a protocol so that this module need not import
+    (:class:`meshcomm.runtime.registry.Registry`); a protocol so that this module need not import
     the registry."""
 
     specs: dict[str, BackendSpec]
@@ -134,7 +134,7 @@ class BackendRegistrar:
             environment: ``(config, settings) -> None | str``: None if this process was
                 started for this backend (so ``any`` picks it), else what is missing.
             settings: pydantic model of the backend's own settings (built with
-                :func:`meshcomm.config.setting` so each field names its environment variable).
+                :func:`meshcomm.runtime.config.setting` so each field names its environment variable).
             launcher: what ``meshcomm launch --backend NAME`` calls: an object with
                 ``rank_env(job)`` or ``external_command(job, argv, env)``
                 (:data:`meshcomm.plugin.LauncherSupport`); None if the backend cannot be launched.
@@ -187,7 +187,7 @@ def meshcomm_register_backends(register: BackendRegistrar) -> None:
 @hookspec
 def meshcomm_world_started(config: Config, world: Any) -> None:
     """A world group has started on this rank (``init()``; not the size-1 fallback): a tool
-    attaches to it here, e.g. through :mod:`meshcomm.observer`.
+    attaches to it here, e.g. through :mod:`meshcomm.api.observer`.
 
     :param config: the settings the world started with (:class:`meshcomm.Config`).
     :param world: the world :class:`meshcomm.Group`.

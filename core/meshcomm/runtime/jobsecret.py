@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
+from ..protocol.errors import ConfigError
 from .config import setting
-from .errors import ConfigError
 from .userkey import KeyUnavailable, all_loopback, user_key
 
 __all__ = ["JobSecretSettings", "check_job_secret", "user_key_warning", "SECRET_HINT"]

@@ -1,8 +1,8 @@
 """The environment variables through which launchers tell a process its place in a job.
 
 One table, :data:`FAMILIES`, names each launcher's variables; every other list of them is
-built from it: :func:`meshcomm.placement.placement` reads the families in this order, the
-rank runner (:mod:`meshcomm.launch.rank`) and :mod:`meshcomm.exits` read
+built from it: :func:`meshcomm.runtime.placement.placement` reads the families in this order, the
+rank runner (:mod:`meshcomm.launch.rank`) and :mod:`meshcomm.runtime.exits` read
 :data:`RUNNER_RANK_VARS` and :data:`FROM_MPI_LAUNCHER`, and plugins get the table through
 :mod:`meshcomm.plugin`.
 
@@ -76,7 +76,7 @@ def variables(field: str, names: Iterable[str]) -> tuple[str, ...]:
 
 
 #: which variable tells a rank of ``meshcomm launch`` its rank, in order of precedence (the rank
-#: runner's own rank, the failure records of :mod:`meshcomm.exits`). It differs from
+#: runner's own rank, the failure records of :mod:`meshcomm.runtime.exits`). It differs from
 #: :data:`FAMILIES` on purpose: only the launchers that start those ranks count (meshcomm's own
 #: and the MPI route's mpiexec; the Slurm starter removes Slurm's task variables, and a batch
 #: script's ``SLURM_PROCID`` or torchrun's generic ``RANK`` would name no rank of the job), and
@@ -97,7 +97,7 @@ def rank_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
 #: meshcomm's variable <- the first of these an MPI launcher sets (the rank runner sets meshcomm's
 #: from them): the MPI families in :data:`FAMILIES` order, and for the local rank and size also
 #: ``PMI_LOCAL_RANK``/``PMI_LOCAL_SIZE``, which the runner accepts as a last resort and
-#: :func:`meshcomm.placement.placement` does not read
+#: :func:`meshcomm.runtime.placement.placement` does not read
 FROM_MPI_LAUNCHER: dict[str, tuple[str, ...]] = {
     "MLX_RANK": variables("rank", MPI_FAMILIES),
     "MLX_WORLD_SIZE": variables("size", MPI_FAMILIES),

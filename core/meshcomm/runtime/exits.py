@@ -5,7 +5,7 @@ its peers waiting: :func:`end_rank` writes a *failure record* for the launcher (
 launcher asked for one, ``MESHCOMM_JOB_DIR``) and then calls ``backend.abort(code, reason)``
 on every started world, so each peer raises ``PeerLostError`` naming this rank (and MPI
 ends the job with ``code``). :func:`install` hooks this into ``sys.excepthook``;
-``meshcomm.world.init`` installs it for multi-process backends and the launcher's rank
+``meshcomm.api.world.init`` installs it for multi-process backends and the launcher's rank
 runner (``python -m meshcomm.launch.rank``) calls :func:`end_rank` itself.
 
 The record lets ``meshcomm launch`` blame the rank that failed for its own reason rather
@@ -71,7 +71,7 @@ def install(worlds: Callable[[], list[tuple[str, Any]]] | None = None) -> None:
 
     The previous hook prints the traceback first, then :func:`end_rank` runs with code 1.
     ``worlds`` returns the (name, backend) of every world this process started: the ones
-    :func:`end_rank` aborts (:func:`meshcomm.world.started_backends`).
+    :func:`end_rank` aborts (:func:`meshcomm.api.world.started_backends`).
     """
     global _installed, _previous_hook, _worlds
     with _lock:
@@ -223,7 +223,7 @@ def _rank() -> int | None:
 
 def failure_record(code: int, reason: str, exc: BaseException | None = None) -> dict[str, Any]:
     """The record :func:`end_rank` writes (see the module docstring)."""
-    from .errors import CommTimeoutError, PeerLostError
+    from ..protocol.errors import CommTimeoutError, PeerLostError
 
     # a lost peer or a timeout is a consequence of another rank, whether or not the
     # transport could tell which one

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from ..errors import ConfigError
+from ..protocol.errors import ConfigError
 
 __all__ = [
     "check_env_name",

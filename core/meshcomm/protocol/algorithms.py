@@ -1,6 +1,6 @@
 """Collectives built from point-to-point messages, for any group size.
 
-These are the defaults of :class:`meshcomm.backend.Backend`: a transport that only
+These are the defaults of :class:`meshcomm.protocol.backend.Backend`: a transport that only
 moves bytes between two ranks gets every collective from here. Large reductions use
 the bandwidth-optimal ring (reduce-scatter then all-gather, each rank sends about
 ``2 (n-1)/n`` of the array); small ones use recursive doubling (``log2 n`` rounds).
@@ -47,7 +47,7 @@ SMALL_BYTES = 64 * 1024
 class PointToPoint(Protocol):
     """What the algorithms use of a group: its rank and size, messages between two ranks,
     and (for the few that build on them) its all_gather and all_reduce. Every
-    :class:`meshcomm.backend.Backend` is one; the algorithms need nothing else of it."""
+    :class:`meshcomm.protocol.backend.Backend` is one; the algorithms need nothing else of it."""
 
     def rank(self) -> int: ...
     def size(self) -> int: ...

@@ -1,7 +1,7 @@
 """The backend protocol: what a transport implements, on contiguous 1-D NumPy buffers.
 
 A backend must implement ``rank``, ``size``, ``send`` and ``recv``. Everything else
-has a default built from those (the generic algorithms in :mod:`meshcomm.algorithms`),
+has a default built from those (the generic algorithms in :mod:`meshcomm.protocol.algorithms`),
 so a point-to-point transport gets every collective, ``split`` and ``barrier`` for
 free; a transport with native collectives overrides the methods it does better.
 
@@ -31,7 +31,7 @@ from . import algorithms
 __all__ = ["Backend", "SubgroupBackend", "in_place", "shape_key", "SHAPE_KEYS", "DEFAULT_TIMEOUT"]
 
 #: seconds a rank waits on a peer unless told otherwise: the default of ``MLX_TIMEOUT``
-#: (:attr:`meshcomm.config.Config.timeout`) and of :attr:`Backend.timeout`
+#: (:attr:`meshcomm.runtime.config.Config.timeout`) and of :attr:`Backend.timeout`
 DEFAULT_TIMEOUT: float = 300.0
 
 
@@ -99,7 +99,7 @@ class Backend(abc.ABC):
     #: other process can be on its links, so object payloads need no job secret.
     in_process: bool = False
 
-    #: The per-user key (:mod:`meshcomm.userkey`) when the transport authenticated with it
+    #: The per-user key (:mod:`meshcomm.runtime.userkey`) when the transport authenticated with it
     #: because the job has no MESHCOMM_JOB_SECRET; the core then seals objects with it.
     local_key: bytes | None = None
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from _thread import get_ident
 
-from .errors import DistributedError
+from ..protocol.errors import DistributedError
 
 __all__ = ["WorldGuard", "Ticket"]
 

@@ -1,6 +1,6 @@
 """The operations of the public API; each takes an optional ``group`` (default: the world).
 
-Every operation also takes ``async_op=True`` (returns a :class:`meshcomm.work.Work` handle:
+Every operation also takes ``async_op=True`` (returns a :class:`meshcomm.api.work.Work` handle:
 ``wait(timeout=None)``, ``is_completed()``), and every one that returns an array takes
 ``out=`` (a writable C-contiguous array of exactly the result's shape and dtype; for
 ``all_sum``/``all_max``/``all_min``/``broadcast`` it may be ``x`` itself).

@@ -16,7 +16,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from .errors import ConfigError
+from ..protocol.errors import ConfigError
 
 __all__ = ["private_dir", "open_dir", "create_file", "write_atomic"]
 

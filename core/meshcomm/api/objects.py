@@ -19,7 +19,7 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ConfigError, DistributedError, ObjectAuthError
+from ..protocol.errors import ConfigError, DistributedError, ObjectAuthError
 
 __all__ = ["TAG_BYTES", "UNPICKLABLE", "ObjectSeal", "dumps", "size_code", "loads"]
 
@@ -70,11 +70,11 @@ class ObjectSeal:
         """The seal of this job: keyed from MESHCOMM_JOB_SECRET and MESHCOMM_JOB_ID, else from
         ``local_key`` (the per-user key the transport authenticated with, if it did)."""
         env = os.environ if environ is None else environ
-        from .config import (  # the settings' one source (on the first object call)
+        from ..runtime.config import (  # the settings' one source (on the first object call)
             Config,
             load_settings,
         )
-        from .jobsecret import JobSecretSettings
+        from ..runtime.jobsecret import JobSecretSettings
 
         secret = load_settings(JobSecretSettings, None, env).secret
         unsafe = Config.load(env).unsafe_objects
