@@ -1,4 +1,4 @@
-"""What the compiled shared-memory loop (meshcomm-sockets-native) gains, measured inside one job.
+"""What the compiled shared-memory loop (meshcomm_sockets._shm) gains, measured inside one job.
 
     meshcomm launch -n 2 --backend sockets -- bench/sockets_native.py --sizes 8,65536,1048576
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if g.rank() == 0:
             print(
                 "sockets_native: this job has no shared-memory path with the C loop attached "
-                "(run it on one host with --backend sockets and meshcomm-sockets-native installed)",
+                "(run it on one host with --backend sockets and the compiled loop installed: meshcomm info)",
                 file=sys.stderr,
             )
         return 2

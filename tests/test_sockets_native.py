@@ -1,4 +1,4 @@
-"""meshcomm-sockets-native's Channel against the layout meshcomm_sockets.shm reads and
+"""The compiled loop's Channel (meshcomm_sockets._shm) against the layout meshcomm_sockets.shm reads and
 writes in Python: the words it publishes, the sleepers it reports, how its spin ends, what
 it compares, and the errors for a layout or a piece that does not fit (no processes: one
 anonymous mapping plays the segment of three local ranks; this process plays the peers
@@ -16,9 +16,8 @@ import time
 
 import numpy as np
 import pytest
+from meshcomm_sockets import _shm as native  # built by scripts/setup.sh: missing is a failure, not a skip
 from meshcomm_sockets import shm
-
-native = pytest.importorskip("meshcomm_sockets_native", reason="meshcomm-sockets-native is not installed")
 
 N, PIECE = 3, 4096
 LINE, SEQ, WAIT, DESC = shm._LINE, shm._SEQ, shm._WAIT, shm._DESC

@@ -298,7 +298,7 @@ class ShmGroup:
         path = self.dir / _SEGMENT
         self.peer_fifos: dict[int, int] = {}
         self.fifo = -1
-        #: the compiled hot loop (meshcomm-sockets-native), when attached (:meth:`attach_native`)
+        #: the compiled hot loop (``_shm``), when attached (:meth:`attach_native`)
         self.native: Any = None
         #: dtype -> element kind the C channel sums in the one-piece all_sum (empty: NumPy sums)
         self.native_sums: dict[np.dtype, int] = {}
@@ -356,12 +356,12 @@ class ShmGroup:
         self.peer_results = PeerResults()
 
     def attach_native(self) -> bool:
-        """Publish, spin and compare descriptors in C (the optional ``meshcomm-sockets-native``
-        distribution) if it is installed; the protocol is the same, so every local rank may
-        choose on its own. Returns whether it is attached."""
+        """Publish, spin and compare descriptors in C (the extension ``meshcomm_sockets._shm``,
+        in the distribution's wheels) if this installation has it; the protocol is the same,
+        so every local rank may choose on its own. Returns whether it is attached."""
         try:
-            from meshcomm_sockets_native import Channel
-        except ImportError:
+            from ._shm import Channel
+        except ImportError:  # built where no compiler was: the pure-Python loop
             return False
         self.native = Channel(self.map, self.n, self.me, _LINE, self.piece)
         self.native_sums = dict(_NATIVE_SUMS)

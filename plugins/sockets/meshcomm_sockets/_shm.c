@@ -618,7 +618,7 @@ static PyMethodDef Channel_methods[] = {
 
 static PyTypeObject ChannelType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "meshcomm_sockets_native._shm.Channel",
+    .tp_name = "meshcomm_sockets._shm.Channel",
     .tp_doc = "Channel(segment, ranks, me, line, piece): the shared-memory hot loop of one local rank",
     .tp_basicsize = sizeof(Channel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
