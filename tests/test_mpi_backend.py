@@ -285,6 +285,31 @@ def rank_die_after_barrier(g: Any) -> None:
     print(f"RANKCHECK survived rank {r}", flush=True)
 
 
+def rank_other_shape_same_count(g: Any) -> None:
+    """Rank 1 sums a (3, 2) array where the others sum (2, 3): MPI would add them element by
+    element; the call check carried beside the collective raises on every rank, naming both
+    calls, and the communicator refuses further calls (MPI cannot cancel the one that met)."""
+    import meshcomm as mc
+
+    r = g.rank()
+    x = np.ones((3, 2) if r == 1 else (2, 3), dtype=np.float32)
+    try:
+        got = mc.all_sum(x, group=g)
+    except mc.CollectiveMismatchError as exc:
+        text = str(exc)
+        if "(2, 3)" not in text or "(3, 2)" not in text or "rank 1 called" not in text:
+            raise AssertionError(f"rank {r}: the mismatch error does not name both calls: {text}") from None
+    else:
+        raise AssertionError(f"rank {r}: a (2, 3) and a (3, 2) all_sum returned {got.tolist()}")
+    try:
+        mc.all_sum(np.ones(4), group=g)
+    except mc.DistributedError as exc:
+        if "unusable" not in str(exc):
+            raise AssertionError(f"rank {r}: the next call's error does not say why: {exc}") from None
+    else:
+        raise AssertionError(f"rank {r}: a call after the mismatch ran on the communicator")
+
+
 RANK_CHECKS = {
     f.__name__: f
     for f in (
@@ -297,9 +322,10 @@ RANK_CHECKS = {
         rank_split_communicators,
         rank_error_translation,
         rank_die_after_barrier,
+        rank_other_shape_same_count,
     )
 }
-SPECIFIC = [k for k in RANK_CHECKS if k != "rank_die_after_barrier"]
+SPECIFIC = [k for k in RANK_CHECKS if k not in ("rank_die_after_barrier", "rank_other_shape_same_count")]
 
 
 def _rank_main(names: list[str]) -> int:
@@ -386,6 +412,17 @@ def test_mpi_specific(n: int) -> None:
     for name in SPECIFIC:
         for r in range(n):
             assert f"RANKCHECK ok {name} rank {r} " in out, f"{name} did not pass on rank {r}:\n{out[-4000:]}"
+
+
+def test_mismatch_is_caught_beside_the_collective() -> None:
+    """Two shapes of one element count meet in one MPI all-reduce: every rank raises
+    CollectiveMismatchError naming both calls instead of returning sums of unrelated elements;
+    the job then ends with exit status 1 (the communicator holds collectives MPI cannot cancel)."""
+    res = _mpirun(3, [sys.executable, str(HERE), "rank_other_shape_same_count"], timeout=120)
+    out = res.stdout + res.stderr
+    for r in range(3):
+        assert f"RANKCHECK ok rank_other_shape_same_count rank {r} " in out, out[-4000:]
+    assert res.returncode == 1, f"exit status {res.returncode}; want 1\n{out[-3000:]}"
 
 
 def test_meshcomm_launch_uses_mpiexec() -> None:

@@ -56,6 +56,7 @@ from .protocol.backend import DEFAULT_TIMEOUT, Backend, in_place
 from .protocol.dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
 from .protocol.errors import (
     BackendUnavailableError,
+    CallsDiffer,
     CollectiveMismatchError,
     CommTimeoutError,
     ConfigError,
@@ -138,6 +139,7 @@ __all__ = [
     "PeerLostError",
     "CommTimeoutError",
     "CollectiveMismatchError",
+    "CallsDiffer",
     "BackendUnavailableError",
     "ConfigError",
 ]

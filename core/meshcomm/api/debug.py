@@ -16,13 +16,13 @@ import numpy as np
 
 from ..protocol import operations
 from ..protocol.dtypes import dtype_code, dtype_from_code
-from ..protocol.errors import CollectiveMismatchError
+from ..protocol.errors import CallsDiffer, CollectiveMismatchError
 from ..protocol.operations import REDUCTIONS
 
 if TYPE_CHECKING:
     from ..protocol.backend import Backend
 
-__all__ = ["check_collective", "quick_check", "check_send", "check_recv"]
+__all__ = ["check_collective", "quick_check", "call_key", "name_mismatch", "check_send", "check_recv"]
 
 _MAGIC = 0x6D657368  # "mesh"
 #: slots: magic, op, dtype, ndim, arg, crc of the shape, 6 dims, then the user's call number
@@ -166,6 +166,40 @@ def quick_check(
         f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: their call checks "
         "differ. Every rank must make the same collective calls in the same order with the same "
         "shapes, dtypes and roots."
+    )
+
+
+def call_key(
+    op: str, shape: tuple[int, ...], dtype: np.dtype | None, arg: int = 0, *, reduction: str | None = None
+) -> np.ndarray:
+    """The call check's key for a backend that carries it with the data (``Backend.call_key``):
+    the same [h, -h] :func:`quick_check` reduces, read-only."""
+    return _call_hash(op, dtype, shape, arg, reduction)
+
+
+def name_mismatch(
+    b: Backend,
+    exc: CallsDiffer,
+    group_name: str,
+    op: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype | None,
+    arg: int = 0,
+    *,
+    reduction: str | None = None,
+) -> CollectiveMismatchError:
+    """The error for a carried call check that failed on ``b``: every rank's call, compared over
+    the backend's ``exc.details`` (the ranks are there together: they all saw the keys differ)."""
+    details = exc.details
+    if details is not None:
+        details.user_op, details.user_no = b.user_op, b.user_no
+        try:
+            check_collective(details, group_name, op, shape, dtype, arg, label="", reduction=reduction)
+        except CollectiveMismatchError as named:
+            return named
+    return CollectiveMismatchError(
+        f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: {exc}. Every rank must make "
+        "the same collective calls in the same order with the same shapes, dtypes and roots."
     )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..protocol.backend import SHAPE_KEYS, Backend
 from ..protocol.dtypes import BASE_SUPPORTED, check_dtype
-from ..protocol.errors import DistributedError
+from ..protocol.errors import CallsDiffer, DistributedError
 from ..protocol.operations import REDUCTIONS
 from ..runtime import exits
 from ..runtime.single import SingleBackend
@@ -131,6 +131,10 @@ class Group:
         )
         #: the backend compares calls in-band: it is told each collective's shape key
         self._keyed = bool(self._moves.checks_calls)
+        #: the backend carries the core's call check with the data (Backend.pipelines_calls);
+        #: the call whose key is in flight, for naming a mismatch
+        self._piped = self._size > 1 and not debug and check_calls and bool(self._moves.pipelines_calls)
+        self._in_flight: tuple[str, tuple[int, ...], np.dtype | None, int, str | None] | None = None
         #: names this group the same on every member, distinct from its parent's other splits
         #: (object payloads are sealed over it); splits made so far; object calls made so far
         self._ident = _ident
@@ -725,7 +729,11 @@ class Group:
 
     def _natively_checked(self, method: str | None) -> bool:
         """True when the backend itself checks ``method``'s calls (it says so, and overrides it)."""
-        if method is None or not self._b.checks_calls:
+        return self._b.checks_calls and self._overrides(method)
+
+    def _overrides(self, method: str | None) -> bool:
+        """True when the backend implements ``method`` itself (not the generic default)."""
+        if method is None:
             return False
         known = self._native.get(method)
         if known is None:
@@ -748,6 +756,10 @@ class Group:
         if self._keyed:
             self._moves.shape_key = SHAPE_KEYS[shape]
         if self._size > 1 and (self._debug or (self._check_calls and not self._natively_checked(method))):
+            if self._piped and self._overrides(method):  # the backend sends the key with the data
+                self._moves.call_key = _debug.call_key(op, shape, dtype, arg, reduction=reduction)
+                self._in_flight = (op, shape, dtype, arg, reduction)
+                return False
             check = _debug.check_collective if self._debug else _debug.quick_check
             self._b.user_step = "the call check"  # messages name the user's call, not the check's all-reduce
             try:
@@ -801,11 +813,18 @@ class Group:
             result = run() if _observer.active is None else _observer.active.call(self, op, run, payload, arg, n)
             ok = True
             return result
+        except CallsDiffer as exc:  # every rank raises it at this call: compare what each called
+            if self._in_flight is None:
+                raise
+            op_, shape, dtype, arg_, reduction = self._in_flight
+            raise _debug.name_mismatch(b, exc, self._where(), op_, shape, dtype, arg_, reduction=reduction) from None
         except (DistributedError, ValueError, TypeError):
             raise
         except Exception as exc:
             raise DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}") from exc
         finally:
+            if self._piped:  # a key no collective carried (an argument error) must not reach the next call
+                self._moves.call_key = None
             self._guard.leave(ticket, op, self._who, ok)
 
 

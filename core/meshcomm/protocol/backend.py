@@ -77,6 +77,21 @@ class Backend(abc.ABC):
     #: only vouches for the methods it overrides.
     checks_calls: bool = False
 
+    #: True when the transport carries the core's call check with the data instead of the
+    #: core running it as a separate all-reduce before each collective: before a collective
+    #: the backend overrides, the core sets :attr:`call_key`; the backend reduces it (max)
+    #: alongside the operation (e.g. both non-blocking), compares the result with its own
+    #: key before it waits for the data, and raises :class:`CallsDiffer` when they differ.
+    #: The check costs the overlap of two operations instead of a second round trip.
+    pipelines_calls: bool = False
+
+    #: Set by the core before a collective on a backend that ``pipelines_calls``: a read-only
+    #: int64 array [h, -h] for a hash h of the user's call (op, shape, dtype, root). The
+    #: ranks made the same call exactly when the element-wise max over ranks equals it. The
+    #: backend sends it with the next collective it runs and sets it back to None; None
+    #: means no check for this call.
+    call_key: np.ndarray | None = None
+
     #: Set by the core before each collective on a backend that ``checks_calls``: a number
     #: that tells apart two shapes of the same element count (0 for 1-D arrays, else
     #: :func:`shape_key` of the caller's shape, below 2**23). The backend sees flat buffers

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DistributedError",
     "PeerLostError",
     "CommTimeoutError",
     "CollectiveMismatchError",
+    "CallsDiffer",
     "BackendUnavailableError",
     "ConfigError",
     "ObjectAuthError",
@@ -35,6 +38,18 @@ class CommTimeoutError(DistributedError, TimeoutError):
 
 class CollectiveMismatchError(DistributedError):
     """Ranks called different operations, or the same one with different shapes or dtypes."""
+
+
+class CallsDiffer(CollectiveMismatchError):
+    """Raised by a backend that carries the core's call check with the data
+    (``Backend.pipelines_calls``) when the ranks' call keys differ. Every rank raises it at
+    the same call; the core then compares the calls over ``details`` (a backend of the same
+    ranks whose channel is still in step, or None) and raises a CollectiveMismatchError
+    naming what each rank called."""
+
+    def __init__(self, message: str, *, details: Any = None) -> None:
+        super().__init__(message)
+        self.details = details
 
 
 class ObjectAuthError(DistributedError):

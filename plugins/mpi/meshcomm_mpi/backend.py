@@ -23,6 +23,7 @@ import numpy as np
 from meshcomm.plugin import (
     DEFAULT_TIMEOUT,
     Backend,
+    CallsDiffer,
     CollectiveMismatchError,
     DistributedError,
     in_place,
@@ -41,6 +42,7 @@ __all__ = ["MPIBackend"]
 _REDUCE_NAMES = {"sum": "all_sum", "max": "all_max", "min": "all_min"}
 _ANY_TAG = MPI.ANY_TAG
 _ALL_GATHER, _BARRIER = ("coll", "all_gather"), ("coll", "barrier")
+_INT64, _MAX = MPI.INT64_T, MPI.MAX
 
 
 class MPIBackend(Backend):
@@ -54,11 +56,17 @@ class MPIBackend(Backend):
         cid: this communicator's id, equal on all its members ("world", "world/1:0", ...).
         members: world rank of each rank of ``comm``.
         label: how messages name the communicator.
+        spare: a duplicate of ``comm`` the backend owns, for comparing the ranks' calls after
+            a mismatch (None: the mismatch error names no calls).
     """
 
     #: the core need not run its own cross-rank call check: a mismatched collective
     #: is found here at the deadline (CollectiveMismatchError), point-to-point at once
     checks_calls = False
+    #: the core's call check travels beside each collective: one more non-blocking
+    #: all-reduce (max) of the core's call key, started with the operation and compared
+    #: before its data is waited for (no extra round trip; see _start_key)
+    pipelines_calls = True
     #: results go straight into callers' out= arrays (out=x: MPI_IN_PLACE)
     direct_out = True
 
@@ -72,6 +80,7 @@ class MPIBackend(Backend):
         cid: str = "world",
         members: list[int] | None = None,
         label: str = "the world",
+        spare: Any = None,
     ) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = comm
@@ -95,6 +104,13 @@ class MPIBackend(Backend):
         self._splits = 0
         self._tags = TagCodec(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._closed = False
+        #: a duplicate of ``comm`` (same members) kept for naming a mismatch: after the call
+        #: keys differ, ``comm`` has collectives that met different ones and cannot be used
+        self._spare = spare
+        #: the call check's result, and the buffers of operations abandoned on a mismatch
+        #: (MPI may still write into them: they must outlive the job)
+        self._seen = np.empty(2, dtype=np.int64)
+        self._abandoned: list[tuple[Any, ...]] = []
         control.register(self)
 
     # -- identity -----------------------------------------------------------------------
@@ -163,6 +179,47 @@ class MPIBackend(Backend):
             if what[0] == "sendrecv":
                 op = f"sendrecv (to {what[1]}, from {what[2]})"
             raise self._fail(op, exc, peer) from None
+
+    # -- the carried call check ---------------------------------------------------------------
+    def _start_key(self) -> Any:
+        """Start the all-reduce (max) of the core's call key for this collective, if the
+        core gave one; it runs beside the operation started right after it."""
+        key = self.call_key
+        if key is None:
+            return None
+        self.call_key = None
+        return self.comm.Iallreduce([key, _INT64], [self._seen, _INT64], _MAX), key
+
+    def _agree(self, started: tuple[Any, np.ndarray], what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
+        """Wait for the call check started with operation ``op``; if the ranks' keys differ
+        (every rank sees the same max), abandon ``op`` and raise CallsDiffer."""
+        kreq, key = started
+        self._finish([kreq], what)
+        if self._seen[0] == key[0] and self._seen[1] == key[1]:
+            return
+        name = what[1] if what[0] == "coll" else what[0]
+        # the collective met a different one on some rank: MPI cannot cancel it, so this
+        # communicator is done, and MPI_Finalize could wait for it (the control channel ends
+        # the job instead at close)
+        self._abandoned.append((op, *bufs))
+        self.broken = f"{name} met a different call on another rank"
+        self._ctl.lost = True
+        details = None
+        if self._spare is not None:
+            details = MPIBackend(
+                self._spare,
+                self._ops,
+                self._ctl,
+                timeout=self.timeout,
+                cid=f"{self.cid}/calls",
+                members=self.members,
+                label=self.label,
+            )
+            self._spare = None
+        raise CallsDiffer(
+            f"[mpi] rank {self._rank}: the call check of {name} on {self.label} found that the ranks' calls differ",
+            details=details,
+        )
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
@@ -259,14 +316,19 @@ class MPIBackend(Backend):
         self.tail = None
         try:
             send = MPI.IN_PLACE if in_place(sendbuf, recvbuf) else [sendbuf, dt]  # MPI forbids aliasing
+            checked = self._start_key() if self.call_key is not None else None
             req = self.comm.Iallreduce(send, [recvbuf, dt], mop)
-            if req.Test():
+            if checked is None and req.Test():
                 return
         except MPI.Exception as exc:
             raise self._fail(f"all_reduce({op}, {sendbuf.dtype})", exc) from None
         name = _REDUCE_NAMES.get(op, op)
         if op == "max" and sendbuf.size == 2 and sendbuf.dtype == np.int64:
             name = "all_max (meshcomm's call check before a collective)"
+        if checked is not None:
+            self._agree(checked, ("coll", name), req, (sendbuf, recvbuf))
+            if req.Test():
+                return
         self._finish([req], ("coll", name), None, None, sendbuf.nbytes)
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
@@ -276,9 +338,12 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
+            checked = self._start_key()
             req = self.comm.Iallgather([sendbuf, dt], [recvbuf, dt])
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from None
+        if checked is not None:
+            self._agree(checked, _ALL_GATHER, req, (sendbuf, recvbuf))
         self._finish([req], _ALL_GATHER, None, None, recvbuf.nbytes)
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -288,12 +353,14 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
+            checked = self._start_key()
             req = self.comm.Ireduce_scatter_block([sendbuf, dt], [recvbuf, dt], mop)
         except MPI.Exception as exc:
             raise self._fail(f"reduce_scatter({op}, {sendbuf.dtype})", exc) from None
-        self._finish(
-            [req], ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})"), None, None, sendbuf.nbytes
-        )
+        what = ("coll", "sum_scatter" if op == "sum" else f"reduce_scatter({op})")
+        if checked is not None:
+            self._agree(checked, what, req, (sendbuf, recvbuf))
+        self._finish([req], what, None, None, sendbuf.nbytes)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.broken is not None:
@@ -301,35 +368,45 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
+            checked = self._start_key()
             req = self.comm.Ibcast([buf, self._move[buf.dtype]], root)
         except MPI.Exception as exc:
             raise self._fail(f"broadcast(root={root})", exc) from None
-        self._finish([req], ("coll", f"broadcast(root={root})"), None, None, buf.nbytes)
+        what = ("coll", f"broadcast(root={root})")
+        if checked is not None:
+            self._agree(checked, what, req, (buf,))
+        self._finish([req], what, None, None, buf.nbytes)
 
     def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         dt = self._move[sendbuf.dtype]
-        self._native("all_to_all", lambda: self.comm.Ialltoall([sendbuf, dt], [recvbuf, dt]), recvbuf.nbytes)
+        start = lambda: self.comm.Ialltoall([sendbuf, dt], [recvbuf, dt])  # noqa: E731
+        self._native("all_to_all", start, recvbuf.nbytes, (sendbuf, recvbuf))
 
     def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
         dt = self._move[sendbuf.dtype]
         into = None if recvbuf is None else [recvbuf, dt]
-        self._native(f"gather(root={root})", lambda: self.comm.Igather([sendbuf, dt], into, root), sendbuf.nbytes)
+        start = lambda: self.comm.Igather([sendbuf, dt], into, root)  # noqa: E731
+        self._native(f"gather(root={root})", start, sendbuf.nbytes, (sendbuf, recvbuf))
 
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
         dt = self._move[recvbuf.dtype]
         src = None if sendbuf is None else [sendbuf, dt]
-        self._native(f"scatter(root={root})", lambda: self.comm.Iscatter(src, [recvbuf, dt], root), recvbuf.nbytes)
+        start = lambda: self.comm.Iscatter(src, [recvbuf, dt], root)  # noqa: E731
+        self._native(f"scatter(root={root})", start, recvbuf.nbytes, (sendbuf, recvbuf))
 
-    def _native(self, name: str, start: Any, nbytes: int) -> None:
+    def _native(self, name: str, start: Any, nbytes: int, bufs: tuple[Any, ...]) -> None:
         """One of MPI's non-blocking collectives, waited for under the deadline like the rest."""
         if self.broken is not None:
             self._usable(name)
         self.coll_count += 1
         self.tail = None
         try:
+            checked = self._start_key()
             req = start()
         except MPI.Exception as exc:
             raise self._fail(name, exc) from None
+        if checked is not None:
+            self._agree(checked, ("coll", name), req, bufs)
         self._finish([req], ("coll", name), None, None, nbytes)
 
     def barrier(self) -> None:
@@ -338,6 +415,10 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
+            checked = self._start_key()
+            if checked is not None:  # an all-reduce synchronises like a barrier: it is the barrier
+                self._agree(checked, _BARRIER, None, ())
+                return
             req = self.comm.Ibarrier()
         except MPI.Exception as exc:
             raise self._fail("barrier", exc) from None
@@ -358,6 +439,7 @@ class MPIBackend(Backend):
         self._splits += 1
         try:
             sub = self.comm.Split(index, plan.rank)
+            spare = sub.Dup()
         except MPI.Exception as exc:
             raise self._fail(f"split(color={color}, key={key})", exc) from None
         cid = f"{self.cid}/{self._splits}:{index}"
@@ -369,6 +451,7 @@ class MPIBackend(Backend):
             cid=cid,
             members=[self.members[q] for q in members],
             label=f"split #{self._splits} of {self.label} (color={color})",
+            spare=spare,
         )
 
     # -- ending -------------------------------------------------------------------------------
@@ -398,6 +481,11 @@ class MPIBackend(Backend):
                 self._ctl.exit_notice()
                 if self._ctl.lost and not self._ctl.aborting:
                     self._ctl.abort(1, "closed after a peer was lost")
+            except MPI.Exception:
+                pass
+        if self._spare is not None:
+            try:
+                self._spare.Free()
             except MPI.Exception:
                 pass
         if self.broken is None:

@@ -75,6 +75,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
         agreed = np.empty_like(flags)
         start.all_reduce(flags, agreed, "max")
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
-    backend = MPIBackend(comm, OpTable(numpy_sums), control, timeout=timeout)
+    spare = comm.Dup()  # for naming a mismatch (MPIBackend._agree)
+    backend = MPIBackend(comm, OpTable(numpy_sums), control, timeout=timeout, spare=spare)
     backend.coll_count = start.coll_count  # the same communicator: its sequence goes on
     return backend
