@@ -35,7 +35,7 @@ def _run_more(tmp_path, n, backend, timeout=400):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     for r in range(n):
-        assert f"rank {r}/{n} on {backend}: 8 more passed" in out, out[-4000:]
+        assert f"rank {r}/{n} on {backend}: 9 more passed" in out, out[-4000:]
 
 
 # -- real processes ---------------------------------------------------------------------

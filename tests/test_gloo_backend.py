@@ -104,7 +104,7 @@ def test_contract(n: int) -> None:
     res = finish(start(n, ["-m", "meshcomm.testing.contract", "--backend", "gloo", "--more"]), timeout=150)
     _all_ok(res)
     for r, (_, out, _) in enumerate(res):
-        assert f"rank {r}/{n} on gloo: 19 passed, 0 failed" in out
+        assert f"rank {r}/{n} on gloo: 20 passed, 0 failed" in out
 
 
 def test_contract_over_filestore(tmp_path: Path) -> None:

@@ -292,6 +292,20 @@ def rank_other_shape_same_count(g: Any) -> None:
     import meshcomm as mc
 
     r = g.rank()
+    # first on a split: a persistent all-reduce (MPI_Allreduce_init) met by a plain all_sum,
+    # which MPI must not match with it
+    sub = g.split(0)
+    y = np.ones(4, dtype=np.float32)
+    try:
+        if r == 1:
+            mc.all_sum(y, group=sub)
+        else:
+            sub.all_reduce_init(y)()
+    except mc.CollectiveMismatchError as exc:
+        if "all_reduce_init" not in str(exc) or "all_sum" not in str(exc):
+            raise AssertionError(f"rank {r}: the mismatch error does not name both calls: {exc}") from None
+    else:
+        raise AssertionError(f"rank {r}: a persistent all-reduce met by an all_sum raised nothing")
     x = np.ones((3, 2) if r == 1 else (2, 3), dtype=np.float32)
     try:
         got = mc.all_sum(x, group=g)
@@ -400,7 +414,7 @@ def test_contract_with_debug_checks() -> None:
         3, [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"], timeout=150, MLX_DEBUG="1"
     )
     out = res.stdout + res.stderr
-    assert res.returncode == 0 and out.count(": 19 passed, 0 failed") == 3, out[-6000:]
+    assert res.returncode == 0 and out.count(": 20 passed, 0 failed") == 3, out[-6000:]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -415,7 +429,8 @@ def test_mpi_specific(n: int) -> None:
 
 
 def test_mismatch_is_caught_beside_the_collective() -> None:
-    """Two shapes of one element count meet in one MPI all-reduce: every rank raises
+    """A persistent all-reduce met by a plain one, and two shapes of one element count in one
+    MPI all-reduce: every rank raises
     CollectiveMismatchError naming both calls instead of returning sums of unrelated elements;
     the job then ends with exit status 1 (the communicator holds collectives MPI cannot cancel)."""
     res = _mpirun(3, [sys.executable, str(HERE), "rank_other_shape_same_count"], timeout=120)

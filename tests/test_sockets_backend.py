@@ -23,7 +23,7 @@ def _lines(out: str) -> list[dict]:
 def test_contract_on_real_processes(n):
     res = launch(n, "-m", "meshcomm.testing.contract", "--more", timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.count("on sockets: 19 passed, 0 failed") == n
+    assert res.stdout.count("on sockets: 20 passed, 0 failed") == n
 
 
 def test_many_chunks_and_seven_ranks(tmp_path):

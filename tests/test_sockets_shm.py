@@ -82,7 +82,7 @@ def test_whole_contract(tmp_path, layout):
         rank_env = {r: {"MESHCOMM_SOCKETS_NATIVE": str(r % 2 ^ 1)} for r in range(n)}
     results = _run(n, tmp_path, env=env, rank_env=rank_env, args=["-m", "meshcomm.testing.contract", "--more"])
     for r, (rc, out, err) in results.items():
-        assert rc == 0 and "19 passed, 0 failed" in out, (r, out[-2000:], err[-3000:])
+        assert rc == 0 and "20 passed, 0 failed" in out, (r, out[-2000:], err[-3000:])
 
 
 @pytest.mark.exclusive  # compares every meshcomm segment in /dev/shm before and after

@@ -86,7 +86,7 @@ def test_plugins_can_be_allow_listed_or_disabled(third_party):
 def test_selected_by_name_through_the_launcher_and_passes_the_contract(third_party, n):
     res = launch(n, "-m", "meshcomm.testing.contract", "--more", backend="uds", timeout=400, env=third_party)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("on uds: 19 passed, 0 failed") == n, res.stdout
+    assert res.stdout.count("on uds: 20 passed, 0 failed") == n, res.stdout
 
 
 def test_selected_by_any_when_its_environment_is_present(third_party, tmp_path):

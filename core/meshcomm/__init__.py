@@ -15,6 +15,7 @@ from .api.ops import (
     all_gather_object,
     all_max,
     all_min,
+    all_reduce_init,
     all_sum,
     all_to_all,
     barrier,
@@ -28,6 +29,7 @@ from .api.ops import (
     send,
     sum_scatter,
 )
+from .api.persistent import Persistent
 from .api.work import Work
 from .api.world import backends, init, is_available
 from .protocol.backend import Backend
@@ -82,6 +84,8 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "barrier",
+    "all_reduce_init",
+    "Persistent",
     "Work",
     "DistributedError",
     "PeerLostError",

@@ -32,6 +32,7 @@ from . import observer as _observer
 from .frameworks import MappedWork, result_type, to_numpy
 from .guard import Ticket, WorldGuard
 from .objects import ObjectSeal
+from .persistent import Persistent
 from .work import Work, WorldWorker
 
 __all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
@@ -307,6 +308,49 @@ class Group:
             return o
 
         return self._submit(name, run, async_op, a)
+
+    def all_reduce_init(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> Persistent:
+        """A persistent all-reduce (``op`` "sum", "max" or "min") of ``x``: checked and set up
+        once, then each call of the returned :class:`~meshcomm.api.persistent.Persistent`
+        reduces ``x``'s current contents into the same result (``out``, or an array made here).
+
+        ``x`` is read in place at every start, so it must be a C-contiguous NumPy array the
+        caller updates in place. No communication happens here.
+        """
+        who = f"all_reduce_init on rank {self._rank}"
+        if type(x) is not np.ndarray:
+            raise TypeError(
+                f"{who}: x must be a NumPy array (it is read in place at every start), got {type(x).__name__}; "
+                "pass an array and update it in place between starts"
+            )
+        as_array(x)  # a supported dtype
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{who}: x must be C-contiguous (it is read in place); pass np.ascontiguousarray(x)")
+        if op not in REDUCTIONS:
+            raise ValueError(f"{who}: unknown op={op!r}; expected one of {', '.join(REDUCTIONS)}")
+        if self._closed or self._world.closed:
+            raise DistributedError(f"{self._who}: all_reduce_init called on {self._where()} after it was closed")
+        o = self._out("all_reduce_init", out, x.shape, x.dtype, x, in_place=True)
+        if o is None:
+            o = np.empty(x.shape, x.dtype)
+        if x.size == 0:
+            return Persistent(self, op, x, o, lambda: None)
+        return Persistent(self, op, x, o, self._moves.all_reduce_init(_flat(x), o.reshape(-1), op))
+
+    def _start_persistent(self, p: Persistent) -> np.ndarray:
+        """One start of ``p``, as a collective of this group (guard, numbering, call check)."""
+        x, op = p.x, p.op
+        # a backend that does not override all_reduce_init runs its all_reduce, which is
+        # the method whose in-band check counts
+        method = "all_reduce_init" if self._overrides("all_reduce_init") else "all_reduce"
+        start, out = p._start, p.out
+
+        def run() -> np.ndarray:
+            self._check("all_reduce_init", x.shape, x.dtype, 0, method, reduction=op)
+            start()
+            return out
+
+        return self._submit("all_reduce_init", run, False, x)
 
     def reduce(
         self, x: Any, root: int = 0, *, op: str = "sum", out: np.ndarray | None = None, async_op: bool = False

@@ -13,12 +13,14 @@ from typing import Any
 import numpy as np
 
 from .group import Group
+from .persistent import Persistent
 from .world import default_group
 
 __all__ = [
     "all_sum",
     "all_max",
     "all_min",
+    "all_reduce_init",
     "all_gather",
     "sum_scatter",
     "broadcast",
@@ -54,6 +56,12 @@ def all_max(x: Any, *, group: Group | None = None, out: Out = None, async_op: bo
 def all_min(x: Any, *, group: Group | None = None, out: Out = None, async_op: bool = False) -> Any:
     """Element-wise minimum over ranks."""
     return _g(group).all_min(x, out=out, async_op=async_op)
+
+
+def all_reduce_init(x: np.ndarray, op: str = "sum", *, group: Group | None = None, out: Out = None) -> Persistent:
+    """A persistent all-reduce of ``x``: set up once; each call of the result reduces ``x``'s
+    current contents into the same array (see :meth:`meshcomm.Group.all_reduce_init`)."""
+    return _g(group).all_reduce_init(x, op, out=out)
 
 
 def all_gather(x: Any, *, group: Group | None = None, out: Out = None, async_op: bool = False) -> Any:

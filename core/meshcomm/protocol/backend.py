@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -200,6 +201,20 @@ class Backend(abc.ABC):
         Every rank must end with bit-identical bytes.
         """
         algorithms.all_reduce(self, sendbuf, recvbuf, op)
+
+    def all_reduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> Callable[[], None]:
+        """A persistent all-reduce: set up once, then each call of the returned ``start()``
+        runs one ``all_reduce`` of ``sendbuf``'s current contents into ``recvbuf`` (the same
+        buffers every time). The core sets :attr:`call_key` or :attr:`shape_key` before each
+        start as before an ``all_reduce``. The default calls :meth:`all_reduce`; a transport
+        with persistent operations (MPI's ``MPI_Allreduce_init``) sets them up here, and may
+        give ``start`` a ``close()`` method, which the core calls once when the user closes it.
+        """
+
+        def start() -> None:
+            self.all_reduce(sendbuf, recvbuf, op)
+
+        return start
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         """``recvbuf`` = every rank's ``sendbuf`` concatenated in rank order."""

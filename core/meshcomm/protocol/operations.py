@@ -63,6 +63,9 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("reduce", 14, "collective", "whole", rooted=True, reduction="any"),
     Operation("all_gather_object", 15, "object", "none"),
     Operation("broadcast_object", 16, "object", "none", rooted=True),
+    # a start of a persistent all-reduce (Group.all_reduce_init), checked as its own call:
+    # MPI matches a persistent collective only with persistent ones
+    Operation("all_reduce_init", 17, "collective", "reduce", reduction="any"),
 )
 
 _BY_NAME = {o.name: o for o in OPERATIONS}

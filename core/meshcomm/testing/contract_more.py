@@ -1,5 +1,5 @@
 """The second round of the API contract: all_to_all, gather, scatter, reduce, the object
-collectives, ``out=``, ``async_op=True`` and ``close()``, as checks that run on every rank.
+collectives, ``out=``, ``async_op=True``, ``close()`` and persistent all-reduces, as checks that run on every rank.
 
 Like the first round's (:mod:`meshcomm.testing.contract_first`), each ``check_*`` takes a
 group and raises AssertionError naming the rank and what differed. They run after the first
@@ -268,6 +268,34 @@ def check_close_split(g: mc.Group) -> None:
     _identical_everywhere(g, mc.all_sum(np.arange(5.0) * (r + 1), group=g), "all_sum after close of a split")
 
 
+def check_persistent(g: mc.Group) -> None:
+    """all_reduce_init: each start reduces x's current contents into the same array, equal to
+    all_sum/all_max/all_min of the same input, between other collectives; bad arguments are
+    refused before any communication; a closed one refuses to start."""
+    n, r = g.size(), g.rank()
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x = base + r
+    with g.all_reduce_init(x) as p:
+        for step in range(1, 4):
+            x += 1  # in place: the operation reads x at every start
+            got = p()
+            assert got is p.out, f"rank {r}: start #{step} did not return the operation's out array"
+            _same(got, n * base + (n * (n - 1) // 2 + n * step), f"all_reduce_init start #{step}", r)
+            _same(mc.all_gather(np.array([step]), group=g), np.full(n, step), "all_gather between starts", r)
+        _same(got, mc.all_sum(x, group=g), "a start against all_sum of the same input", r)
+    _raises(mc.DistributedError, p, "a start after close()")
+    xi = np.array([r, -r, 7], dtype=np.int32)
+    out = np.empty(3, dtype=np.int32)
+    for op, want in (("max", [n - 1, 0, 7]), ("min", [0, -(n - 1), 7])):
+        with g.all_reduce_init(xi, op, out=out) as q:
+            _same(q(), np.array(want, dtype=np.int32), f"all_reduce_init op={op!r}", r)
+            assert q.out is out, f"rank {r}: all_reduce_init(out=...) did not write into out"
+    _raises(TypeError, lambda: g.all_reduce_init([1.0, 2.0]), "all_reduce_init of a list")  # type: ignore[arg-type]
+    _raises(ValueError, lambda: g.all_reduce_init(np.ones((4, 4))[:, 0]), "all_reduce_init of a strided view")
+    _raises(ValueError, lambda: g.all_reduce_init(np.ones(4), "prod"), "all_reduce_init with op='prod'")
+    _raises(ValueError, lambda: g.all_reduce_init(np.ones(4), out=np.ones(5)), "all_reduce_init with a wrong out")
+
+
 MORE_CHECKS: list[Callable[[mc.Group], None]] = [
     check_all_to_all,
     check_gather,
@@ -277,6 +305,7 @@ MORE_CHECKS: list[Callable[[mc.Group], None]] = [
     check_out,
     check_async,
     check_close_split,
+    check_persistent,
 ]
 
 ALL_CHECKS: list[Callable[[mc.Group], None]] = [*CHECKS, *MORE_CHECKS]
