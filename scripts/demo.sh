@@ -18,5 +18,8 @@ if ! { [ -x .venv/bin/python ] && .venv/bin/python -c "import meshcomm, meshcomm
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   say "installed"
 fi
+# which shared-memory loop this installation runs (compiled, or pure Python where it was
+# built without a C compiler)
+say "$(.venv/bin/meshcomm info | grep '^sockets' | sed 's/  */ /g')"
 say "starting 4 ranks: .venv/bin/meshcomm launch -n 4 examples/quickstart.py"
 exec .venv/bin/meshcomm launch -n 4 examples/quickstart.py

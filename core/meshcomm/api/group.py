@@ -334,8 +334,9 @@ class Group:
         if o is None:
             o = np.empty(x.shape, x.dtype)
         if x.size == 0:
-            return Persistent(self, op, x, o, lambda: None)
-        return Persistent(self, op, x, o, self._moves.all_reduce_init(_flat(x), o.reshape(-1), op))
+            return Persistent(self._start_persistent, self._who, op, x, o, lambda: None)
+        start = self._moves.all_reduce_init(_flat(x), o.reshape(-1), op)
+        return Persistent(self._start_persistent, self._who, op, x, o, start)
 
     def _start_persistent(self, p: Persistent) -> np.ndarray:
         """One start of ``p``, as a collective of this group (guard, numbering, call check)."""

@@ -10,14 +10,11 @@ mpi the persistent request's set-up once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..protocol.errors import DistributedError
-
-if TYPE_CHECKING:
-    from .group import Group
 
 __all__ = ["Persistent"]
 
@@ -31,8 +28,19 @@ class Persistent:
     (or leaving a ``with`` block) frees it; after the group is closed, a start raises.
     """
 
-    def __init__(self, group: Group, op: str, x: np.ndarray, out: np.ndarray, start: Callable[[], None]) -> None:
-        self._group = group
+    def __init__(
+        self,
+        run: Callable[[Persistent], np.ndarray],
+        who: str,
+        op: str,
+        x: np.ndarray,
+        out: np.ndarray,
+        start: Callable[[], None],
+    ) -> None:
+        """``run(self)`` starts it as a collective of its group (the group's guard and call
+        check around ``start``, the backend's start); ``who`` names the rank in errors."""
+        self._run = run
+        self._who = who
         self.op = op
         #: the array reduced at every start (read in place)
         self.x = x
@@ -45,10 +53,10 @@ class Persistent:
         """Reduce ``x``'s current contents over the group into ``out``; returns ``out``."""
         if self._closed:
             raise DistributedError(
-                f"{self._group._who}: a persistent all_reduce (op={self.op!r}) was started after close(); "
+                f"{self._who}: a persistent all_reduce (op={self.op!r}) was started after close(); "
                 "make a new one with all_reduce_init"
             )
-        return self._group._start_persistent(self)
+        return self._run(self)
 
     def close(self) -> None:
         """Free the operation (the backend's persistent request, if it made one). Safe to repeat."""
