@@ -16,20 +16,8 @@ import argparse
 import meshcomm as mc
 import numpy as np
 from meshcomm.bench.measure import time_op
+from meshcomm.bench.runner import GroupSync
 from meshcomm.bench.sizes import parse_sizes
-
-
-class _Sync:
-    """Barrier and max-over-ranks through the group without the check."""
-
-    def __init__(self, group: mc.Group) -> None:
-        self._g = group
-
-    def barrier(self) -> None:
-        self._g.barrier()
-
-    def max_over_ranks(self, values: np.ndarray) -> np.ndarray:
-        return mc.all_max(np.asarray(values), group=self._g)
 
 
 def main() -> None:
@@ -40,7 +28,7 @@ def main() -> None:
     args = p.parse_args()
     world = mc.init(strict=True)
     plain = mc.Group(world.transport, "without the check", check_calls=False)
-    sync = _Sync(plain)
+    sync = GroupSync(plain)
     if world.rank() == 0:
         print(f"all_sum float32, backend {world.backend}, {world.size()} ranks: median µs per call", flush=True)
         print(f"{'size':>10} {'off':>10} {'on':>10} {'added':>10}", flush=True)

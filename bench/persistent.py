@@ -14,18 +14,8 @@ import argparse
 import meshcomm as mc
 import numpy as np
 from meshcomm.bench.measure import time_op
+from meshcomm.bench.runner import GroupSync
 from meshcomm.bench.sizes import parse_sizes
-
-
-class _Sync:
-    def __init__(self, group: mc.Group) -> None:
-        self._g = group
-
-    def barrier(self) -> None:
-        self._g.barrier()
-
-    def max_over_ranks(self, values: np.ndarray) -> np.ndarray:
-        return mc.all_max(np.asarray(values), group=self._g)
 
 
 def main() -> None:
@@ -35,7 +25,7 @@ def main() -> None:
     p.add_argument("--min-time", type=float, default=0.2, help="timed seconds per block (default 0.2)")
     args = p.parse_args()
     world = mc.init(strict=True)
-    sync = _Sync(world)
+    sync = GroupSync(world)
     if world.rank() == 0:
         print(f"float32, backend {world.backend}, {world.size()} ranks: median µs per call", flush=True)
         print(f"{'size':>10} {'all_sum':>10} {'persistent':>10}", flush=True)

@@ -205,25 +205,25 @@ def name_mismatch(
 
 def check_send(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, dst: int) -> None:
     """Send this call's fingerprint to ``dst`` and compare the one it answers with."""
-    mine = _fingerprint("send", shape, dtype, dst, None, _number(b))
-    theirs = np.empty(_WIDTH, dtype=np.int64)
-    b.sendrecv(mine, dst, theirs, dst)
-    expected = _fingerprint("recv", shape, dtype, b.rank())
-    if not _same(theirs, expected):
-        raise CollectiveMismatchError(
-            f"MLX_DEBUG: in {group_name}, rank {b.rank()} called {_describe(mine)} but rank {dst} "
-            f"called {_describe(theirs)}. Match every send with a recv of the same shape and dtype."
-        )
+    _check_pair(b, group_name, shape, dtype, dst, "send", "recv")
 
 
 def check_recv(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, src: int) -> None:
     """Receive the sender's fingerprint, answer with ours, and compare."""
-    mine = _fingerprint("recv", shape, dtype, src, None, _number(b))
+    _check_pair(b, group_name, shape, dtype, src, "recv", "send")
+
+
+def _check_pair(
+    b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, peer: int, mine_op: str, their_op: str
+) -> None:
+    """Exchange fingerprints with ``peer``: this rank's ``mine_op`` must meet its ``their_op``
+    of the same shape and dtype."""
+    mine = _fingerprint(mine_op, shape, dtype, peer, None, _number(b))
     theirs = np.empty(_WIDTH, dtype=np.int64)
-    b.sendrecv(mine, src, theirs, src)
-    expected = _fingerprint("send", shape, dtype, b.rank())
+    b.sendrecv(mine, peer, theirs, peer)
+    expected = _fingerprint(their_op, shape, dtype, b.rank())
     if not _same(theirs, expected):
         raise CollectiveMismatchError(
-            f"MLX_DEBUG: in {group_name}, rank {b.rank()} called {_describe(mine)} but rank {src} "
+            f"MLX_DEBUG: in {group_name}, rank {b.rank()} called {_describe(mine)} but rank {peer} "
             f"called {_describe(theirs)}. Match every send with a recv of the same shape and dtype."
         )
