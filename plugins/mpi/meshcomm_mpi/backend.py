@@ -206,6 +206,12 @@ class MPIBackend(Backend):
         if seen is None:
             seen = self._seen
         if seen[0] == key[0] and seen[1] == key[1]:
+            try:
+                self._ctl.check_notices(self, what)
+            except DistributedError as exc:  # the peers gave up on this collective: so does this rank
+                self._abandoned.append((op, *bufs))
+                self.broken = f"{what[1]}: {exc}"
+                raise
             return
         name = what[1] if what[0] == "coll" else what[0]
         # the collective met a different one on some rank: MPI cannot cancel it, so this
@@ -554,6 +560,7 @@ class PersistentAllReduce:
         if key is not None:
             seen = self._seen
             if MPI.Request.Testall(self._both) and seen[0] == key[0] and seen[1] == key[1]:
+                b._ctl.check_notices(b, self._what)  # as in _agree: peers may have given up
                 return  # both done at the first test: the common case of a small call
             b._agree((self._check, key), self._what, self._data, self._bufs, seen)
         b._finish([self._data], self._what, None, None, self._nbytes)

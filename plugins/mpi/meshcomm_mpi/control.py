@@ -292,6 +292,17 @@ class Control:
                 if desc is not None and not self._diagnosing:
                     self._check_exit(desc, src, msg)
 
+    def check_notices(self, backend: Any, what: tuple[Any, ...]) -> None:
+        """Raise if a peer has failed or given up (its FAIL or DOWN notice is here or known).
+
+        A collective started beside its call check can complete on a rank that resumes after
+        its peers gave up on it (their requests were posted before they timed out): such a
+        rank must raise as they did, not return the result (one Iprobe when nothing is known)."""
+        if self.failed or self.down or self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
+            desc = Desc(backend, what)
+            self._drain(desc)
+            self._check_known(desc)
+
     def _check_known(self, desc: Desc) -> None:
         """Raise at once for a peer already known to have failed, given up, or exited."""
         for w, msg in self.failed.items():
