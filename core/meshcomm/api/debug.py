@@ -162,10 +162,14 @@ def quick_check(
     if both[0] == -both[1]:
         return
     check_collective(b, group_name, op, shape, dtype, arg, label="", reduction=reduction)
-    raise CollectiveMismatchError(
-        f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: their call checks "
-        "differ. Every rank must make the same collective calls in the same order with the same "
-        "shapes, dtypes and roots."
+    raise _calls_differ(b, group_name, op, "their call checks differ")
+
+
+def _calls_differ(b: Backend, group_name: str, op: str, why: str) -> CollectiveMismatchError:
+    """The mismatch error when the calls' keys differ but their fingerprints name no difference."""
+    return CollectiveMismatchError(
+        f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: {why}. Every rank must make "
+        "the same collective calls in the same order with the same shapes, dtypes and roots."
     )
 
 
@@ -197,10 +201,7 @@ def name_mismatch(
             check_collective(details, group_name, op, shape, dtype, arg, label="", reduction=reduction)
         except CollectiveMismatchError as named:
             return named
-    return CollectiveMismatchError(
-        f"ranks of {group_name} (size {b.size()}) disagree on the call {op}: {exc}. Every rank must make "
-        "the same collective calls in the same order with the same shapes, dtypes and roots."
-    )
+    return _calls_differ(b, group_name, op, str(exc))
 
 
 def check_send(b: Backend, group_name: str, shape: tuple[int, ...], dtype: np.dtype, dst: int) -> None:

@@ -206,19 +206,13 @@ class MPIBackend(Backend):
         if seen is None:
             seen = self._seen
         if seen[0] == key[0] and seen[1] == key[1]:
-            try:
-                self._ctl.check_notices(self, what)
-            except DistributedError as exc:  # the peers gave up on this collective: so does this rank
-                self._abandoned.append((op, *bufs))
-                self.broken = f"{what[1]}: {exc}"
-                raise
+            self._peers_still_here(what, op, bufs)
             return
         name = what[1] if what[0] == "coll" else what[0]
         # the collective met a different one on some rank: MPI cannot cancel it, so this
         # communicator is done, and MPI_Finalize could wait for it (the control channel ends
         # the job instead at close)
-        self._abandoned.append((op, *bufs))
-        self.broken = f"{name} met a different call on another rank"
+        self._abandon(op, bufs, f"{name} met a different call on another rank")
         self._ctl.lost = True
         details = None
         if self._spare is not None:
@@ -236,6 +230,20 @@ class MPIBackend(Backend):
             f"[mpi] rank {self._rank}: the call check of {name} on {self.label} found that the ranks' calls differ",
             details=details,
         )
+
+    def _peers_still_here(self, what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
+        """After a carried collective completed: raise, abandoning ``op``, if a peer has failed
+        or given up meanwhile (Control.check_notices), as that peer did."""
+        try:
+            self._ctl.check_notices(self, what)
+        except DistributedError as exc:
+            self._abandon(op, bufs, f"{what[1]}: {exc}")
+            raise
+
+    def _abandon(self, op: Any, bufs: tuple[Any, ...], why: str) -> None:
+        """Mark this communicator unusable (``why``), keeping ``op``'s buffers alive for MPI."""
+        self._abandoned.append((op, *bufs))
+        self.broken = why
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: np.ndarray, dst: int) -> None:
@@ -560,7 +568,7 @@ class PersistentAllReduce:
         if key is not None:
             seen = self._seen
             if MPI.Request.Testall(self._both) and seen[0] == key[0] and seen[1] == key[1]:
-                b._ctl.check_notices(b, self._what)  # as in _agree: peers may have given up
+                b._peers_still_here(self._what, self._data, self._bufs)
                 return  # both done at the first test: the common case of a small call
             b._agree((self._check, key), self._what, self._data, self._bufs, seen)
         b._finish([self._data], self._what, None, None, self._nbytes)
