@@ -292,8 +292,9 @@ def rank_other_shape_same_count(g: Any) -> None:
     import meshcomm as mc
 
     r = g.rank()
-    # first on a split: a persistent all-reduce (MPI_Allreduce_init) met by a plain all_sum,
-    # which MPI must not match with it
+    # first on a split: a persistent all-reduce's start met by a plain all_sum, which the call
+    # check tells apart (a backend may run the start as an MPI persistent request, which MPI
+    # must not match with a plain one)
     sub = g.split(0)
     y = np.ones(4, dtype=np.float32)
     try:

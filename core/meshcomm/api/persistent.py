@@ -1,10 +1,10 @@
 """Persistent operations: an all-reduce set up once and started many times.
 
-``Group.all_reduce_init(x, op)`` checks its arguments and sets the operation up once (on mpi,
-MPI-4's ``MPI_Allreduce_init``); each call of the returned :class:`Persistent` reduces the
-*current* contents of ``x`` into the same result array. A training loop that all-reduces
-the same buffer every step pays the argument checks and the result allocation once, and on
-mpi the persistent request's set-up once.
+``Group.all_reduce_init(x, op)`` checks its arguments and sets the operation up once (a
+backend with persistent operations may set up its own: ``Backend.all_reduce_init``); each
+call of the returned :class:`Persistent` reduces the *current* contents of ``x`` into the
+same result array. A training loop that all-reduces the same buffer every step pays the
+argument checks and the result allocation once.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("all_gather_object", 15, "object", "none"),
     Operation("broadcast_object", 16, "object", "none", rooted=True),
     # a start of a persistent all-reduce (Group.all_reduce_init), checked as its own call:
-    # MPI matches a persistent collective only with persistent ones
+    # a backend may run it as an MPI persistent collective, which MPI matches only with its kind
     Operation("all_reduce_init", 17, "collective", "reduce", reduction="any"),
 )
 

@@ -190,21 +190,12 @@ class MPIBackend(Backend):
         self.call_key = None
         return self.comm.Iallreduce([key, _INT64], [self._seen, _INT64], _MAX), key
 
-    def _agree(
-        self,
-        started: tuple[Any, np.ndarray],
-        what: tuple[Any, ...],
-        op: Any,
-        bufs: tuple[Any, ...],
-        seen: np.ndarray | None = None,
-    ) -> None:
-        """Wait for the call check started with operation ``op`` (its max lands in ``seen``,
-        by default the backend's own buffer); if the ranks' keys differ (every rank sees the
-        same max), abandon ``op`` and raise CallsDiffer."""
+    def _agree(self, started: tuple[Any, np.ndarray], what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
+        """Wait for the call check started with operation ``op``; if the ranks' keys differ
+        (every rank sees the same max), abandon ``op`` and raise CallsDiffer."""
         kreq, key = started
         self._finish([kreq], what)
-        if seen is None:
-            seen = self._seen
+        seen = self._seen
         if seen[0] == key[0] and seen[1] == key[1]:
             self._peers_still_here(what, op, bufs)
             return
@@ -354,14 +345,6 @@ class MPIBackend(Backend):
             if req.Test():
                 return
         self._finish([req], ("coll", name), None, None, sendbuf.nbytes)
-
-    def all_reduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> Any:
-        """MPI-4's persistent ``Allreduce_init`` (and one for the call check beside it), set
-        up once; the default (an ``all_reduce`` per start) where this MPI has none."""
-        try:
-            return PersistentAllReduce(self, sendbuf, recvbuf, op)
-        except (NotImplementedError, MPI.Exception):  # an MPI before 4.0 persistent collectives
-            return super().all_reduce_init(sendbuf, recvbuf, op)
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.broken is not None:
@@ -525,59 +508,3 @@ class MPIBackend(Backend):
                 self.comm.Free()
             except MPI.Exception:
                 pass
-
-
-class PersistentAllReduce:
-    """One persistent all-reduce on an :class:`MPIBackend`: ``MPI_Allreduce_init`` of the
-    caller's buffers and of a 16-byte call-check key, both set up once; each call starts
-    them together (``Startall``) when the core gave a call key, else the data alone, and
-    waits under the deadline like every operation."""
-
-    def __init__(self, backend: MPIBackend, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        b = backend
-        if b.broken is not None:
-            b._usable("all_reduce_init")
-        dt, mop = b._reduce.get((sendbuf.dtype, op)) or b._ops.resolve(sendbuf.dtype, op)
-        send = MPI.IN_PLACE if in_place(sendbuf, recvbuf) else [sendbuf, dt]
-        self._b = b
-        self._bufs = (sendbuf, recvbuf)
-        self._key = np.zeros(2, dtype=np.int64)
-        self._seen = np.empty(2, dtype=np.int64)
-        self._what = ("coll", f"{_REDUCE_NAMES.get(op, op)} (persistent)")
-        self._nbytes = sendbuf.nbytes
-        self._data = b.comm.Allreduce_init(send, [recvbuf, dt], mop)
-        self._check = b.comm.Allreduce_init([self._key, _INT64], [self._seen, _INT64], _MAX)
-        self._both = [self._check, self._data]
-
-    def __call__(self) -> None:
-        b = self._b
-        if b.broken is not None:
-            b._usable(self._what[1])
-        b.coll_count += 1
-        b.tail = None
-        key = b.call_key
-        try:
-            if key is None:
-                self._data.Start()
-            else:
-                b.call_key = None
-                self._key[:] = key
-                MPI.Prequest.Startall(self._both)
-        except MPI.Exception as exc:
-            raise b._fail(self._what[1], exc) from None
-        if key is not None:
-            seen = self._seen
-            if MPI.Request.Testall(self._both) and seen[0] == key[0] and seen[1] == key[1]:
-                b._peers_still_here(self._what, self._data, self._bufs)
-                return  # both done at the first test: the common case of a small call
-            b._agree((self._check, key), self._what, self._data, self._bufs, seen)
-        b._finish([self._data], self._what, None, None, self._nbytes)
-
-    def close(self) -> None:
-        """Free both requests (not after a mismatch: MPI may still be working on them)."""
-        if self._b.broken is None and not MPI.Is_finalized():
-            for req in (self._data, self._check):
-                try:
-                    req.Free()
-                except MPI.Exception:
-                    pass
