@@ -39,6 +39,7 @@ from .protocol.errors import (
     CommTimeoutError,
     ConfigError,
     DistributedError,
+    NotSupportedError,
     ObjectAuthError,
     PeerLostError,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "Persistent",
     "Work",
     "DistributedError",
+    "NotSupportedError",
     "PeerLostError",
     "CommTimeoutError",
     "CollectiveMismatchError",

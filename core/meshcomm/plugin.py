@@ -61,6 +61,7 @@ from .protocol.errors import (
     CommTimeoutError,
     ConfigError,
     DistributedError,
+    NotSupportedError,
     PeerLostError,
 )
 from .protocol.operations import wire_names
@@ -136,6 +137,7 @@ __all__ = [
     "wire_names",
     # errors
     "DistributedError",
+    "NotSupportedError",
     "PeerLostError",
     "CommTimeoutError",
     "CollectiveMismatchError",

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..protocol.backend import SHAPE_KEYS, Backend
 from ..protocol.dtypes import BASE_SUPPORTED, check_dtype
-from ..protocol.errors import CallsDiffer, DistributedError
+from ..protocol.errors import CallsDiffer, DistributedError, NotSupportedError
 from ..protocol.operations import REDUCTIONS
 from ..runtime import exits
 from ..runtime.single import SingleBackend
@@ -86,6 +86,8 @@ class _World:
         self.worker = WorldWorker(name)
         self.closed = False
         self.lock = threading.Lock()
+        #: told (old world, new world) when shrink() replaces the world (meshcomm.init's registry)
+        self.replaced: Callable[[Group, Group], None] | None = None
 
 
 class Group:
@@ -239,6 +241,66 @@ class Group:
             )
 
         return self._submit("split", run, async_op, None, color)
+
+    # -- survivors continue -------------------------------------------------------------
+    def agree(self, flag: bool | int = True) -> Any:
+        """Fault-tolerant agreement: the AND of ``flag`` over every rank still alive, the
+        same on each of them even when ranks fail before or during the call (a bool gives a
+        bool; integers in ``[0, 2**32)`` are ANDed bitwise). Every rank must call it; it
+        works on a group that already failed, and ranks it finds lost make the group's later
+        operations raise until :meth:`shrink`. Raises CommTimeoutError on a rank the others
+        gave up on (stopped or cut off past ``MLX_TIMEOUT``); NotSupportedError on a backend
+        that cannot (see :attr:`Backend.survives_failures`)."""
+        value = _flag(flag)
+
+        def run() -> int:
+            if self._size == 1:
+                return value
+            self._survivable("agree")
+            return int(self._b.agree(value)[0])
+
+        agreed = self._submit("agree", run, False)
+        return bool(agreed) if isinstance(flag, bool) else agreed
+
+    def shrink(self) -> Group:
+        """The world of the ranks still alive, renumbered in their old order: call it on every
+        survivor after a failure (a PeerLostError or CommTimeoutError). The survivors first
+        agree on who is left (as :meth:`agree`), so they all build the same world even when
+        they saw different failures. This world and its splits are closed; split the new one
+        again. Raises CommTimeoutError on a rank the others gave up on, NotSupportedError on
+        a split (shrink the world) or a backend that cannot."""
+        if not self._is_world:
+            raise NotSupportedError(
+                f"{self._who}: shrink() is called on the world, not on {self._where()}; shrink the world, "
+                "then split the new world again"
+            )
+        if self._size == 1:
+            return self
+        self._survivable("shrink")
+        backend = self._submit("shrink", self._b.shrink, False)
+        new = Group(
+            backend,
+            self._name,
+            debug=self._debug,
+            label=self._label,
+            check_calls=self._check_calls,
+            max_object_bytes=self._max_object_bytes,
+            _ident=f"{self._ident}/shrunk",
+        )
+        with self._world.lock:
+            self._closed = self._world.closed = True
+        self._world.worker.stop(0.0)
+        if self._world.replaced is not None:
+            self._world.replaced(self, new)
+        return new
+
+    def _survivable(self, op: str) -> None:
+        if not self._b.survives_failures:
+            raise NotSupportedError(
+                f"{self._who}: {op}() needs a backend whose survivors can go on after a failure, and "
+                f"{self._name} cannot: {self._b.survival_hint or 'it does not offer agree and shrink'}. "
+                "The sockets backend can."
+            )
 
     @overload
     def barrier(self, *, async_op: Literal[False] = False) -> None: ...
@@ -871,6 +933,16 @@ class Group:
             if self._piped:  # a key no collective carried (an argument error) must not reach the next call
                 self._moves.call_key = None
             self._guard.leave(ticket, op, self._who, ok)
+
+
+def _flag(flag: Any) -> int:
+    """``agree``'s flag as an unsigned 32-bit integer (ValueError/TypeError otherwise)."""
+    if isinstance(flag, (bool, np.bool_)):
+        return int(bool(flag))
+    value = _index(flag, "agree's flag")
+    if not 0 <= value < 1 << 32:
+        raise ValueError(f"agree: flag {value} is outside [0, 2**32); pass a bool or a 32-bit unsigned integer")
+    return value
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

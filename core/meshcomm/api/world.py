@@ -71,12 +71,30 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
         )
         if started != "single":
             registry.world_started(config, group)  # the tracer and the stall inspector attach here
+        _on_shrink(group)
         _worlds[name] = group
         if started not in _worlds or _worlds[started].closed:
             _worlds[started] = group
         if _default is None or _default.backend == "single" or _default.closed:
             _default = group
         return group
+
+
+def _on_shrink(group: Group) -> None:
+    """Let ``group``'s shrink() put the new world where the old one was (the default group,
+    ``init()``'s answer, the worlds told of an uncaught exception)."""
+
+    def replaced(old: Group, new: Group) -> None:
+        global _default
+        with _lock:
+            for name, g in list(_worlds.items()):
+                if g is old:
+                    _worlds[name] = new
+            if _default is old:
+                _default = new
+        _on_shrink(new)
+
+    group._world.replaced = replaced
 
 
 def default_group() -> Group:

@@ -65,6 +65,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="record every rank's operations (MESHCOMM_TRACE) and merge them into DIR/trace.json "
         "at the end, for Perfetto or 'meshcomm trace summary'",
     )
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="a rank that fails or is killed does not end the job: the others may go on in a smaller world "
+        "(Group.shrink); exit 0 when some rank exits 0",
+    )
     p.add_argument("--verbose", action="store_true", help="print the commands that start each rank")
     p.add_argument("--cwd", default=None, help="working directory of every rank (default: this one)")
     p.add_argument("--python", default=None, help="interpreter for .py programs (default: this one)")
@@ -107,6 +113,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         port_base=args.port_base,
         log_dir=args.log_dir,
         trace=args.trace,
+        keep_going=args.keep_going,
     )
 
 

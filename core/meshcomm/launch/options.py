@@ -48,6 +48,9 @@ class LaunchOptions:
     log_dir: str | None = None  #: also write each rank's output to ``DIR/rank-R.log``
     #: ``MESHCOMM_TRACE`` of every rank; the ranks' files are merged into ``DIR/trace.json`` at the end
     trace: str | None = None
+    #: a rank that fails does not end the job: the others may shrink and go on; the job
+    #: exits 0 when some rank exited 0 (the lost ones are listed)
+    keep_going: bool = False
 
     def backend_choice(self, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
         """The backend's name and where it came from, first that is set: ``--backend``,

@@ -226,7 +226,7 @@ def launch(options: LaunchOptions) -> int:
             for host, ranks in by_host.items()
         ]
         assert starter is not None
-        return _run_ranks(job, starter, host_starts, output, runner)
+        return _run_ranks(job, starter, host_starts, output, runner, options.keep_going)
     finally:
         output.close()
         job.cleanup()
@@ -325,7 +325,9 @@ def _record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
     return rec.get("rank"), rec.get("pid"), rec.get("time"), rec.get("type")
 
 
-def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankOutput, runner: bool) -> int:
+def _run_ranks(
+    job: Job, starter: Starter, hosts: list[HostStart], output: RankOutput, runner: bool, keep_going: bool = False
+) -> int:
     sessions: list[Session] = []
 
     def signal_ranks(sig: int) -> None:
@@ -360,14 +362,23 @@ def _run_ranks(job: Job, starter: Starter, hosts: list[HostStart], output: RankO
             codes = statuses()
             watch.note_exits(sorted(codes.items()))
             watch.note_records()
-            if watch.timed_out():
-                watch.dump_stacks(sleep)
+            if intr.signum is not None or all(rc is not None for rc in codes.values()):
                 break
-            if watch.failures or intr.signum is not None:
-                break
-            if all(rc is not None for rc in codes.values()):
-                break
+            if not keep_going:  # else the survivors go on (Group.shrink) and end on their own
+                if watch.timed_out():
+                    watch.dump_stacks(sleep)
+                    break
+                if watch.failures:
+                    break
             time.sleep(0.05)
+        if keep_going and intr.signum is None and watch.failures and any(rc == 0 for rc in statuses().values()):
+            for s in sessions:
+                s.finish()
+            lost = ", ".join(
+                f"{f.rank} ({describe_status(f.status)})" for f in sorted(watch.failures, key=lambda f: f.rank)
+            )
+            say(f"meshcomm launch: ranks lost during the job: {lost}; the others went on and exited 0\n")
+            return 0
         if watch.failures and intr.signum is None and not watch.stacks_requested:
             # The other ranks usually end of this failure on their own (PeerLostError) within
             # a moment: let them, so that their records and messages are there to read.

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import algorithms
+from .errors import NotSupportedError
 
 __all__ = ["Backend", "SubgroupBackend", "in_place", "shape_key", "SHAPE_KEYS", "DEFAULT_TIMEOUT"]
 
@@ -77,6 +78,12 @@ class Backend(abc.ABC):
     #: (built from send/recv, which an in-band check cannot tell apart), so a backend
     #: only vouches for the methods it overrides.
     checks_calls: bool = False
+
+    #: True when :meth:`agree` and :meth:`shrink` work: survivors of a failure can agree on
+    #: who is left and go on in a smaller world
+    survives_failures: bool = False
+    #: when :attr:`survives_failures` is False: what is missing, for the error users see
+    survival_hint: str = ""
 
     #: True when the transport carries the core's call check with the data instead of the
     #: core running it as a separate all-reduce before each collective: before a collective
@@ -259,6 +266,20 @@ class Backend(abc.ABC):
         """The backend of the subgroup of ranks sharing ``color``, ordered by (key, rank):
         by default a :class:`SubgroupBackend` over this backend's links."""
         return SubgroupBackend(self, algorithms.split_members(self, color, key))
+
+    def agree(self, flag: int) -> tuple[int, frozenset[int]]:
+        """Fault-tolerant agreement: the bitwise AND of ``flag`` (0 <= flag < 2**32) over the
+        ranks still alive, and the set of ranks this call found lost, the same on every
+        survivor even when they saw different failures. Works on a group that failed. The
+        default raises :class:`NotSupportedError`: a transport that offers it says so with
+        :attr:`survives_failures`."""
+        raise NotSupportedError(f"the {type(self).__name__} transport cannot agree across a failure")
+
+    def shrink(self) -> Backend:
+        """A new world of the ranks still alive (agreed as in :meth:`agree`), renumbered in
+        their old order; this backend is spent. Only on a world, not on a split of one. The
+        default raises :class:`NotSupportedError`."""
+        raise NotSupportedError(f"the {type(self).__name__} transport cannot shrink a group after a failure")
 
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed (an uncaught exception, or exit code ``code``).

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CallsDiffer",
     "BackendUnavailableError",
+    "NotSupportedError",
     "ConfigError",
     "ObjectAuthError",
 ]
@@ -59,6 +60,11 @@ class ObjectAuthError(DistributedError):
 
 class BackendUnavailableError(DistributedError):
     """A backend was asked for but cannot start (not installed, or its environment is broken)."""
+
+
+class NotSupportedError(DistributedError):
+    """The backend cannot do what was asked (for example shrink a group after a failure
+    without the fault-tolerance its library lacks); the message names what is missing."""
 
 
 class ConfigError(ValueError):

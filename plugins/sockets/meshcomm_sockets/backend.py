@@ -20,12 +20,22 @@ import zlib
 from collections import defaultdict
 
 import numpy as np
-from meshcomm.plugin import UFUNCS, Backend, algorithms, dtype_code
+from meshcomm.plugin import (
+    UFUNCS,
+    Backend,
+    CommTimeoutError,
+    DistributedError,
+    NotSupportedError,
+    PeerLostError,
+    algorithms,
+    dtype_code,
+)
 
 from . import wire
 from .engine import Call, Fabric, Link, as_bytes
 from .mesh import MeshGroup
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
+from .recovery import Recovery
 from .shm import DIRECT_REDUCE_MIN_BYTES
 
 __all__ = ["SocketsBackend", "RING_MIN_BYTES", "FRAME_BYTES"]
@@ -62,6 +72,10 @@ class SocketsBackend(MeshGroup):
     #: reads its own input before it writes the same memory, and over TCP a block is only
     #: received after every send of it has left, because its final value depends on them)
     direct_out = True
+    #: survivors of a failure agree and go on in a smaller world (:mod:`.recovery`)
+    survives_failures = True
+    #: the world's means of recovery (None on a split, and once handed to the next world)
+    recovery: Recovery | None = None
 
     def __init__(
         self,
@@ -221,14 +235,83 @@ class SocketsBackend(MeshGroup):
         sub.local_key = self.local_key
         return sub
 
+    # -- survivors continue ---------------------------------------------------------------
+    def _recovery(self, what: str) -> Recovery:
+        if self.recovery is None:
+            raise NotSupportedError(
+                f"rank {self.fabric.rank}: {what} works on the world group (split {self.label!r} cannot); "
+                f"call it on the world, then split the new world again"
+                if not self._owner
+                else f"rank {self.fabric.rank}: {what}: this world was already replaced by shrink(); use the new one"
+            )
+        failure = self.fabric.failure
+        if isinstance(failure, CommTimeoutError) and failure.peer == self.fabric.rank:
+            raise CommTimeoutError(
+                f"rank {self.fabric.rank}: {what}: the other ranks gave up on this rank earlier ({failure}); "
+                "they went on without it",
+                peer=self.fabric.rank,
+            )
+        return self.recovery
+
+    def _suspects(self) -> set[int]:
+        """Ranks this world stopped hearing from (a timeout names one), given to the
+        agreement so that it does not wait for them again; a closed connection is not
+        taken on trust (a live peer's close can look the same): the agreement tests it."""
+        failure = self.fabric.failure
+        if isinstance(failure, CommTimeoutError) and failure.peer is not None and failure.peer != self.fabric.rank:
+            return {failure.peer}
+        return set()
+
+    def agree(self, flag: int) -> tuple[int, frozenset[int]]:
+        agreed = self._recovery("agree").agree(flag, self._suspects())
+        if agreed.lost and self.fabric.failure is None:  # the agreement gave up on them: so does the world
+            first = min(agreed.lost)
+            self.fabric.failure = PeerLostError(
+                f"rank {self.fabric.rank}: the survivors agreed that ranks {sorted(agreed.lost)} are lost; "
+                "shrink() the world to go on without them",
+                peer=first,
+            )
+        return agreed.flag, agreed.lost
+
+    def shrink(self) -> Backend:
+        recovery = self._recovery("shrink")
+        suspects = self._suspects()
+        self.recovery = None  # the listener goes on with the next world
+        try:
+            return recovery.next_world(suspects)  # type: ignore[return-value]
+        except BaseException:
+            recovery.close()
+            raise
+        finally:
+            self._retire()
+
+    def _retire(self) -> None:
+        """Drop this world's connections and memory without telling anyone (its survivors
+        are in the next world; the lost ones are gone)."""
+        if self.fabric.failure is None:
+            self.fabric.failure = DistributedError(
+                f"rank {self.fabric.rank}: this world was replaced by shrink(); use the world it returned"
+            )
+        self.path.close()
+        for link in self.fabric.links.values():
+            try:
+                link.sock.close()
+            except OSError:
+                pass
+        self.fabric.links.clear()
+
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed (``reason``, exit ``code``): tell every peer with an
         ABORT frame, so each raises PeerLostError naming this rank instead of waiting (or
         blaming whichever rank it happens to read from first). Does nothing when an earlier
         failure was already reported (that one names the rank that failed first)."""
+        if self.recovery is not None:  # survivors that try to reach this rank learn at once that it is gone
+            self.recovery.close()
         self.fabric.abort(code, reason)
 
     def close(self) -> None:
         if self._owner:
+            if self.recovery is not None:
+                self.recovery.close()
             self.path.close()
             self.fabric.close()

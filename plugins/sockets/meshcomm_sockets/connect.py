@@ -29,7 +29,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError
+from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError, PeerLostError
 
 from . import wire
 from .hostfile import Peer
@@ -160,8 +160,20 @@ def _connect_once(peer: Peer, deadline: float) -> socket.socket:
 
 
 def _connect(
-    rank: int, world: int, q: int, peer: Peer, secret: bytes, version: str, deadline: float, timeout: float
+    rank: int,
+    world: int,
+    q: int,
+    peer: Peer,
+    secret: bytes,
+    version: str,
+    deadline: float,
+    timeout: float,
+    *,
+    patient: bool = True,
 ) -> Connection:
+    """Connect to rank ``q`` and complete the handshake by ``deadline``. ``patient``: retry
+    while ``q`` does not listen yet (start-up); otherwise (``q`` listened before, as in a
+    recovery) a refused or closed connection means ``q`` is gone: PeerLostError at once."""
     delay, last, refused, refusal = 0.02, "no attempt", 0, ""
     while True:
         try:
@@ -169,6 +181,10 @@ def _connect(
         except OSError as exc:
             if exc.errno in _EXHAUSTED:
                 raise _exhausted(rank, f"opening a connection to rank {q} at {peer}", exc) from None
+            if not patient and isinstance(exc, ConnectionError):
+                raise PeerLostError(
+                    f"rank {rank}: rank {q} at {peer} no longer listens ({exc.strerror or exc})", peer=q
+                ) from None
             last = exc.strerror or str(exc)
         else:
             said_hello = False
@@ -188,6 +204,10 @@ def _connect(
                         f"rank {rank}: the process at {peer} (rank {q} in MLX_HOSTFILE) failed the handshake: {exc}"
                     ) from None
                 last = str(exc)
+                if not patient and isinstance(exc, ConnectionError):
+                    raise PeerLostError(
+                        f"rank {rank}: rank {q} at {peer} closed the connection ({exc})", peer=q
+                    ) from None
                 if said_hello and isinstance(exc, ConnectionError):
                     # a listener closes only a HELLO whose proof of the secret fails
                     refused += 1
@@ -418,15 +438,17 @@ def establish(
     timeout: float,
     bind: str | None = None,
     listener: socket.socket | None = None,
+    keep_listener: bool = False,
 ) -> dict[int, Connection]:
     """Connect this rank to every other rank; returns world rank -> connection (socket and keys).
 
     ``listener`` is an already listening socket (inherited from the launcher); without
-    one this rank opens its own on its hostfile port.
+    one this rank opens its own on its hostfile port. ``keep_listener``: leave it open (the
+    caller keeps it for a recovery, :mod:`.recovery`).
     """
     world = len(peers)
     if world == 1:
-        if listener is not None:
+        if listener is not None and not keep_listener:
             listener.close()
         return {}
     deadline = time.monotonic() + timeout
@@ -443,7 +465,8 @@ def establish(
             c.sock.close()
         raise
     finally:
-        listener.close()
+        if not keep_listener:
+            listener.close()
     for c in conns.values():
         tune(c.sock)
         c.sock.setblocking(False)

@@ -302,6 +302,8 @@ class Fabric:
         #: (when it ended, how long) of the last time this rank overslept a wait (see note_stall)
         self.stall = (0.0, 0.0)
         self._scanning = False
+        #: the resume (_resumed) that check() last looked after
+        self._resume_seen = _resumed[0]
         watch_resume()
 
     # -- queueing -----------------------------------------------------------------------
@@ -830,9 +832,17 @@ class Fabric:
         self.spin, self.spin_ns, self.yielding = spin, int(spin * 1e9), yielding
 
     def check(self) -> None:
-        """Raise at once if an earlier operation failed: the streams are no longer in step."""
+        """Raise at once if an earlier operation failed: the streams are no longer in step.
+        After this process was stopped and resumed, first look for an ABORT that arrived
+        meanwhile (the peers may have given up on this rank: it must not go on as if not)."""
         if self.failure is not None:
             raise _again(self.failure)
+        if _resumed[0] != self._resume_seen:
+            self._resume_seen = _resumed[0]
+            exc = self.pending_abort()
+            if exc is not None:
+                self.failure = exc
+                raise exc
 
     def probe(self, link: Link, call: Call | None = None) -> bool:
         """Look at a link that became readable while this rank waited elsewhere (in shared

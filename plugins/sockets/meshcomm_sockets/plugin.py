@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 from importlib import metadata
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from meshcomm.plugin import (
     SECRET_HINT,
@@ -22,6 +22,11 @@ from meshcomm.plugin import (
     hookimpl,
     setting,
 )
+
+if TYPE_CHECKING:
+    from .connect import Connection
+    from .hostfile import Peer
+    from .recovery import Recovery
 
 __all__ = ["SocketsSettings", "meshcomm_register_backends", "SocketsLauncher", "NO_SECRET_WARNING"]
 
@@ -179,10 +184,9 @@ def _check_secret(rank: int, settings: SocketsSettings, size: int, hosts: list[s
 
 
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
-    from .backend import SocketsBackend
-    from .connect import establish
-    from .engine import Fabric
+    from .connect import establish, open_listener
     from .hostfile import read_hostfile
+    from .recovery import Recovery
 
     reason = _environment(config, settings)
     if reason is not None or config.rank is None:
@@ -207,30 +211,61 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         local_key = _check_secret(config.rank, settings, config.world_size or 1, [coord.host] if coord else [])
         secret = local_key or (settings.secret or "").encode()
         peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
+    version = _version(settings.chunk_kib, settings.integrity)
+    if listener is None and len(peers) > 1:
+        listener = open_listener(config.rank, peers[config.rank], settings.bind, len(peers))
     conns = establish(
         peers,
         config.rank,
         secret=secret,
-        version=_version(settings.chunk_kib, settings.integrity),
+        version=version,
         timeout=startup,
         bind=settings.bind,
         listener=listener,
+        keep_listener=True,
     )
+    start = _seq_start()
+
+    def build(rank: int, world: list[Peer], conns: dict[int, Connection], recovery: Recovery | None) -> Backend:
+        """The world of ``rank`` among ``world`` over ``conns`` (at start-up, and again for
+        the survivors of a failure: :mod:`.recovery`)."""
+        return _world(config, settings, rank, len(world), conns, local_key, start, recovery)
+
+    recovery = None
+    if listener is not None:
+        recovery = Recovery(peers, config.rank, secret, version, config.timeout, listener, build)
+    return build(config.rank, peers, conns, recovery)
+
+
+def _world(
+    config: Config,
+    settings: SocketsSettings,
+    rank: int,
+    size: int,
+    conns: dict[int, Connection],
+    local_key: bytes | None,
+    start: int,
+    recovery: Recovery | None,
+) -> Backend:
+    """The world backend of ``rank`` of ``size`` over the authenticated ``conns``."""
+    from .backend import SocketsBackend
+    from .engine import Fabric
+
     fabric = Fabric(
-        config.rank,
-        len(peers),
+        rank,
+        size,
         {q: c.sock for q, c in conns.items()},
         config.timeout,
         keys={q: (c.send_key, c.recv_key) for q, c in conns.items()},
         payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload",
         direct={q for q, c in conns.items() if c.direct},
     )
-    start = _seq_start()
     world = SocketsBackend(
-        fabric, list(range(len(peers))), chunk_bytes=settings.chunk_kib * 1024, owner=True, seq_start=start
+        fabric, list(range(size)), chunk_bytes=settings.chunk_kib * 1024, owner=True, seq_start=start
     )
     world.local_key = local_key
-    if len(peers) > 1:
+    world.recovery = recovery
+    if size > 1:
         from .topology import choose_path
 
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024

@@ -1,0 +1,78 @@
+"""Ranks lose some of their number and go on: run under ``meshcomm launch --keep-going``.
+
+``--kind`` says how the ranks in ``--lose`` (comma-separated world ranks) fail inside the
+second all_sum: ``sigkill``, ``raise``, ``exit`` (sys.exit(3)), ``sigstop`` (the first
+survivor resumes them once the survivors finished; they must then raise, not go on) or
+``split`` (half the survivors see the loss of one rank, half of another: the lost ranks
+wait for different peers before they die). Every survivor catches the error, calls
+``world.shrink()``, checks the new world (its size, its rank in the old order) and prints
+``RESULT ok`` when the next all_sum gives the right sum, ``RESULT WRONG`` otherwise; then
+``AGREE`` with ``world.agree`` of a per-rank flag. Ranks the others gave up on print
+``EXCLUDED <error>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import meshcomm as mc
+
+p = argparse.ArgumentParser()
+p.add_argument("--kind", required=True)
+p.add_argument("--lose", default="1")
+p.add_argument("--elements", type=int, default=16)
+args = p.parse_args()
+lose = sorted(int(r) for r in args.lose.split(","))
+
+world = mc.init(strict=True)
+rank, size = world.rank(), world.size()
+pids = world.all_gather(np.array([os.getpid()], np.int64))
+x = np.full(args.elements, rank + 1, np.float32)
+first = world.all_sum(x)
+assert float(first[0]) == size * (size + 1) / 2
+print("READY", flush=True)
+
+try:
+    if rank in lose:
+        if args.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif args.kind == "raise":
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        elif args.kind == "exit":
+            sys.exit(3)
+        elif args.kind == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif args.kind == "split":
+            time.sleep(0.5 * lose.index(rank))
+            os._exit(9)
+    world.all_sum(x)
+    print("RESULT NO-FAILURE", flush=True)
+except mc.DistributedError as exc:
+    print(f"CAUGHT {type(exc).__name__} peer={getattr(exc, 'peer', None)}", flush=True)
+
+t0 = time.monotonic()
+try:
+    world = world.shrink()
+except mc.CommTimeoutError as exc:
+    print(f"EXCLUDED {exc}", flush=True)
+    sys.exit(1)
+print(f"SHRUNK in {time.monotonic() - t0:.3f} s", flush=True)
+survivors = [r for r in range(size) if r not in lose]
+ok = world.size() == len(survivors) and world.rank() == survivors.index(rank)
+total = world.all_sum(np.full(args.elements, rank + 1, np.float32))
+want = sum(r + 1 for r in survivors)
+ok = ok and bool(np.all(total == want))
+print(f"FIRST-COLLECTIVE {time.monotonic() - t0:.3f} s", flush=True)
+print(f"RESULT {'ok' if ok else 'WRONG'} size={world.size()} rank={world.rank()} sum={float(total[0])}", flush=True)
+agreed = world.agree(rank % 2 == 0)
+print(f"AGREE {agreed}", flush=True)
+world.barrier()
+if args.kind == "sigstop" and world.rank() == 0:
+    for r in lose:
+        os.kill(int(pids[r]), signal.SIGCONT)
