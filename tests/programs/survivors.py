@@ -7,7 +7,8 @@ survivor resumes them once the survivors finished; they must then raise, not go 
 wait for different peers before they die). Every survivor catches the error, calls
 ``world.shrink()``, checks the new world (its size, its rank in the old order) and prints
 ``RESULT ok`` when the next all_sum gives the right sum, ``RESULT WRONG`` otherwise; then
-``AGREE`` with ``world.agree`` of a per-rank flag. Ranks the others gave up on print
+``AGREE True False 5`` from three ``world.agree`` calls (all true; false on one rank;
+bitwise AND of 0b0111 and 0b1101). Ranks the others gave up on print
 ``EXCLUDED <error>``.
 """
 
@@ -27,6 +28,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--kind", required=True)
 p.add_argument("--lose", default="1")
 p.add_argument("--elements", type=int, default=16)
+p.add_argument("--marker", default="", help="ignored: names the job's processes for the test")
 args = p.parse_args()
 lose = sorted(int(r) for r in args.lose.split(","))
 
@@ -40,6 +42,7 @@ print("READY", flush=True)
 
 try:
     if rank in lose:
+        print(f"DYING at {time.time():.6f}", flush=True)
         if args.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif args.kind == "raise":
@@ -49,9 +52,13 @@ try:
         elif args.kind == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif args.kind == "split":
-            time.sleep(0.5 * lose.index(rank))
+            time.sleep(0.3)
             os._exit(9)
-    world.all_sum(x)
+    if args.kind == "split":  # half the survivors wait on one lost rank, half on the other
+        alive = [r for r in range(size) if r not in lose]
+        world.recv((1,), np.float32, lose[alive.index(rank) % 2])
+    else:
+        world.all_sum(x)
     print("RESULT NO-FAILURE", flush=True)
 except mc.DistributedError as exc:
     print(f"CAUGHT {type(exc).__name__} peer={getattr(exc, 'peer', None)}", flush=True)
@@ -68,10 +75,9 @@ ok = world.size() == len(survivors) and world.rank() == survivors.index(rank)
 total = world.all_sum(np.full(args.elements, rank + 1, np.float32))
 want = sum(r + 1 for r in survivors)
 ok = ok and bool(np.all(total == want))
-print(f"FIRST-COLLECTIVE {time.monotonic() - t0:.3f} s", flush=True)
+print(f"FIRST-COLLECTIVE {time.monotonic() - t0:.3f} s, at {time.time():.6f}", flush=True)
 print(f"RESULT {'ok' if ok else 'WRONG'} size={world.size()} rank={world.rank()} sum={float(total[0])}", flush=True)
-agreed = world.agree(rank % 2 == 0)
-print(f"AGREE {agreed}", flush=True)
+print(f"AGREE {world.agree(True)} {world.agree(world.rank() != 0)} {world.agree(0b1101 if world.rank() else 0b0111)}", flush=True)
 world.barrier()
 if args.kind == "sigstop" and world.rank() == 0:
     for r in lose:

@@ -78,6 +78,11 @@ class GlooBackend(Backend):
 
     #: results go straight into callers' out= arrays (gloo reduces in place there)
     direct_out = True
+    #: why agree/shrink raise NotSupportedError here
+    survival_hint = (
+        "meshcomm-gloo cannot rebuild its process group among the survivors yet (its rendezvous "
+        "store is usually served by rank 0 and a dropped group with a pending operation blocks until MLX_TIMEOUT)"
+    )
 
     def __init__(
         self,

@@ -69,6 +69,12 @@ class MPIBackend(Backend):
     pipelines_calls = True
     #: results go straight into callers' out= arrays (out=x: MPI_IN_PLACE)
     direct_out = True
+    #: why agree/shrink raise NotSupportedError here
+    survival_hint = (
+        "meshcomm-mpi does not run under MPI's fault tolerance (ULFM) yet: the Open MPI and MPICH "
+        "wheels have MPIX_Comm_agree/shrink, but the job must start with it (mpiexec --with-ft ulfm; "
+        "MPICH: -disable-auto-cleanup) and the backend must revoke and shrink its communicators"
+    )
 
     def __init__(
         self,

@@ -837,7 +837,8 @@ class Fabric:
         meanwhile (the peers may have given up on this rank: it must not go on as if not)."""
         if self.failure is not None:
             raise _again(self.failure)
-        if _resumed[0] != self._resume_seen:
+        if _resumed[0] != self._resume_seen and not any(lk.cur is not None for lk in self.links.values()):
+            # (between frames only: a rank resumed in the middle of one finishes it first)
             self._resume_seen = _resumed[0]
             exc = self.pending_abort()
             if exc is not None:

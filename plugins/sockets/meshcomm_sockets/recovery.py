@@ -161,8 +161,10 @@ class Channel:
             if not poller.poll(max(0.0, left) * 1000):
                 self._lose(q, silent=True)
                 return None
+            # never past this message: what follows a DECIDED may be the next world's first frame
+            need = _LEN.size + (_LEN.unpack_from(side.buf)[0] + _TAG if len(side.buf) >= _LEN.size else 0)
             try:
-                chunk = sock.recv(65536)
+                chunk = sock.recv(need - len(side.buf))
             except OSError:
                 chunk = b""
             if not chunk:

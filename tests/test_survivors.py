@@ -1,0 +1,93 @@
+"""Survivors continue (docs/errors-and-failures.md#survivors-continue): real jobs under
+``meshcomm launch --keep-going`` in which ranks fail in each way people hit, and every
+survivor shrinks the world, gets the right sum from the smaller world, and agrees.
+
+Each job runs tests/programs/survivors.py; the test reads only its output and exit status:
+every survivor prints ``RESULT ok`` with the new size and its rank in the old order, the
+same ``AGREE`` line, and the launcher exits 0 naming the lost ranks. A stopped rank, once
+resumed, must raise (``EXCLUDED``) instead of going on alone; no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "programs" / "survivors.py"
+MLX_TIMEOUT = 3
+LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
+
+#: (ranks, how they fail, which ranks fail)
+CASES = {
+    "sigkill-1-of-4": (4, "sigkill", [1]),
+    "raise-1-of-4": (4, "raise", [1]),
+    "exit-1-of-4": (4, "exit", [1]),
+    "sigstop-1-of-4": (4, "sigstop", [1]),
+    "sigkill-2-of-6": (6, "sigkill", [1, 4]),
+    "different-failures-seen": (6, "split", [1, 4]),
+    "rank-0-lost": (4, "sigkill", [0]),
+}
+
+
+def _processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip() and "pgrep" not in line]
+
+
+def _kill_all(marker: str) -> None:
+    for line in _processes(marker):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(int(line.split()[0]), sig)
+            except ProcessLookupError:
+                pass
+
+
+def _run(n: int, kind: str, lose: list[int]) -> tuple[int, dict[int, list[str]], str]:
+    marker = f"mcsv-{uuid.uuid4().hex[:12]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
+    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "sockets", "--keep-going"]
+    cmd += ["--timeout", str(MLX_TIMEOUT), "--", str(PROGRAM), "--kind", kind, "--lose", ",".join(map(str, lose))]
+    cmd += ["--marker", marker]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT, env=env)
+    finally:
+        _kill_all(marker)
+    lines: dict[int, list[str]] = {r: [] for r in range(n)}
+    for line in proc.stdout.splitlines():
+        m = LINE.match(line)
+        if m:
+            lines[int(m.group(1))].append(m.group(2))
+    assert not _processes(marker), "processes of the job were left behind"
+    return proc.returncode, lines, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_survivors_shrink_and_go_on(case: str) -> None:
+    n, kind, lose = CASES[case]
+    rc, lines, shown = _run(n, kind, lose)
+    survivors = [r for r in range(n) if r not in lose]
+    assert rc == 0, shown
+    agreed = set()
+    for new, r in enumerate(survivors):
+        got = lines[r]
+        assert any(g.startswith(("CAUGHT PeerLostError", "CAUGHT CommTimeoutError")) for g in got), (r, shown)
+        want = sum(q + 1 for q in survivors)
+        assert f"RESULT ok size={len(survivors)} rank={new} sum={float(want)}" in got, (r, shown)
+        agree = [g for g in got if g.startswith("AGREE ")]
+        assert agree == ["AGREE True False 5"], (r, shown)
+        agreed.add(agree[0])
+    assert len(agreed) == 1
+    for r in lose:
+        assert not any(g.startswith("RESULT") for g in lines[r]), (r, shown)
+        if kind == "sigstop":  # resumed after the others went on: it raises, never continues alone
+            assert any(g.startswith("EXCLUDED") and "gave up on this rank" in g for g in lines[r]), shown
+    assert f"ranks lost during the job: {lose[0]}" in shown
