@@ -20,9 +20,8 @@ import signal
 import sys
 import time
 
-import numpy as np
-
 import meshcomm as mc
+import numpy as np
 
 p = argparse.ArgumentParser()
 p.add_argument("--kind", required=True)
@@ -77,7 +76,8 @@ want = sum(r + 1 for r in survivors)
 ok = ok and bool(np.all(total == want))
 print(f"FIRST-COLLECTIVE {time.monotonic() - t0:.3f} s, at {time.time():.6f}", flush=True)
 print(f"RESULT {'ok' if ok else 'WRONG'} size={world.size()} rank={world.rank()} sum={float(total[0])}", flush=True)
-print(f"AGREE {world.agree(True)} {world.agree(world.rank() != 0)} {world.agree(0b1101 if world.rank() else 0b0111)}", flush=True)
+agreed = (world.agree(True), world.agree(world.rank() != 0), world.agree(0b1101 if world.rank() else 0b0111))
+print("AGREE", *agreed, flush=True)
 world.barrier()
 if args.kind == "sigstop" and world.rank() == 0:
     for r in lose:
