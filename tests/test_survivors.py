@@ -51,12 +51,14 @@ def _kill_all(marker: str) -> None:
                 pass
 
 
-def _run(n: int, kind: str, lose: list[int]) -> tuple[int, dict[int, list[str]], str]:
+def _run(
+    n: int, kind: str, lose: list[int], launch_args: tuple[str, ...] = (), prog_args: tuple[str, ...] = ()
+) -> tuple[int, dict[int, list[str]], str]:
     marker = f"mcsv-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "sockets", "--keep-going"]
-    cmd += ["--timeout", str(MLX_TIMEOUT), "--", str(PROGRAM), "--kind", kind, "--lose", ",".join(map(str, lose))]
-    cmd += ["--marker", marker]
+    cmd += ["--timeout", str(MLX_TIMEOUT), *launch_args, "--", str(PROGRAM), "--kind", kind]
+    cmd += ["--lose", ",".join(map(str, lose)), "--marker", marker, *prog_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT, env=env)
     finally:
@@ -91,3 +93,19 @@ def test_survivors_shrink_and_go_on(case: str) -> None:
         if kind == "sigstop":  # resumed after the others went on: it raises, never continues alone
             assert any(g.startswith("EXCLUDED") and "gave up on this rank" in g for g in lines[r]), shown
     assert f"ranks lost during the job: {lose[0]}" in shown
+
+
+def test_a_replacement_joins_and_a_stranger_cannot() -> None:
+    """Rank 1 of 4 is killed; the launcher starts a replacement (--restart-lost 1), the three
+    survivors shrink, go on, then call grow() until it is admitted: the world of 4 is whole
+    again (a sum over all, rank 0's state broadcast to the newcomer, an agreement). Then a
+    process with the job's addresses but another secret tries to join while the world keeps
+    calling grow(): it times out and the world stays at 4."""
+    rc, lines, shown = _run(4, "sigkill", [1], ("--restart-lost", "1"), ("--grow", "--stranger"))
+    assert rc == 0, shown
+    assert "JOINED as rank 3 of 4" in lines[1], shown  # the replacement prints under its slot's prefix
+    for r, new in ((0, 0), (2, 1), (3, 2), (1, 3)):
+        assert f"GROWN ok size=4 rank={new} agree=True" in lines[r], (r, shown)
+        assert "AFTER-STRANGER size=4 agree=True" in lines[r], (r, shown)
+    assert "STRANGER rc=1 joined=False timeout=True" in lines[0], shown
+    assert "starting a replacement that joins when the others call grow() (1 of 1)" in shown

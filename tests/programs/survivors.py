@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -28,8 +29,47 @@ p.add_argument("--kind", required=True)
 p.add_argument("--lose", default="1")
 p.add_argument("--elements", type=int, default=16)
 p.add_argument("--marker", default="", help="ignored: names the job's processes for the test")
+p.add_argument("--grow", action="store_true", help="then wait for the launcher's replacements and grow back")
+p.add_argument("--stranger", action="store_true", help="then a process with another secret tries to join")
 args = p.parse_args()
 lose = sorted(int(r) for r in args.lose.split(","))
+
+
+def grown(world: mc.Group) -> None:
+    """The whole world again: a sum over every rank, state from rank 0, an agreement."""
+    total = world.all_sum(np.full(args.elements, world.rank() + 1, np.float32))
+    state = world.broadcast(np.arange(4, dtype=np.int64) * 7, root=0)
+    good = bool(np.all(total == sum(range(1, world.size() + 1)))) and state.tolist() == [0, 7, 14, 21]
+    print(f"GROWN {'ok' if good else 'WRONG'} size={world.size()} rank={world.rank()} agree={world.agree(True)}")
+    sys.stdout.flush()
+
+
+def stranger_phase(world: mc.Group) -> None:
+    """Rank 0 starts a process with the job's addresses but not its secret; the world calls
+    grow() past the stranger's MLX_TIMEOUT and must stay as it is."""
+    stranger = None
+    if world.rank() == 0:
+        env = {k: v for k, v in os.environ.items() if k != "MESHCOMM_SOCKETS_LISTEN_FD"}
+        env.update(MESHCOMM_JOIN="1", MESHCOMM_JOB_SECRET="not-the-job-secret", MLX_TIMEOUT="2")
+        argv = [sys.executable, __file__, "--kind", args.kind, "--marker", args.marker]
+        stranger = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3:
+        world = world.grow()
+        time.sleep(0.05)
+    if stranger is not None:
+        out = stranger.communicate(timeout=30)[0]
+        print(f"STRANGER rc={stranger.returncode} joined={'JOINED' in out} timeout={'CommTimeoutError' in out}")
+    print(f"AFTER-STRANGER size={world.size()} agree={world.agree(True)}", flush=True)
+
+
+if os.environ.get("MESHCOMM_JOIN") == "1":  # a replacement the launcher started: it joins when the others grow
+    world = mc.init(strict=True)
+    print(f"JOINED as rank {world.rank()} of {world.size()}", flush=True)
+    grown(world)
+    if args.stranger:
+        stranger_phase(world)
+    sys.exit(0)
 
 world = mc.init(strict=True)
 rank, size = world.rank(), world.size()
@@ -79,6 +119,15 @@ print(f"RESULT {'ok' if ok else 'WRONG'} size={world.size()} rank={world.rank()}
 agreed = (world.agree(True), world.agree(world.rank() != 0), world.agree(0b1101 if world.rank() else 0b0111))
 print("AGREE", *agreed, flush=True)
 world.barrier()
-if args.kind == "sigstop" and world.rank() == 0:
+if args.grow:
+    t0 = time.monotonic()
+    while world.size() < size and time.monotonic() - t0 < 60:
+        world = world.grow()  # admits whoever waits now; nobody: the same world, at once
+        time.sleep(0.02)
+    print(f"GREW to {world.size()} in {time.monotonic() - t0:.3f} s", flush=True)
+    grown(world)
+if args.stranger:
+    stranger_phase(world)
+if args.kind == "sigstop" and world.rank() == 0:  # resume the stopped ranks: they must raise, not go on
     for r in lose:
         os.kill(int(pids[r]), signal.SIGCONT)

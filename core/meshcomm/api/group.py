@@ -35,7 +35,7 @@ from .objects import ObjectSeal
 from .persistent import Persistent
 from .work import Work, WorldWorker
 
-__all__ = ["Group", "as_array", "DEFAULT_MAX_OBJECT_BYTES"]
+__all__ = ["Group", "as_array", "world_ident", "DEFAULT_MAX_OBJECT_BYTES"]
 
 T = TypeVar("T")
 
@@ -277,7 +277,25 @@ class Group:
         if self._size == 1:
             return self
         self._survivable("shrink")
-        backend = self._submit("shrink", self._b.shrink, False)
+        return self._replace_by(self._submit("shrink", self._b.shrink, False))
+
+    def grow(self) -> Group:
+        """Admit the newcomers waiting to join this world (processes that called
+        ``mc.init(join=True)``, e.g. replacements ``meshcomm launch --restart-lost`` started):
+        the larger world, the old ranks first in their order, the newcomers after them. Every
+        rank of the world calls it at a point of its choosing (say, between epochs); with
+        nobody waiting it returns this world at once. Like :meth:`shrink` it replaces the
+        world (the old one and its splits are closed). A process without the job's secret
+        cannot join."""
+        if not self._is_world:
+            raise NotSupportedError(f"{self._who}: grow() is called on the world, not on {self._where()}")
+        self._survivable("grow")
+        backend = self._submit("grow", self._b.grow, False)
+        return self if backend is None else self._replace_by(backend)
+
+    def _replace_by(self, backend: Backend) -> Group:
+        """The world of ``backend``, in this world's place: this one and its splits closed."""
+        root = self._ident.split("/epoch", 1)[0]
         new = Group(
             backend,
             self._name,
@@ -285,7 +303,7 @@ class Group:
             label=self._label,
             check_calls=self._check_calls,
             max_object_bytes=self._max_object_bytes,
-            _ident=f"{self._ident}/shrunk",
+            _ident=world_ident(root, backend),
         )
         with self._world.lock:
             self._closed = self._world.closed = True
@@ -933,6 +951,13 @@ class Group:
             if self._piped:  # a key no collective carried (an argument error) must not reach the next call
                 self._moves.call_key = None
             self._guard.leave(ticket, op, self._who, ok)
+
+
+def world_ident(root: str, backend: Backend) -> str:
+    """A world's name for sealed object payloads, the same on all its ranks: ``root`` names
+    the job's world (``sockets/world1``), the backend's epoch how often it was rebuilt, so a
+    newcomer's world is named as the others' (``sockets/world1/epoch2``)."""
+    return f"{root}/epoch{backend.epoch}" if backend.epoch else root
 
 
 def _flag(flag: Any) -> int:

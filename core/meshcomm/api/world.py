@@ -10,7 +10,7 @@ from ..protocol.backend import Backend
 from ..protocol.memory import keep_freed_memory
 from ..runtime import exits
 from ..runtime.registry import BackendInfo, get_registry
-from .group import Group
+from .group import Group, world_ident
 
 if TYPE_CHECKING:
     from ..runtime.config import Config
@@ -67,7 +67,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             debug=config.debug,
             check_calls=config.check_calls,
             max_object_bytes=config.max_object_bytes,
-            _ident=f"{started}/world{_started}",
+            _ident=world_ident(f"{started}/world{_started}", transport),
         )
         if started != "single":
             registry.world_started(config, group)  # the tracer and the stall inspector attach here

@@ -71,6 +71,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a rank that fails or is killed does not end the job: the others may go on in a smaller world "
         "(Group.shrink); exit 0 when some rank exits 0",
     )
+    p.add_argument(
+        "--restart-lost",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start up to N replacements for ranks that fail (implies --keep-going); each joins the job when "
+        "the others call Group.grow()",
+    )
     p.add_argument("--verbose", action="store_true", help="print the commands that start each rank")
     p.add_argument("--cwd", default=None, help="working directory of every rank (default: this one)")
     p.add_argument("--python", default=None, help="interpreter for .py programs (default: this one)")
@@ -94,6 +102,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         hosts = read_launch_hostfile(args.hostfile)
     elif args.hosts:
         hosts = parse_hosts_arg(args.hosts)
+    if args.restart_lost < 0:
+        raise ConfigError(f"--restart-lost {args.restart_lost}: must be 0 or more")
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise ConfigError(f"--ranks-per-host {args.ranks_per_host}: must be at least 1")
     return LaunchOptions(
@@ -114,6 +124,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         log_dir=args.log_dir,
         trace=args.trace,
         keep_going=args.keep_going,
+        restart_lost=args.restart_lost,
     )
 
 

@@ -51,6 +51,9 @@ class LaunchOptions:
     #: a rank that fails does not end the job: the others may shrink and go on; the job
     #: exits 0 when some rank exited 0 (the lost ones are listed)
     keep_going: bool = False
+    #: start up to this many replacements for ranks that fail (implies ``keep_going``); each
+    #: joins (``MESHCOMM_JOIN=1``) when the others call ``Group.grow()``
+    restart_lost: int = 0
 
     def backend_choice(self, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
         """The backend's name and where it came from, first that is set: ``--backend``,

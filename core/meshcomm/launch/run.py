@@ -150,6 +150,12 @@ def launch(options: LaunchOptions) -> int:
     n = job_size(options.nranks, host_list, options.ranks_per_host)
     places = place_ranks(n, host_list, options.ranks_per_host, local_ranks=getattr(starter, "local_ranks", True))
     _check_before_start(options, spec, places, n)
+    if options.restart_lost and (external or any(p.host is not None for p in places)):
+        raise ConfigError(
+            f"--restart-lost {options.restart_lost}: replacements are started for ranks on this machine under "
+            "a backend meshcomm launch starts itself (sockets); this job "
+            + ("runs under mpiexec" if external else "has ranks on other hosts")
+        )
     if all(p.host is None for p in places):
         argv = own_python_program(argv, interpreter)
     output = RankOutput(options.prefix, n, options.log_dir)
@@ -226,7 +232,8 @@ def launch(options: LaunchOptions) -> int:
             for host, ranks in by_host.items()
         ]
         assert starter is not None
-        return _run_ranks(job, starter, host_starts, output, runner, options.keep_going)
+        keep_going = options.keep_going or bool(options.restart_lost)
+        return _run_ranks(job, starter, host_starts, output, runner, keep_going, options.restart_lost)
     finally:
         output.close()
         job.cleanup()
@@ -326,7 +333,13 @@ def _record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _run_ranks(
-    job: Job, starter: Starter, hosts: list[HostStart], output: RankOutput, runner: bool, keep_going: bool = False
+    job: Job,
+    starter: Starter,
+    hosts: list[HostStart],
+    output: RankOutput,
+    runner: bool,
+    keep_going: bool = False,
+    restart_lost: int = 0,
 ) -> int:
     sessions: list[Session] = []
 
@@ -358,9 +371,13 @@ def _run_ranks(
                 watch.note_exits(sorted(statuses().items()))
                 time.sleep(0.02)
 
+        lost: list[Failure] = []  # failures a replacement was started for (--restart-lost)
         while True:
             codes = statuses()
             watch.note_exits(sorted(codes.items()))
+            if len(lost) < restart_lost:
+                _restart(sessions, watch, lost, restart_lost)
+                codes = statuses()
             watch.note_records()
             if intr.signum is not None or all(rc is not None for rc in codes.values()):
                 break
@@ -371,13 +388,12 @@ def _run_ranks(
                 if watch.failures:
                     break
             time.sleep(0.05)
-        if keep_going and intr.signum is None and watch.failures and any(rc == 0 for rc in statuses().values()):
+        gone = [*lost, *watch.failures]
+        if keep_going and intr.signum is None and gone and any(rc == 0 for rc in statuses().values()):
             for s in sessions:
                 s.finish()
-            lost = ", ".join(
-                f"{f.rank} ({describe_status(f.status)})" for f in sorted(watch.failures, key=lambda f: f.rank)
-            )
-            say(f"meshcomm launch: ranks lost during the job: {lost}; the others went on and exited 0\n")
+            names = ", ".join(f"{f.rank} ({describe_status(f.status)})" for f in sorted(gone, key=lambda f: f.rank))
+            say(f"meshcomm launch: ranks lost during the job: {names}; the others went on and exited 0\n")
             return 0
         if watch.failures and intr.signum is None and not watch.stacks_requested:
             # The other ranks usually end of this failure on their own (PeerLostError) within
@@ -408,6 +424,26 @@ def _run_ranks(
         say(f"meshcomm launch: rank {verdict.rank}{where} {verdict.text}{others}\n")
         return verdict.code
     return 0
+
+
+def _restart(sessions: list[Session], watch: _Watch, lost: list[Failure], limit: int) -> None:
+    """Start a replacement for each newly failed rank while ``limit`` allows (``--restart-lost``):
+    the same program and environment, with ``MESHCOMM_JOIN=1``, so it joins when the
+    others call ``grow()``."""
+    for f in list(watch.failures):
+        if len(lost) >= limit:
+            return
+        session = next((s for s in sessions if f.rank in s.ranks), None)
+        restart = getattr(session, "restart", None)
+        if restart is None:
+            continue
+        watch.failures.remove(f)
+        lost.append(f)
+        say(
+            f"meshcomm launch: rank {f.rank} {describe_status(f.status)}; starting a replacement that joins when "
+            f"the others call grow() ({len(lost)} of {limit})\n"
+        )
+        restart(f.rank)
 
 
 def _stop(sessions: list[Session], statuses: Callable[[], dict[int, int | None]]) -> None:

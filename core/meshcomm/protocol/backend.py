@@ -84,6 +84,9 @@ class Backend(abc.ABC):
     survives_failures: bool = False
     #: when :attr:`survives_failures` is False: what is missing, for the error users see
     survival_hint: str = ""
+    #: how many times the job's world was rebuilt (shrink, grow) before this one: the same on
+    #: every rank of a world, a newcomer's too
+    epoch: int = 0
 
     #: True when the transport carries the core's call check with the data instead of the
     #: core running it as a separate all-reduce before each collective: before a collective
@@ -280,6 +283,13 @@ class Backend(abc.ABC):
         their old order; this backend is spent. Only on a world, not on a split of one. The
         default raises :class:`NotSupportedError`."""
         raise NotSupportedError(f"the {type(self).__name__} transport cannot shrink a group after a failure")
+
+    def grow(self) -> Backend | None:
+        """Admit the newcomers waiting to join (processes started with ``join=True``): the
+        larger world, old ranks first in their order, or None when nobody waits (this world
+        goes on). Every rank of a world calls it; this backend is spent when it returns a
+        world. The default raises :class:`NotSupportedError`."""
+        raise NotSupportedError(f"the {type(self).__name__} transport cannot admit new ranks")
 
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed (an uncaught exception, or exit code ``code``).

@@ -208,6 +208,13 @@ class Config(Settings):
         le=MAX_TIMEOUT,
         allow_inf_nan=False,
     )
+    join: bool = setting(
+        False,
+        env="MESHCOMM_JOIN",
+        accepts="1/0, true/false, yes/no, on/off",
+        description="this process joins a running job as a new rank when the job's ranks call grow() "
+        "(meshcomm launch --restart-lost sets it for the replacements it starts)",
+    )
     debug: bool = setting(
         False,
         env="MLX_DEBUG",

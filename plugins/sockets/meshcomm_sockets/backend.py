@@ -285,6 +285,38 @@ class SocketsBackend(MeshGroup):
         finally:
             self._retire()
 
+    def grow(self) -> Backend | None:
+        from .joining import admit_waiting, announce, grow_world, share
+
+        recovery = self._recovery("grow")
+        self.fabric.check()  # a world that failed shrinks first
+        joiners = admit_waiting(recovery) if self.rank() == 0 else []
+        try:
+            newcomers = share(self, joiners)
+        except BaseException:
+            for j in joiners:
+                j.conn.sock.close()
+            raise
+        if not newcomers:
+            return None
+        peers = [*recovery.peers, *newcomers]
+        if joiners:
+            announce(joiners, recovery, peers)
+        self.recovery = None  # the listener goes on with the next world
+        try:
+            conns, nxt = grow_world(recovery, self.rank(), peers, recovery.epoch + 1)
+            return recovery.build(self.rank(), peers, conns, nxt)  # type: ignore[return-value]
+        except BaseException:
+            recovery.close()
+            raise
+        finally:
+            self._retire()
+
+    @property
+    def epoch(self) -> int:  # type: ignore[override]
+        """How many times this job's world was rebuilt (shrink, grow) before this one."""
+        return self.recovery.epoch if self.recovery is not None else 0
+
     def _retire(self) -> None:
         """Drop this world's connections and memory without telling anyone (its survivors
         are in the next world; the lost ones are gone)."""

@@ -334,7 +334,8 @@ def _admit(
         wire.STATUS_WORLD: f"it thinks the job has {h.world} ranks, this rank has {world}; every rank must use "
         "the same hostfile",
     }.get(status, wire.STATUS_TEXT[status])
-    log.warning(
+    log.log(
+        logging.INFO if _later(h.version) or _later(version) else logging.WARNING,
         "meshcomm sockets rank %d: rejected %s claiming rank %d of %d (target %d): %s",
         rank,
         addr[:2],
@@ -343,11 +344,17 @@ def _admit(
         h.target,
         what,
     )
-    if status in (wire.STATUS_VERSION, wire.STATUS_WORLD):
+    if status in (wire.STATUS_VERSION, wire.STATUS_WORLD) and not (_later(h.version) or _later(version)):
         if secret:
             raise DistributedError(f"rank {rank}: rank {h.rank} (at {addr[0]}) cannot join: {what}.")
         refused.append(f"{addr[0]} claiming rank {h.rank} was refused: {what}")
     return None
+
+
+def _later(version: str) -> bool:
+    """A handshake of a job's later phases (a newcomer's join, a recovery, a rebuilt world):
+    one of them meeting another is a straggler of the job, turned away, not a version skew."""
+    return any(tag in version for tag in ("; join", "; recovery ", "; world "))
 
 
 def _accept_all(

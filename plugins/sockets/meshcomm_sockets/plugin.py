@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 from importlib import metadata
 from typing import TYPE_CHECKING, Literal
 
@@ -212,6 +213,15 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         secret = local_key or (settings.secret or "").encode()
         peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
     version = _version(settings.chunk_kib, settings.integrity)
+    start = _seq_start()
+
+    def build(rank: int, world: list[Peer], conns: dict[int, Connection], recovery: Recovery | None) -> Backend:
+        """The world of ``rank`` among ``world`` over ``conns`` (at start-up, and again for
+        the survivors of a failure or with newcomers: :mod:`.recovery`, :mod:`.joining`)."""
+        return _world(config, settings, rank, len(world), conns, local_key, start, recovery)
+
+    if config.join:
+        return _join(config, settings, peers, listener, secret, version, build)
     if listener is None and len(peers) > 1:
         listener = open_listener(config.rank, peers[config.rank], settings.bind, len(peers))
     conns = establish(
@@ -224,17 +234,35 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         listener=listener,
         keep_listener=True,
     )
-    start = _seq_start()
-
-    def build(rank: int, world: list[Peer], conns: dict[int, Connection], recovery: Recovery | None) -> Backend:
-        """The world of ``rank`` among ``world`` over ``conns`` (at start-up, and again for
-        the survivors of a failure: :mod:`.recovery`)."""
-        return _world(config, settings, rank, len(world), conns, local_key, start, recovery)
-
     recovery = None
     if listener is not None:
         recovery = Recovery(peers, config.rank, secret, version, config.timeout, listener, build)
     return build(config.rank, peers, conns, recovery)
+
+
+def _join(
+    config: Config,
+    settings: SocketsSettings,
+    hint: list[Peer],
+    listener: socket.socket | None,
+    secret: bytes,
+    version: str,
+    build: Callable[[int, list[Peer], dict[int, Connection], Recovery | None], Backend],
+) -> Backend:
+    """A newcomer's world: wait until the job's ranks admit it (grow()), then connect to all."""
+    from .connect import open_listener
+    from .hostfile import Peer
+    from .joining import grow_world, join
+    from .recovery import Recovery
+
+    slot = config.rank if config.rank is not None else -1
+    if listener is None:  # the address of its hostfile entry, on a port of its own (the old one may be taken)
+        me = hint[slot] if 0 <= slot < len(hint) else Peer(ip=settings.bind or "127.0.0.1", port=1)
+        listener = open_listener(slot, me.model_copy(update={"port": 0}), settings.bind, len(hint) + 1)
+    rank, peers, epoch = join(hint, slot, secret, version, config.timeout, listener)
+    seed = Recovery(peers, rank, secret, version, config.timeout, listener, build, epoch - 1)
+    conns, recovery = grow_world(seed, rank, peers, epoch)
+    return build(rank, peers, conns, recovery)
 
 
 def _world(

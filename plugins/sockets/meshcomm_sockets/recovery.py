@@ -43,8 +43,9 @@ from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
 from .connect import MAX_PENDING, Connection, _admit, _connect, _greet, _Greeters, _Hello, tune
 from .hostfile import Peer
+from .sockio import recv_exact
 
-__all__ = ["Recovery", "Channel", "Agreement"]
+__all__ = ["Recovery", "Channel", "Agreement", "seal_message", "read_message"]
 
 log = logging.getLogger("meshcomm.sockets")
 
@@ -65,6 +66,25 @@ class Agreement:
 def _agree_key(key: bytes) -> bytes:
     """The key of one direction's agreement messages (apart from its frame key)."""
     return hmac.new(key, b"meshcomm sockets recovery agreement", hashlib.sha256).digest()
+
+
+def seal_message(key: bytes, ctr: int, msg: dict) -> bytes:
+    """One message of a recovery or join connection: length, JSON, HMAC(key, counter || JSON)."""
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    return _LEN.pack(len(body)) + body + hmac.new(key, ctr.to_bytes(8, "little") + body, hashlib.sha256).digest()
+
+
+def read_message(sock: socket.socket, key: bytes, ctr: int, deadline: float, who: str) -> dict:
+    """The message :func:`seal_message` made, read whole by ``deadline`` (TimeoutError,
+    ConnectionError; DistributedError when it fails its authentication)."""
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline, during=f"a message from {who}"))
+    if n > _MAX_MESSAGE:
+        raise DistributedError(f"{who} announced a {n}-byte message")
+    rest = recv_exact(sock, n + _TAG, deadline, during=f"a message from {who}")
+    body, tag = rest[:n], rest[n:]
+    if not hmac.compare_digest(tag, hmac.new(key, ctr.to_bytes(8, "little") + body, hashlib.sha256).digest()):
+        raise DistributedError(f"a message from {who} failed its authentication (changed on the way?)")
+    return json.loads(body)
 
 
 class _Excluded(Exception):
@@ -119,12 +139,11 @@ class Channel:
         side = self.sides.get(q)
         if side is None:
             return
-        body = json.dumps(msg, separators=(",", ":")).encode()
-        tag = hmac.new(side.send_key, side.sent.to_bytes(8, "little") + body, hashlib.sha256).digest()
+        data = seal_message(side.send_key, side.sent, msg)
         side.sent += 1
         try:
             side.out.sock.settimeout(self.timeout)
-            side.out.sock.sendall(_LEN.pack(len(body)) + body + tag)
+            side.out.sock.sendall(data)
         except OSError:
             self._lose(q, silent=False)
 
@@ -182,11 +201,9 @@ class Channel:
         if side is None:
             return
         if silent:
-            body = b'{"t":"excluded"}'
-            tag = hmac.new(side.send_key, side.sent.to_bytes(8, "little") + body, hashlib.sha256).digest()
             try:
                 side.out.sock.settimeout(_EXCLUDE_WAIT)
-                side.out.sock.sendall(_LEN.pack(len(body)) + body + tag)
+                side.out.sock.sendall(seal_message(side.send_key, side.sent, {"t": "excluded"}))
             except OSError:
                 pass
         side.close()
