@@ -10,6 +10,7 @@ resumed, must raise (``EXCLUDED``) instead of going on alone; no process is left
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,3 +111,42 @@ def test_a_replacement_joins_and_a_stranger_cannot() -> None:
         assert "AFTER-STRANGER size=4 agree=True" in lines[r], (r, shown)
     assert "STRANGER rc=1 joined=False timeout=True" in lines[0], shown
     assert "starting a replacement that joins when the others call grow() (1 of 1)" in shown
+
+
+def test_training_loses_a_rank_rejoins_and_follows_the_undisturbed_path(tmp_path: Path) -> None:
+    """examples/train_elastic.py on 4 ranks: rank 2 is killed in step 40, the survivors
+    shrink and go on, the launcher's replacement joins at the next epoch's end
+    (--wait-for 4), and the loss of every step is the undisturbed single-process run's.
+
+    The tolerance follows from the arithmetic: each step's gradient is a float64 all_sum of
+    the ranks' shares, whose order of addition depends on the number of ranks (differences
+    near 1e-16 relative), rounded into float32 parameters; a difference survives only where
+    a value sits at a float32 rounding boundary (one ulp, 6e-8 relative) and 300 steps of
+    such flips stay far below 1e-4."""
+    args = ["--epochs", "10", "--kill-step", "40"]
+    base = tmp_path / "undisturbed.json"
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_elastic.py"), *args, "--curve", str(base)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert single.returncode == 0, single.stdout + single.stderr
+    run = tmp_path / "elastic.json"  # in every rank's argv: it names the job's processes
+    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", "4", "--restart-lost", "1", "--timeout", "20", "--"]
+    cmd += [str(ROOT / "examples" / "train_elastic.py"), *args, "--kill-rank", "2", "--wait-for", "4"]
+    cmd += ["--curve", str(run)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
+    try:
+        job = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    finally:
+        _kill_all(str(run))
+    assert not _processes(str(run)), "processes of the job were left behind"
+    shown = job.stdout[-4000:] + job.stderr[-3000:]
+    assert job.returncode == 0, shown
+    assert "starting a replacement" in shown and "joined as rank 3 of 4" in shown, shown
+    got, want = json.loads(run.read_text()), json.loads(base.read_text())
+    assert got["events"]["lost"] == 40 and got["events"]["rejoined"] > 40, got["events"]
+    assert got["size"][39] == 4 and got["size"][40] == 3 and got["size"][-1] == 4, got["size"]
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-4)

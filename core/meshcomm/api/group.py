@@ -289,6 +289,8 @@ class Group:
         cannot join."""
         if not self._is_world:
             raise NotSupportedError(f"{self._who}: grow() is called on the world, not on {self._where()}")
+        if self._size == 1 and not self._b.survives_failures:  # a process on its own: nobody can join it
+            return self
         self._survivable("grow")
         backend = self._submit("grow", self._b.grow, False)
         return self if backend is None else self._replace_by(backend)
