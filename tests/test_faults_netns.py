@@ -86,7 +86,9 @@ class Job:
     def ns(self, r: int) -> str:
         return self.hosts.names[r // self.per_host]
 
-    def start(self, mode: str, ranks: list[int] | None = None, env: dict[str, str] | None = None) -> None:
+    def start(
+        self, mode: str, ranks: list[int] | None = None, env: dict[str, str] | None = None, argv: list[str] | None = None
+    ) -> None:
         for r in range(self.n) if ranks is None else ranks:
             e = {
                 **os.environ,
@@ -102,7 +104,7 @@ class Job:
                 **(env or {}),
             }
             self.procs[r] = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns(r), sys.executable, PROG, mode],
+                ["ip", "netns", "exec", self.ns(r), sys.executable, *(argv or [PROG, mode])],
                 env=e,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -110,14 +112,15 @@ class Job:
                 cwd=ROOT,
             )
 
-    def wait_ready(self, timeout: float = 60) -> None:
-        """Until every rank printed its first line (it is inside the collective loop)."""
+    def wait_ready(self, timeout: float = 60, word: str = "") -> None:
+        """Until every rank printed its first line (it is inside the collective loop), or the
+        line ``word`` when given."""
         deadline = time.monotonic() + timeout
         for r, p in self.procs.items():
             assert p.stdout is not None
             while True:
                 line = p.stdout.readline()
-                if line.startswith("{") and json.loads(line).get("ready") == r:
+                if (line.strip() == word) if word else (line.startswith("{") and json.loads(line).get("ready") == r):
                     break
                 if not line or time.monotonic() > deadline:
                     _, err = p.communicate(timeout=10)
@@ -328,3 +331,37 @@ def test_port_in_use_on_a_host(hosts4: NetnsHosts, tmp_path: Path) -> None:
     _timing(f"port of rank 0 in use on its host (MLX_TIMEOUT={TIMEOUT}); time from start", took)
     for r in range(3):
         print(f"  rank {r}: {_first_error(results, r)['message'][:220]}")
+
+
+# -- (e) survivors go on after a host is lost ----------------------------------------------------
+
+
+def test_survivors_shrink_when_a_host_is_lost(fresh_hosts: list[NetnsHosts], tmp_path: Path) -> None:
+    """6 ranks on 3 hosts (2 each) sum in a loop; host 2 is lost the way a machine that loses
+    power is: its link goes down first (no reset or FIN ever reaches the others), then its
+    ranks die. The 4 survivors time out on them, shrink (the agreement waits MLX_TIMEOUT for
+    the silent ranks), and their next all_sum gives the sum of the 4."""
+    hosts = _make_hosts(3)
+    fresh_hosts.append(hosts)
+    job = Job(hosts, 6, 2, tmp_path)
+    argv = [str(ROOT / "tests" / "programs" / "survivors.py"), "--kind", "external", "--lose", "4,5"]
+    job.start("", env={"MLX_TIMEOUT": "3"}, argv=argv)
+    job.wait_ready(word="READY")
+    time.sleep(0.3)
+    subprocess.run(["ip", "-n", hosts.names[2], "link", "set", "eth0", "down"], check=True, timeout=30)
+    for r in (4, 5):
+        os.kill(job.procs[r].pid, signal.SIGKILL)
+    t_fault = time.time()
+    results = job.finish()
+    for new, r in enumerate(range(4)):
+        rc, out, err = results[r]
+        assert rc == 0, (r, out[-3000:], err[-3000:])
+        assert f"RESULT ok size=4 rank={new} sum=10.0" in out, (r, out[-3000:])
+        assert "AGREE True False 5" in out, (r, out[-3000:])
+    firsts = {
+        r: float(line.rsplit(" ", 1)[1]) - t_fault
+        for r in range(4)
+        for line in results[r][1].splitlines()
+        if line.startswith("FIRST-COLLECTIVE")
+    }
+    _timing("host 2 of 3 lost (link down, then its 2 ranks killed), MLX_TIMEOUT=3: first all_sum of the 4", firsts)

@@ -4,7 +4,8 @@
 second all_sum: ``sigkill``, ``raise``, ``exit`` (sys.exit(3)), ``sigstop`` (the first
 survivor resumes them once the survivors finished; they must then raise, not go on) or
 ``split`` (half the survivors see the loss of one rank, half of another: the lost ranks
-wait for different peers before they die). Every survivor catches the error, calls
+wait for different peers before they die) or ``external`` (every rank sums in a loop until
+the test takes the lost ranks away, e.g. their host's network and processes). Every survivor catches the error, calls
 ``world.shrink()``, checks the new world (its size, its rank in the old order) and prints
 ``RESULT ok`` when the next all_sum gives the right sum, ``RESULT WRONG`` otherwise; then
 ``AGREE True False 5`` from three ``world.agree`` calls (all true; false on one rank;
@@ -93,6 +94,10 @@ try:
         elif args.kind == "split":
             time.sleep(0.3)
             os._exit(9)
+    if args.kind == "external":  # the test takes the lost ranks' host away while every rank sums
+        while True:
+            world.all_sum(x)
+            time.sleep(0.01)
     if args.kind == "split":  # half the survivors wait on one lost rank, half on the other
         alive = [r for r in range(size) if r not in lose]
         world.recv((1,), np.float32, lose[alive.index(rank) % 2])

@@ -244,8 +244,12 @@ class SocketsBackend(MeshGroup):
                 if not self._owner
                 else f"rank {self.fabric.rank}: {what}: this world was already replaced by shrink(); use the new one"
             )
-        failure = self.fabric.failure
-        if isinstance(failure, CommTimeoutError) and failure.peer == self.fabric.rank:
+        failure = self.fabric.failure or self.fabric.pending_abort()
+        # named by a peer's timeout while this process itself did not run (stopped, starved): the
+        # others went on without it (named without that, it may only be blamed for a third
+        # rank's silence: the agreement finds out)
+        stalled = self.fabric.stalled_error("") is not None
+        if isinstance(failure, CommTimeoutError) and failure.peer == self.fabric.rank and stalled:
             raise CommTimeoutError(
                 f"rank {self.fabric.rank}: {what}: the other ranks gave up on this rank earlier ({failure}); "
                 "they went on without it",
@@ -254,9 +258,8 @@ class SocketsBackend(MeshGroup):
         return self.recovery
 
     def _suspects(self) -> set[int]:
-        """Ranks this world stopped hearing from (a timeout names one), given to the
-        agreement so that it does not wait for them again; a closed connection is not
-        taken on trust (a live peer's close can look the same): the agreement tests it."""
+        """Ranks this world stopped hearing from (a timeout names one): the agreement waits
+        for them only briefly (recovery.SUSPECT_GRACE), not MLX_TIMEOUT again."""
         failure = self.fabric.failure
         if isinstance(failure, CommTimeoutError) and failure.peer is not None and failure.peer != self.fabric.rank:
             return {failure.peer}

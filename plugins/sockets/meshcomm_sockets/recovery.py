@@ -53,6 +53,9 @@ _LEN = struct.Struct("<I")
 _TAG = 32
 _MAX_MESSAGE = 1 << 20  # bytes of one agreement message (a lost set of ~100 000 ranks)
 _EXCLUDE_WAIT = 0.2  # seconds an EXCLUDED notice may take to leave (the peer may be stopped)
+#: seconds a recovery waits for a rank this one timed out on (it is stopped, cut off, or was
+#: only blamed for a third rank's silence: then it is in its own recovery within milliseconds)
+SUSPECT_GRACE = 0.5
 
 
 @dataclass(frozen=True)
@@ -331,21 +334,26 @@ class Recovery:
     epoch: int = 0
     channel: Channel | None = None
 
-    def open_channel(self, lost: set[int]) -> Channel:
-        """Connect to every rank not in ``lost`` both ways (see the module's docstring)."""
+    def open_channel(self, suspects: set[int]) -> Channel:
+        """Connect to every other rank both ways (see the module's docstring). ``suspects``
+        (ranks this one timed out on) are waited for only :data:`SUSPECT_GRACE` seconds: a
+        live one (blamed for a third rank's silence) is in its recovery by then too."""
         if self.channel is not None:
             return self.channel
         me, world = self.rank, len(self.peers)
         version = f"{self.version}; recovery {self.epoch}"
-        deadline = time.monotonic() + self.timeout
-        wanted = {q for q in range(world) if q != me and q not in lost}
+        start = time.monotonic()
+        deadline = start + self.timeout
+        grace = start + min(SUSPECT_GRACE, self.timeout)
+        wanted = {q for q in range(world) if q != me}
         out: dict[int, Connection] = {}
         gone: dict[int, bool] = {}  # rank -> silent (True) or closed/refused (False)
         lock = threading.Lock()
 
         def dial(q: int) -> None:
+            until = grace if q in suspects else deadline
             try:
-                c = _connect(me, world, q, self.peers[q], self.secret, version, deadline, self.timeout, patient=False)
+                c = _connect(me, world, q, self.peers[q], self.secret, version, until, self.timeout, patient=False)
             except PeerLostError:
                 with lock:
                     gone[q] = False
@@ -360,11 +368,11 @@ class Recovery:
         dialers = [threading.Thread(target=dial, args=(q,), name="meshcomm-recovery", daemon=True) for q in wanted]
         for t in dialers:
             t.start()
-        inc = self._accept(wanted, version, deadline, gone, lock)
+        inc = self._accept(wanted, version, deadline, gone, lock, suspects, grace)
         for t in dialers:
             t.join()
         sides: dict[int, _Side] = {}
-        lost = set(lost)
+        lost: set[int] = set()
         silent: set[int] = set()
         for q in sorted(wanted):
             if q in out and q in inc:
@@ -382,10 +390,18 @@ class Recovery:
         return channel
 
     def _accept(
-        self, wanted: set[int], version: str, deadline: float, gone: dict[int, bool], lock: threading.Lock
+        self,
+        wanted: set[int],
+        version: str,
+        deadline: float,
+        gone: dict[int, bool],
+        lock: threading.Lock,
+        suspects: set[int],
+        grace: float,
     ) -> dict[int, Connection]:
         """Accept the connection of every rank in ``wanted`` that is not found gone, until
-        ``deadline``; strangers are challenged on their own threads and turned away."""
+        ``deadline`` (``suspects`` until ``grace``); strangers are challenged on their own
+        threads and turned away."""
         me, world = self.rank, len(self.peers)
         pending = set(wanted)
         conns: dict[int, Connection] = {}
@@ -405,9 +421,10 @@ class Recovery:
                 if c is not None:
                     pending.discard(got.hello.rank)
                     conns[got.hello.rank] = c
+            now = time.monotonic()
             with lock:
-                waiting = {q for q in pending if gone.get(q) is not False}
-            if not waiting or time.monotonic() >= deadline:
+                waiting = {q for q in pending if gone.get(q) is not False and (q not in suspects or now < grace)}
+            if not waiting or now >= deadline:
                 return conns
             try:
                 sock, addr = self.listener.accept()
@@ -426,14 +443,14 @@ class Recovery:
                 daemon=True,
             ).start()
 
-    def agree(self, flag: int, lost: set[int]) -> Agreement:
-        """Agree with the other survivors (``lost``: ranks this rank already knows lost)."""
-        return self.open_channel(lost).agree(flag)
+    def agree(self, flag: int, suspects: set[int]) -> Agreement:
+        """Agree with the other survivors (``suspects``: see :meth:`open_channel`)."""
+        return self.open_channel(suspects).agree(flag)
 
-    def next_world(self, lost: set[int]) -> object:
+    def next_world(self, suspects: set[int]) -> object:
         """Agree on the survivors and build their world (this rank's new number, its
         peers' addresses, the connections the agreement opened)."""
-        channel = self.open_channel(lost)
+        channel = self.open_channel(suspects)
         agreed = channel.agree(1)
         members = channel.members(agreed)
         conns = channel.hand_over(members)
