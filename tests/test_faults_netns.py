@@ -87,7 +87,11 @@ class Job:
         return self.hosts.names[r // self.per_host]
 
     def start(
-        self, mode: str, ranks: list[int] | None = None, env: dict[str, str] | None = None, argv: list[str] | None = None
+        self,
+        mode: str,
+        ranks: list[int] | None = None,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
     ) -> None:
         for r in range(self.n) if ranks is None else ranks:
             e = {

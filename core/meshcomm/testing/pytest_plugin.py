@@ -14,13 +14,16 @@ autoloading is off). Settings can also come from the environment
 (``MESHCOMM_CONFORMANCE_BACKEND``, ``MESHCOMM_CONFORMANCE_RANKS``). ``--meshcomm-more``
 (``MESHCOMM_CONFORMANCE_MORE=1``) adds the second round's checks
 (:mod:`meshcomm.testing.contract_more`: all_to_all, gather, scatter, reduce, object
-collectives, ``out=``, ``async_op``, ``close``).
+collectives, ``out=``, ``async_op``, ``close``). ``test_survivors`` runs
+:mod:`meshcomm.testing.survivors` once (3 ranks, ``--keep-going``, one killed): it passes for
+a backend whose survivors agree and shrink, and is skipped for one that says it cannot.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -33,6 +36,7 @@ import pytest
 
 from .contract import CHECKS, JSON_MARK
 from .contract_more import ALL_CHECKS
+from .survivors import MARK as SURVIVORS_MARK
 
 __all__ = ["ContractJob", "ContractRunner", "check_names"]
 
@@ -178,6 +182,7 @@ class ContractRunner:
         self.timeout = float(_setting(config, "meshcomm_timeout", "MESHCOMM_CONFORMANCE_TIMEOUT", 120))
         self.job_timeout = float(_setting(config, "meshcomm_job_timeout", "MESHCOMM_CONFORMANCE_JOB_TIMEOUT", 900))
         self.jobs: dict[int, ContractJob] = {}
+        self.survivors: ContractJob | None = None
         self.more = _more(config)
 
     def job(self, n: int) -> ContractJob:
@@ -197,7 +202,26 @@ class ContractRunner:
     def assert_check_passed(self, n: int, name: str) -> None:
         assert_check_passed(self.job(n), name)
 
-    def _run(self, backend: str, n: int) -> ContractJob:
+    def assert_survivors(self) -> None:
+        """The survivors' job (:mod:`meshcomm.testing.survivors`, 3 ranks, ``--keep-going``):
+        skipped when every rank says the backend does not offer it, else every survivor ok."""
+        if self.backend is None:
+            self.job(1)  # skips with the reason
+        if self.survivors is None:
+            program = ["-m", "meshcomm.testing.survivors"]
+            self.survivors = self._run(str(self.backend), 3, program, ["--keep-going"])
+        job = self.survivors
+        said = {int(m.group(1)): m.group(2) for m in re.finditer(rf"{SURVIVORS_MARK} rank (\d+) (.*)", job.stdout)}
+        if len(said) == 3 and all(v.startswith("not offered") for v in said.values()):
+            pytest.skip(f"{job.backend} does not offer agree/shrink: {said[0]}")
+        if job.returncode != 0 or any(said.get(r) != "ok" for r in (0, 1)):
+            got = "; ".join(f"rank {r}: {v}" for r, v in sorted(said.items())) or "nothing"
+            pytest.fail(f"{job.describe()}: the survivors said {got}\n{job.output_tail()}", pytrace=False)
+
+    def _run(
+        self, backend: str, n: int, program: list[str] | None = None, launch_args: list[str] | None = None
+    ) -> ContractJob:
+        program = program or ["-m", "meshcomm.testing.contract", "--json", *(["--more"] if self.more else [])]
         cmd = [
             sys.executable,
             "-m",
@@ -210,11 +234,9 @@ class ContractRunner:
             "--timeout",
             f"{self.timeout:g}",
             *self.launch_args,
+            *(launch_args or []),
             "--",
-            "-m",
-            "meshcomm.testing.contract",
-            "--json",
-            *(["--more"] if self.more else []),
+            *program,
         ]
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="meshcomm-conformance-") as shared:

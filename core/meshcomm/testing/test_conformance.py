@@ -23,3 +23,9 @@ def test_job(meshcomm_contract: Any, meshcomm_ranks: int) -> None:
 def test_contract(meshcomm_contract: Any, meshcomm_ranks: int, meshcomm_check: str) -> None:
     """One check of :mod:`meshcomm.testing.contract` passed on every rank."""
     meshcomm_contract.assert_check_passed(meshcomm_ranks, meshcomm_check)
+
+
+def test_survivors(meshcomm_contract: Any) -> None:
+    """``Group.agree`` and ``Group.shrink`` on 3 ranks, one killed (:mod:`meshcomm.testing.survivors`);
+    skipped when the backend does not offer them (``Backend.survives_failures``)."""
+    meshcomm_contract.assert_survivors()
