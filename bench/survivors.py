@@ -1,7 +1,7 @@
 """How long survivors take to go on: from a rank's loss to the first collective of the
 shrunk world, for each way of losing it.
 
-    python bench/survivors.py [--ranks 4] [--runs 5] [--timeout 3] [--kinds sigkill,raise,sigstop]
+    python bench/survivors.py [--backend sockets|gloo] [--ranks 4] [--runs 5] [--timeout 3]
 
 Each run is a real job (``meshcomm launch --keep-going -n R --timeout T --
 tests/programs/survivors.py --kind K``): rank 1 prints the wall-clock time just before it
@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "programs" / "survivors.py"
 
 
-def one_run(ranks: int, kind: str, timeout: float) -> tuple[list[float], list[float]]:
+def one_run(ranks: int, kind: str, timeout: float, backend: str) -> tuple[list[float], list[float]]:
     """(first collective - loss, shrink time) of every survivor of one job."""
-    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(ranks), "--keep-going", "--timeout", f"{timeout:g}"]
+    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(ranks), "--backend", backend, "--keep-going"]
+    cmd += ["--timeout", f"{timeout:g}"]
     cmd += ["--", str(PROGRAM), "--kind", kind]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
     died = [float(m) for m in re.findall(r"DYING at ([\d.]+)", out)]
@@ -43,15 +44,19 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--timeout", type=float, default=3.0, help="MLX_TIMEOUT: how long a stopped rank takes to notice")
     p.add_argument("--kinds", default="sigkill,raise,sigstop")
+    p.add_argument("--backend", default="sockets", help="sockets or gloo")
     args = p.parse_args()
-    print(f"{args.ranks} ranks, rank 1 lost, MLX_TIMEOUT={args.timeout:g}, {args.runs} jobs per row; seconds")
+    print(
+        f"{args.backend}, {args.ranks} ranks, rank 1 lost, MLX_TIMEOUT={args.timeout:g}, "
+        f"{args.runs} jobs per row; seconds"
+    )
     print("| rank 1 … | loss → first collective, median | worst | shrink(), median | worst |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for kind in args.kinds.split(","):
         gaps: list[float] = []
         shrinks: list[float] = []
         for _ in range(args.runs):
-            g, s = one_run(args.ranks, kind, args.timeout)
+            g, s = one_run(args.ranks, kind, args.timeout, args.backend)
             gaps += g
             shrinks += s
         print(

@@ -54,11 +54,16 @@ def _kill_all(marker: str) -> None:
 
 
 def _run(
-    n: int, kind: str, lose: list[int], launch_args: tuple[str, ...] = (), prog_args: tuple[str, ...] = ()
+    n: int,
+    kind: str,
+    lose: list[int],
+    launch_args: tuple[str, ...] = (),
+    prog_args: tuple[str, ...] = (),
+    backend: str = "sockets",
 ) -> tuple[int, dict[int, list[str]], str]:
     marker = f"mcsv-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
-    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", "sockets", "--keep-going"]
+    cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, "--keep-going"]
     cmd += ["--timeout", str(MLX_TIMEOUT), *launch_args, "--", str(PROGRAM), "--kind", kind]
     cmd += ["--lose", ",".join(map(str, lose)), "--marker", marker, *prog_args]
     try:
@@ -74,10 +79,15 @@ def _run(
     return proc.returncode, lines, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_survivors_shrink_and_go_on(case: str) -> None:
+#: gloo's survivors agree through the rendezvous store, which rank 0 serves: losing rank 0 is
+#: its own case (test_gloo_survivors_cannot_go_on_without_rank_0)
+PARAMS = [(b, c) for b in ("sockets", "gloo") for c in CASES if not (b == "gloo" and c == "rank-0-lost")]
+
+
+@pytest.mark.parametrize("backend,case", PARAMS, ids=[f"{b}-{c}" for b, c in PARAMS])
+def test_survivors_shrink_and_go_on(backend: str, case: str) -> None:
     n, kind, lose = CASES[case]
-    rc, lines, shown = _run(n, kind, lose)
+    rc, lines, shown = _run(n, kind, lose, backend=backend)
     survivors = [r for r in range(n) if r not in lose]
     assert rc == 0, shown
     agreed = set()
@@ -93,8 +103,21 @@ def test_survivors_shrink_and_go_on(case: str) -> None:
     for r in lose:
         assert not any(g.startswith("RESULT") for g in lines[r]), (r, shown)
         if kind == "sigstop":  # resumed after the others went on: it raises, never continues alone
-            assert any(g.startswith("EXCLUDED") and "gave up on this rank" in g for g in lines[r]), shown
+            excluded = any(g.startswith("EXCLUDED") and "gave up on this rank" in g for g in lines[r])
+            # gloo: once the survivors ended, rank 0's store is gone and says so instead
+            no_store = backend == "gloo" and any("rendezvous store does not answer" in g for g in lines[r])
+            assert excluded or no_store, shown
     assert f"ranks lost during the job: {lose[0]}" in shown
+
+
+def test_gloo_survivors_cannot_go_on_without_rank_0() -> None:
+    """gloo's store is served by rank 0: when it is killed, every survivor's shrink() raises
+    a DistributedError saying so, instead of hanging or building different worlds."""
+    rc, lines, shown = _run(4, "sigkill", [0], backend="gloo")
+    assert rc != 0, shown
+    for r in (1, 2, 3):
+        failed = [g for g in lines[r] if g.startswith("SHRINK-FAILED DistributedError")]
+        assert failed and "rendezvous store does not answer" in failed[0] and "world rank 0" in failed[0], (r, shown)
 
 
 def test_a_replacement_joins_and_a_stranger_cannot() -> None:

@@ -113,6 +113,9 @@ try:
 except mc.CommTimeoutError as exc:
     print(f"EXCLUDED {exc}", flush=True)
     sys.exit(1)
+except mc.DistributedError as exc:
+    print(f"SHRINK-FAILED {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(1)
 print(f"SHRUNK in {time.monotonic() - t0:.3f} s", flush=True)
 survivors = [r for r in range(size) if r not in lose]
 ok = world.size() == len(survivors) and world.rank() == survivors.index(rank)

@@ -8,10 +8,11 @@ fresh output (all-reduce is in place in gloo) or a dtype needs re-encoding
 
 from __future__ import annotations
 
+import socket
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from meshcomm.plugin import (
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,
+    NotSupportedError,
     PeerLostError,
     algorithms,
     in_place,
@@ -30,9 +32,10 @@ from meshcomm.plugin import (
 from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
 from .codecs import Plan, plan_for
 from .errors import first_line, translate
-from .liveness import RankProcess, owner, suspects
+from .liveness import RankProcess, owner, process_state, suspects
 from .records import Records
 from .rendezvous import connect
+from .survivors import agree_in_store
 
 __all__ = ["GlooBackend"]
 
@@ -78,11 +81,10 @@ class GlooBackend(Backend):
 
     #: results go straight into callers' out= arrays (gloo reduces in place there)
     direct_out = True
-    #: why agree/shrink raise NotSupportedError here
-    survival_hint = (
-        "meshcomm-gloo cannot rebuild its process group among the survivors yet (its rendezvous "
-        "store is usually served by rank 0 and a dropped group with a pending operation blocks until MLX_TIMEOUT)"
-    )
+    #: survivors agree through the rendezvous store and make a new process group (:mod:`.survivors`)
+    survives_failures = True
+    #: how many times the world was rebuilt by shrink before this one
+    epoch = 0
 
     def __init__(
         self,
@@ -114,6 +116,7 @@ class GlooBackend(Backend):
         self._records = Records(store, prefix, timeout)
         self._failed: DistributedError | None = None
         self._status_sent = False
+        self._agreements = 0
         self.timeout = timeout
 
     # -- identity -------------------------------------------------------------------
@@ -475,6 +478,65 @@ class GlooBackend(Backend):
         )
         self._children.append(weakref.ref(child))
         return child
+
+    # -- survivors continue ------------------------------------------------------------
+    def _survivors(self, what: str) -> tuple[int, set[int]]:
+        """This rank's world rank and the world ranks it timed out on; only on a world."""
+        if self._label != "world" or self._store is None:
+            raise NotSupportedError(f"[gloo] {self._where()}: {what} works on the world group; call it there")
+        failed = self._failed
+        peer = getattr(failed, "peer", None)
+        if isinstance(failed, CommTimeoutError) and isinstance(peer, int) and 0 <= peer < self._size:
+            return self._members[self._rank], {self._members[peer]}
+        return self._members[self._rank], set()
+
+    def _gone(self, world_ranks: Iterable[int]) -> set[int]:
+        """Which of ``world_ranks`` are known gone: a status record (its program failed or
+        ended), or on this host a process that is gone or a zombie."""
+        ranks = list(world_ranks)
+        out = set(self._records.statuses(ranks))
+        here = socket.gethostname()
+        for w in ranks:
+            p = self._peers[w] if w < len(self._peers) else None
+            if p is not None and p.host == here and process_state(p.pid) in ("gone", "exited (zombie)"):
+                out.add(w)
+        return out
+
+    def agree(self, flag: int) -> tuple[int, frozenset[int]]:
+        me, timed_out = self._survivors("agree")
+        self._agreements += 1
+        key = f"{self._prefix}/agree{self._agreements}"
+        value, members = agree_in_store(self._store, key, me, self._members, flag, self.timeout, self._gone, timed_out)
+        lost = frozenset(i for i, w in enumerate(self._members) if w not in members)
+        if lost and self._failed is None:  # the agreement gave up on them: so does this world
+            self._failed = PeerLostError(
+                f"[gloo] {self._where()}: the survivors agreed that ranks {sorted(lost)} are lost; shrink() the "
+                "world to go on without them",
+                peer=min(lost),
+            )
+            self._pg = None
+        return value, lost
+
+    def shrink(self) -> Backend:
+        me, timed_out = self._survivors("shrink")
+        key = f"{self._prefix}/shrink"
+        _flag, members = agree_in_store(self._store, key, me, self._members, 1, self.timeout, self._gone, timed_out)
+        rank, prefix = members.index(me), f"{self._prefix}/shrunk"
+        try:
+            pg, ends = connect(self._store, prefix, rank, len(members), self.timeout, self._ifname)
+        except RuntimeError as exc:
+            raise translate(
+                exc, where=self._where(), op="shrink() connecting to the survivors", timeout=self.timeout
+            ) from exc
+        world = GlooBackend(
+            pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", self._peers, members, ends
+        )
+        world.epoch = self.epoch + 1
+        self._pg = None
+        if self._failed is None:
+            self._failed = DistributedError(f"[gloo] {self._where()}: this world was replaced by shrink()")
+        self._store = None  # the new world speaks for this process from now on (its status records)
+        return world
 
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed: tell the peers why (a status record in the store), then

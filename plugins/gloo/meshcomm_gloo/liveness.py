@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RankProcess", "suspects", "endpoints", "owner"]
+__all__ = ["RankProcess", "suspects", "endpoints", "owner", "process_state"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class RankProcess:
     pid: int
 
 
-def _state(pid: int) -> str | None:
+def process_state(pid: int) -> str | None:
     """'gone', 'exited (zombie)', 'stopped' or None (running / unknown) for a local pid."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -51,7 +51,7 @@ def suspects(peers: list[RankProcess], members: list[int], me: int) -> list[tupl
     for i, world in enumerate(members):
         if i == me or world >= len(peers) or peers[world].host != here:
             continue
-        state = _state(peers[world].pid)
+        state = process_state(peers[world].pid)
         if state is not None:
             out.append((i, f"rank {i} (world rank {world}, pid {peers[world].pid}) is {state}"))
     return out
