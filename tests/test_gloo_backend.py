@@ -613,7 +613,7 @@ def _w_dead() -> None:
 
 def _wait_ended(pid: int, limit: float) -> None:
     """Wait up to ``limit`` seconds until process ``pid`` has exited (gone, or a zombie)."""
-    from meshcomm_gloo.liveness import _state
+    from meshcomm_gloo.liveness import process_state as _state
 
     deadline = time.monotonic() + limit
     while _state(pid) not in ("gone", "exited (zombie)") and time.monotonic() < deadline:

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from meshcomm.plugin import CommTimeoutError, DistributedError
@@ -133,11 +134,9 @@ def grow_world(rec: Recovery, rank: int, peers: list[Peer], epoch: int) -> tuple
     return conns, Recovery(peers, rank, rec.secret, rec.version, rec.timeout, rec.listener, rec.build, epoch)
 
 
-def share(backend: object, joiners: list[Joiner]) -> list[Peer]:
-    """Inside the world: every rank learns the newcomers' addresses from the door (rank 0)."""
-    from .backend import SocketsBackend
-
-    assert isinstance(backend, SocketsBackend)
+def share(backend: Any, joiners: list[Joiner]) -> list[Peer]:
+    """Inside the world (``backend``, a SocketsBackend): every rank learns the newcomers'
+    addresses from the door (rank 0)."""
     blob = json.dumps([j.peer.model_dump() for j in joiners]).encode() if backend.rank() == 0 else b""
     size = np.array([len(blob)], np.int64)
     with backend.fabric.sealed():  # membership steers the job: always authenticated
