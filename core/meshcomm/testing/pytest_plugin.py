@@ -38,6 +38,9 @@ from .contract import CHECKS, JSON_MARK
 from .contract_more import ALL_CHECKS
 from .survivors import MARK as SURVIVORS_MARK
 
+#: MLX_TIMEOUT of the survivors' job (at most --meshcomm-timeout)
+SURVIVORS_TIMEOUT = 10.0
+
 __all__ = ["ContractJob", "ContractRunner", "check_names"]
 
 _DEFAULT_RANKS = "1,2,4"
@@ -209,7 +212,8 @@ class ContractRunner:
             self.job(1)  # skips with the reason
         if self.survivors is None:
             program = ["-m", "meshcomm.testing.survivors"]
-            self.survivors = self._run(str(self.backend), 3, program, ["--keep-going"])
+            # a short MLX_TIMEOUT: a transport may notice a killed peer only when it runs out
+            self.survivors = self._run(str(self.backend), 3, program, ["--keep-going"], timeout=SURVIVORS_TIMEOUT)
         job = self.survivors
         said = {int(m.group(1)): m.group(2) for m in re.finditer(rf"{SURVIVORS_MARK} rank (\d+) (.*)", job.stdout)}
         if len(said) == 3 and all(v.startswith("not offered") for v in said.values()):
@@ -219,7 +223,12 @@ class ContractRunner:
             pytest.fail(f"{job.describe()}: the survivors said {got}\n{job.output_tail()}", pytrace=False)
 
     def _run(
-        self, backend: str, n: int, program: list[str] | None = None, launch_args: list[str] | None = None
+        self,
+        backend: str,
+        n: int,
+        program: list[str] | None = None,
+        launch_args: list[str] | None = None,
+        timeout: float | None = None,
     ) -> ContractJob:
         program = program or ["-m", "meshcomm.testing.contract", "--json", *(["--more"] if self.more else [])]
         cmd = [
@@ -232,7 +241,7 @@ class ContractRunner:
             "--backend",
             backend,
             "--timeout",
-            f"{self.timeout:g}",
+            f"{min(self.timeout, timeout or self.timeout):g}",
             *self.launch_args,
             *(launch_args or []),
             "--",
