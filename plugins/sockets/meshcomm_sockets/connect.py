@@ -277,6 +277,20 @@ class _Greeters:
         with self.lock:
             self.count -= 1
 
+    def greet(
+        self, sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline: float, out: queue.Queue[_Hello]
+    ) -> bool:
+        """Challenge ``sock`` on a thread of its own (:func:`_greet`); False, and the socket
+        closed at once, when :data:`MAX_PENDING` handshakes already run."""
+        if self.count >= MAX_PENDING:
+            sock.close()
+            return False
+        self.enter()
+        threading.Thread(
+            target=_greet, args=(sock, addr, rank, secret, deadline, out, self), name="meshcomm-handshake", daemon=True
+        ).start()
+        return True
+
 
 def _greet(
     sock: socket.socket,
@@ -410,17 +424,8 @@ def _accept_all(
                     raise _exhausted(rank, "accepting a connection from a peer", exc) from None
                 time.sleep(0.01)  # pending handshakes end within their limit and free theirs
                 continue
-            if greeters.count >= MAX_PENDING:
-                sock.close()
+            if not greeters.greet(sock, addr, rank, secret, deadline, hellos):
                 turned_away += 1
-                continue
-            greeters.enter()
-            threading.Thread(
-                target=_greet,
-                args=(sock, addr, rank, secret, deadline, hellos, greeters),
-                name="meshcomm-handshake",
-                daemon=True,
-            ).start()
     except BaseException:
         for c in conns.values():
             c.sock.close()

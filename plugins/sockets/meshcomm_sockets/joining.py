@@ -31,7 +31,7 @@ import numpy as np
 from meshcomm.plugin import CommTimeoutError, DistributedError
 
 from . import wire
-from .connect import Connection, _connect_once, _direct, _greet, _Greeters, _Hello, establish
+from .connect import Connection, _connect_once, _direct, _Greeters, _Hello, establish
 from .hostfile import Peer
 from .recovery import Recovery, _agree_key, read_message, seal_message
 from .sockio import recv_exact
@@ -77,13 +77,7 @@ def admit_waiting(rec: Recovery) -> list[Joiner]:
                 sock, addr = rec.listener.accept()
             except (BlockingIOError, InterruptedError):
                 break
-            greeters.enter()
-            threading.Thread(
-                target=_greet,
-                args=(sock, addr, me, rec.secret, deadline, hellos, greeters),
-                name="meshcomm-join",
-                daemon=True,
-            ).start()
+            greeters.greet(sock, addr, me, rec.secret, deadline, hellos)
     finally:
         rec.listener.setblocking(True)
     while greeters.count and time.monotonic() < deadline:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
-from .connect import MAX_PENDING, Connection, _admit, _connect, _greet, _Greeters, _Hello, tune
+from .connect import Connection, _admit, _connect, _Greeters, _Hello, tune
 from .hostfile import Peer
 from .sockio import recv_exact
 
@@ -432,16 +432,7 @@ class Recovery:
                 continue
             except OSError as exc:
                 raise DistributedError(f"rank {me}: accepting recovery connections failed: {exc}") from None
-            if greeters.count >= MAX_PENDING:
-                sock.close()
-                continue
-            greeters.enter()
-            threading.Thread(
-                target=_greet,
-                args=(sock, addr, me, self.secret, deadline, hellos, greeters),
-                name="meshcomm-handshake",
-                daemon=True,
-            ).start()
+            greeters.greet(sock, addr, me, self.secret, deadline, hellos)
 
     def agree(self, flag: int, suspects: set[int]) -> Agreement:
         """Agree with the other survivors (``suspects``: see :meth:`open_channel`)."""
