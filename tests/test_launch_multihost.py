@@ -478,3 +478,38 @@ def test_netns_rank_counts_one_session_per_host(hosts: NetnsHosts, tmp_path: Pat
     assert sorted(c.split()[0] for c in calls) == sorted(hosts.ips), calls
     assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"
     assert_no_leftovers(tmp_path, 4)
+
+
+def test_netns_lost_rank_is_restarted_on_its_host_and_joins(hosts: NetnsHosts, tmp_path: Path) -> None:
+    """--restart-lost over ssh: 4 ranks on 2 hosts, rank 3 (on the second host) is killed;
+    the survivors shrink and go on, that host's agent starts a replacement (MESHCOMM_JOIN=1),
+    and the survivors' grow() makes the world of 4 whole again across the hosts."""
+    program = str(TESTS / "programs" / "survivors.py")
+    p = run_launch(
+        "-n",
+        "4",
+        "--hosts",
+        f"{hosts.ips[0]}:2,{hosts.ips[1]}:2",
+        "--ssh",
+        hosts.ssh_command,
+        "--restart-lost",
+        "1",
+        "--timeout",
+        "20",
+        program,
+        "--kind",
+        "sigkill",
+        "--lose",
+        "3",
+        "--grow",
+        env=hosts.env,
+        timeout=120,
+    )
+    out = p.stdout.decode()
+    assert p.returncode == 0, show(p)
+    assert "[rank 3] JOINED as rank 3 of 4" in out, show(p)
+    for r in range(4):
+        assert f"[rank {r}] GROWN ok size=4 rank={r} agree=True" in out, show(p)
+    for r in range(3):
+        assert f"[rank {r}] RESULT ok size=3 rank={r} sum=6.0" in out, show(p)
+    assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"

@@ -424,3 +424,24 @@ def test_starter_srun_command_drops_the_step_variables() -> None:
     assert "--overlap" in argv and argv[-2:] == ["bash", "-s"]
     unset = {argv[i + 1] for i, a in enumerate(argv) if a == "-u"}
     assert {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "PMIX_RANK", "PMI_RANK"} <= unset == set(STEP_VARIABLES)
+
+
+def test_launch_in_salloc_restarts_a_lost_rank_that_joins(slurm: SlurmCluster) -> None:
+    """``salloc -N2 meshcomm launch -n 4 --restart-lost 1``: rank 3 (on h2) is killed, the
+    survivors shrink and go on, h2's agent (inside the allocation's step) starts a
+    replacement, and grow() makes the world of 4 whole again."""
+    program = str(Path(FAILURE).parent / "survivors.py")
+    p = slurm.run(
+        [
+            "salloc",
+            "-N2",
+            *launch("-n", "4", "--restart-lost", "1", program, "--kind", "sigkill", "--lose", "3", "--grow"),
+        ],
+        env=job_env(),
+        timeout=150,
+        check=False,
+    )
+    assert p.returncode == 0, show(p)
+    assert "[rank 3] JOINED as rank 3 of 4" in p.stdout, show(p)
+    for r in range(4):
+        assert f"[rank {r}] GROWN ok size=4 rank={r} agree=True" in p.stdout, show(p)

@@ -150,11 +150,10 @@ def launch(options: LaunchOptions) -> int:
     n = job_size(options.nranks, host_list, options.ranks_per_host)
     places = place_ranks(n, host_list, options.ranks_per_host, local_ranks=getattr(starter, "local_ranks", True))
     _check_before_start(options, spec, places, n)
-    if options.restart_lost and (external or any(p.host is not None for p in places)):
+    if options.restart_lost and external:
         raise ConfigError(
-            f"--restart-lost {options.restart_lost}: replacements are started for ranks on this machine under "
-            "a backend meshcomm launch starts itself (sockets); this job "
-            + ("runs under mpiexec" if external else "has ranks on other hosts")
+            f"--restart-lost {options.restart_lost}: replacements are started for a backend meshcomm launch "
+            f"starts itself (sockets); {spec.name} runs under mpiexec"
         )
     if all(p.host is None for p in places):
         argv = own_python_program(argv, interpreter)

@@ -173,6 +173,12 @@ class SshSession:
     def signal_rank(self, sig: int) -> None:
         self._send(f"signal {int(sig)} rank")
 
+    def restart(self, rank: int) -> None:
+        """Have the host's agent start a replacement for ``rank`` that joins the job
+        (``meshcomm launch --restart-lost``)."""
+        self._status[rank] = None
+        self._send(f"restart {int(rank)}")
+
     def records(self) -> list[dict[str, Any]]:
         return list(self._records)
 
