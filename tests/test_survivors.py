@@ -24,7 +24,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "programs" / "survivors.py"
-MLX_TIMEOUT = 3
+#: MLX_TIMEOUT of the jobs: short, since a stopped rank (and on gloo a killed one) is noticed
+#: only when it runs out; gloo's is longer because it also bounds start-up, where up to 6
+#: ranks import torch at once on 2 cores
+MLX_TIMEOUT = {"sockets": 3, "gloo": 6}
 LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
 
 #: (ranks, how they fail, which ranks fail)
@@ -64,7 +67,7 @@ def _run(
     marker = f"mcsv-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_"))}
     cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, "--keep-going"]
-    cmd += ["--timeout", str(MLX_TIMEOUT), *launch_args, "--", str(PROGRAM), "--kind", kind]
+    cmd += ["--timeout", str(MLX_TIMEOUT[backend]), *launch_args, "--", str(PROGRAM), "--kind", kind]
     cmd += ["--lose", ",".join(map(str, lose)), "--marker", marker, *prog_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT, env=env)
