@@ -4,7 +4,9 @@
 second all_sum: ``sigkill``, ``raise``, ``exit`` (sys.exit(3)), ``sigstop`` (the first
 survivor resumes them once the survivors finished; they must then raise, not go on) or
 ``split`` (half the survivors see the loss of one rank, half of another: the lost ranks
-wait for different peers before they die) or ``external`` (every rank sums in a loop until
+wait for different peers before they die), ``during`` (the first lost rank is killed, the
+last one dies ``--delay`` seconds into the survivors' shrink: they shrink until a barrier
+passes) or ``external`` (every rank sums in a loop until
 the test takes the lost ranks away, e.g. their host's network and processes). Every survivor catches the error, calls
 ``world.shrink()``, checks the new world (its size, its rank in the old order) and prints
 ``RESULT ok`` when the next all_sum gives the right sum, ``RESULT WRONG`` otherwise; then
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import meshcomm as mc
@@ -32,6 +35,7 @@ p.add_argument("--elements", type=int, default=16)
 p.add_argument("--marker", default="", help="ignored: names the job's processes for the test")
 p.add_argument("--grow", action="store_true", help="then wait for the launcher's replacements and grow back")
 p.add_argument("--stranger", action="store_true", help="then a process with another secret tries to join")
+p.add_argument("--delay", type=float, default=0.03, help="--kind during: seconds into shrink the last lost rank dies")
 args = p.parse_args()
 lose = sorted(int(r) for r in args.lose.split(","))
 
@@ -82,7 +86,7 @@ print("READY", flush=True)
 try:
     if rank in lose:
         print(f"DYING at {time.time():.6f}", flush=True)
-        if args.kind == "sigkill":
+        if args.kind == "sigkill" or args.kind == "during" and rank == lose[0]:
             os.kill(os.getpid(), signal.SIGKILL)
         elif args.kind == "raise":
             raise RuntimeError(f"rank {rank} fails on purpose")
@@ -106,16 +110,29 @@ try:
 except mc.DistributedError as exc:
     print(f"CAUGHT {type(exc).__name__} peer={getattr(exc, 'peer', None)}", flush=True)
 
+if args.kind == "during" and rank == lose[-1]:  # the last lost rank dies inside the survivors' shrink
+    threading.Timer(args.delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 t0 = time.monotonic()
-try:
-    world = world.shrink()
-except mc.CommTimeoutError as exc:
-    print(f"EXCLUDED {exc}", flush=True)
-    sys.exit(1)
-except mc.DistributedError as exc:
-    print(f"SHRINK-FAILED {type(exc).__name__}: {exc}", flush=True)
-    sys.exit(1)
-print(f"SHRUNK in {time.monotonic() - t0:.3f} s", flush=True)
+shrinks = 0
+while True:  # a rank may die during the shrink or right after it: shrink again until a barrier passes
+    shrinks += 1
+    try:
+        world = world.shrink()
+    except mc.DistributedError as exc:
+        if "gave up on this rank" in str(exc):
+            print(f"EXCLUDED {exc}", flush=True)
+            sys.exit(1)
+        if shrinks < 3 and not isinstance(exc, mc.NotSupportedError):
+            print(f"SHRINK AGAIN {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(f"SHRINK-FAILED {type(exc).__name__}: {exc}", flush=True)
+        sys.exit(1)
+    try:
+        world.barrier()
+        break
+    except mc.DistributedError as exc:
+        print(f"LOST AGAIN {type(exc).__name__} peer={getattr(exc, 'peer', None)}", flush=True)
+print(f"SHRUNK in {time.monotonic() - t0:.3f} s ({shrinks} shrink(s))", flush=True)
 survivors = [r for r in range(size) if r not in lose]
 ok = world.size() == len(survivors) and world.rank() == survivors.index(rank)
 total = world.all_sum(np.full(args.elements, rank + 1, np.float32))

@@ -519,18 +519,25 @@ class GlooBackend(Backend):
 
     def shrink(self) -> Backend:
         me, timed_out = self._survivors("shrink")
-        key = f"{self._prefix}/shrink"
+        self._agreements += 1  # a shrink that failed (a member died meanwhile) is called again: a new key
+        key = f"{self._prefix}/shrink{self._agreements}"
         _flag, members = agree_in_store(self._store, key, me, self._members, 1, self.timeout, self._gone, timed_out)
-        rank, prefix = members.index(me), f"{self._prefix}/shrunk"
+        rank, prefix = members.index(me), f"{self._prefix}/shrunk{self._agreements}"
+        pg: Any = None
+        ends: list[set[str]] = []
+        failed: DistributedError | None = None
         try:
             pg, ends = connect(self._store, prefix, rank, len(members), self.timeout, self._ifname)
         except RuntimeError as exc:
-            raise translate(
+            # a member was lost while the survivors connected: the world is returned failed (its
+            # next operation raises), and they shrink it in turn
+            failed = translate(
                 exc, where=self._where(), op="shrink() connecting to the survivors", timeout=self.timeout
-            ) from exc
+            )
         world = GlooBackend(
             pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", self._peers, members, ends
         )
+        world._failed = failed
         world.epoch = self.epoch + 1
         self._pg = None
         if self._failed is None:

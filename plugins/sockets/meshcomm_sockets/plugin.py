@@ -17,6 +17,7 @@ from meshcomm.plugin import (
     BackendRegistrar,
     Config,
     ConfigError,
+    DistributedError,
     JobSecretSettings,
     JobSpec,
     check_job_secret,
@@ -297,17 +298,23 @@ def _world(
         from .topology import choose_path
 
         piece = None if settings.shm_piece_kib is None else settings.shm_piece_kib * 1024
-        world.path = choose_path(
-            world,
-            enabled=settings.shm,
-            piece=piece,
-            host_id=settings.host_id,
-            job_id=os.environ.get("MESHCOMM_JOB_ID"),
-            spin_us=settings.spin_us,
-            seq_start=start,
-            direct=settings.direct,
-            native=settings.native,
-        )
+        try:
+            world.path = choose_path(
+                world,
+                enabled=settings.shm,
+                piece=piece,
+                host_id=settings.host_id,
+                job_id=os.environ.get("MESHCOMM_JOB_ID"),
+                spin_us=settings.spin_us,
+                seq_start=start,
+                direct=settings.direct,
+                native=settings.native,
+            )
+        except DistributedError:
+            if recovery is None or recovery.epoch == 0:
+                raise  # at start-up the error is the answer
+            # a member was lost while the survivors set up their world: it is returned failed
+            # (its next operation raises, naming the rank), and they shrink it in turn
     return world
 
 
