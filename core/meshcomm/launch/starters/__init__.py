@@ -83,6 +83,11 @@ __all__ = [
 ]
 
 
+#: the variable by which the sockets backend's launcher support hands a rank its inherited
+#: listening socket (``pass_fds``): a replacement has no such socket
+INHERITED_LISTENER = "MESHCOMM_SOCKETS_LISTEN_FD"
+
+
 @dataclass(frozen=True)
 class RankStart:
     """One rank to start."""
@@ -99,6 +104,13 @@ class RankStart:
     @property
     def rank(self) -> int:
         return self.place.rank
+
+    def replacement(self) -> RankStart:
+        """This rank's replacement (``meshcomm launch --restart-lost``): the same program and
+        variables, told to join the running job (``MESHCOMM_JOIN=1``), without the inherited
+        sockets, which went with the lost process (nor the variable naming one)."""
+        env = {k: v for k, v in self.env.items() if k != INHERITED_LISTENER}
+        return RankStart(self.place, self.argv, {**env, "MESHCOMM_JOIN": "1"}, ())
 
 
 @dataclass(frozen=True)

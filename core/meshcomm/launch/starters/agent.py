@@ -11,8 +11,8 @@ stdin (launcher -> agent), one line each:
   "env"}]}`` (``env``: the rank's own variables; secrets arrive this way or in the
   exported environment, never on a command line), then commands:
   ``signal N group`` (every rank's process group, also of exited ranks),
-  ``signal N rank`` (each running rank's own process), ``restart R`` (start a replacement
-  for rank R that joins the job: ``meshcomm launch --restart-lost``), ``finish`` (the job is over:
+  ``signal N rank`` (each running rank's own process), ``restart {rank, argv, env}`` (start
+  that replacement of a lost rank: ``meshcomm launch --restart-lost``), ``finish`` (the job is over:
   clean up and exit). The end of stdin without ``finish`` means the launcher or its
   connection is gone: the ranks are stopped (SIGTERM, then SIGKILL after ``grace``
   seconds) and the host is cleaned up.
@@ -127,20 +127,14 @@ class Agent:
         self.grace = float(plan.get("grace", 3.0))
         self.sent: set[str] = set()
         self.cwd = str(plan["cwd"])
-        self.specs = {int(spec["rank"]): spec for spec in plan["ranks"]}
         self.ranks: list[Rank] = []
         for spec in plan["ranks"]:
             self.ranks.append(Rank(spec, self.cwd))
 
-    def restart(self, rank: int) -> None:
-        """Start a replacement for ``rank`` (its process ended): its program and environment,
-        told to join the running job (MESHCOMM_JOIN=1) on a listening socket of its own."""
-        spec = self.specs.get(rank)
-        if spec is None:
-            return
-        env = {k: v for k, v in spec["env"].items() if k != "MESHCOMM_SOCKETS_LISTEN_FD"}
-        fresh = Rank({**spec, "env": {**env, "MESHCOMM_JOIN": "1"}}, self.cwd)
-        self.ranks = [fresh if r.rank == rank else r for r in self.ranks]
+    def restart(self, spec: dict) -> None:
+        """Start ``spec`` (a rank's replacement, as the launcher made it) in that rank's place."""
+        fresh = Rank(spec, self.cwd)
+        self.ranks = [fresh if r.rank == fresh.rank else r for r in self.ranks]
 
     def send_records(self) -> None:
         folder = os.path.join(self.job_dir, "failures")
@@ -230,8 +224,8 @@ def main() -> None:
         words = raw.decode(errors="replace").split()
         if words[:1] == ["signal"] and len(words) == 3 and words[1].lstrip("-").isdigit():
             agent.signal(int(words[1]), words[2] == "group")
-        elif words[:1] == ["restart"] and len(words) == 2 and words[1].isdigit():
-            agent.restart(int(words[1]))
+        elif words[:1] == ["restart"] and len(words) > 1:
+            agent.restart(json.loads(raw.decode().split(None, 1)[1]))
         elif words == ["finish"]:
             finished = True
             break

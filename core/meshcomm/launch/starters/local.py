@@ -38,12 +38,9 @@ class LocalSession:
             self._start(r, hs, output)
 
     def restart(self, rank: int) -> None:
-        """Start a replacement for ``rank`` (its process ended): the same program and
-        environment, told to join the running job (``MESHCOMM_JOIN=1``) on a listening
-        socket of its own (the one it inherited went with it)."""
+        """Start a replacement for ``rank`` (its process ended): :meth:`RankStart.replacement`."""
         r = next(r for r in self._hs.ranks if r.rank == rank)
-        env = {k: v for k, v in r.env.items() if k != "MESHCOMM_SOCKETS_LISTEN_FD"}
-        self._start(RankStart(r.place, r.argv, {**env, "MESHCOMM_JOIN": "1"}, ()), self._hs, self._output)
+        self._start(r.replacement(), self._hs, self._output)
 
     def _start(self, r: RankStart, hs: HostStart, output: Output) -> None:
         env = {**hs.env, **r.env}

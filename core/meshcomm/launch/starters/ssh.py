@@ -32,7 +32,7 @@ from ...protocol.errors import ConfigError
 from ...runtime.launchsafety import check_env_name, mask, ssh_argv
 from ...runtime.lifetime import die_with_parent
 from ..procs import private_dir_script, pump_lines
-from . import HostStart, Output, Session, start_all
+from . import HostStart, Output, RankStart, Session, start_all
 from .local import LocalSession
 
 __all__ = ["SshStarter", "SshSession", "start_script", "create", "AGENT_FILE", "LIFETIME_FILE"]
@@ -76,6 +76,11 @@ def start_script(hs: HostStart) -> str:
     return "\n".join(lines)
 
 
+def _spec(r: RankStart) -> dict[str, Any]:
+    """How the host agent is told to start rank ``r`` (one JSON object)."""
+    return {"rank": r.rank, "argv": r.argv, "env": r.env}
+
+
 class SshSession:
     """The ranks of one remote host, behind one ssh session and its agent."""
 
@@ -83,6 +88,7 @@ class SshSession:
         assert hs.host is not None
         self.host = hs.host
         self.ranks = [r.rank for r in hs.ranks]
+        self._starts = {r.rank: r for r in hs.ranks}
         self._status: dict[int, int | None] = dict.fromkeys(self.ranks)
         self.pids: dict[int, int] = {}
         self._records: list[dict[str, Any]] = []
@@ -95,7 +101,7 @@ class SshSession:
             "job_dir": hs.job_dir,
             "cleanup": hs.cleanup,
             "grace": STOP_GRACE,
-            "ranks": [{"rank": r.rank, "argv": r.argv, "env": r.env} for r in hs.ranks],
+            "ranks": [_spec(r) for r in hs.ranks],
         }
         self.command = ssh_argv(ssh, hs.host, "bash -s")
         self.proc = subprocess.Popen(
@@ -174,10 +180,10 @@ class SshSession:
         self._send(f"signal {int(sig)} rank")
 
     def restart(self, rank: int) -> None:
-        """Have the host's agent start a replacement for ``rank`` that joins the job
-        (``meshcomm launch --restart-lost``)."""
+        """Have the host's agent start a replacement for ``rank`` (:meth:`RankStart.replacement`)."""
+        r = self._starts[rank].replacement()
         self._status[rank] = None
-        self._send(f"restart {int(rank)}")
+        self._send("restart " + json.dumps(_spec(r)))
 
     def records(self) -> list[dict[str, Any]]:
         return list(self._records)
