@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import zlib
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 from meshcomm.plugin import (
@@ -279,17 +280,10 @@ class SocketsBackend(MeshGroup):
     def shrink(self) -> Backend:
         recovery = self._recovery("shrink")
         suspects = self._suspects()
-        self.recovery = None  # the listener goes on with the next world
-        try:
-            return recovery.next_world(suspects)  # type: ignore[return-value]
-        except BaseException:
-            recovery.close()
-            raise
-        finally:
-            self._retire()
+        return self._hand_over(recovery, lambda: recovery.next_world(suspects))
 
     def grow(self) -> Backend | None:
-        from .joining import admit_waiting, announce, grow_world, share
+        from .joining import admit_waiting, announce, connect_world, share
 
         recovery = self._recovery("grow")
         self.fabric.check()  # a world that failed shrinks first
@@ -302,13 +296,17 @@ class SocketsBackend(MeshGroup):
             raise
         if not newcomers:
             return None
-        peers = [*recovery.peers, *newcomers]
+        nxt = recovery.next([*recovery.peers, *newcomers], self.rank())
         if joiners:
-            announce(joiners, recovery, peers)
+            announce(joiners, nxt)
+        return self._hand_over(recovery, lambda: recovery.build(nxt.rank, nxt.peers, connect_world(nxt), nxt))
+
+    def _hand_over(self, recovery: Recovery, make: Callable[[], object]) -> Backend:
+        """The next world ``make()`` builds on this world's listener; this one is retired either
+        way (and the listener closed when no next world came of it)."""
         self.recovery = None  # the listener goes on with the next world
         try:
-            conns, nxt = grow_world(recovery, self.rank(), peers, recovery.epoch + 1)
-            return recovery.build(self.rank(), peers, conns, nxt)  # type: ignore[return-value]
+            return make()  # type: ignore[return-value]
         except BaseException:
             recovery.close()
             raise

@@ -35,7 +35,7 @@ from . import wire
 from .hostfile import Peer
 from .sockio import recv_exact
 
-__all__ = ["establish", "open_listener", "tune", "Connection", "MAX_PENDING"]
+__all__ = ["establish", "open_listener", "tune", "phase_version", "Connection", "MAX_PENDING"]
 
 log = logging.getLogger("meshcomm.sockets")
 
@@ -365,10 +365,21 @@ def _admit(
     return None
 
 
+#: what marks the handshakes of a job's later phases (a newcomer's join, a recovery, a rebuilt
+#: world) in their version text, so that no phase's connection is taken for another's
+_PHASES = ("join", "recovery", "world")
+
+
+def phase_version(version: str, phase: str, number: int | None = None) -> str:
+    """The handshake version of ``phase`` (one of :data:`_PHASES`; ``number``: its epoch)."""
+    assert phase in _PHASES
+    return f"{version}; {phase}" if number is None else f"{version}; {phase} {number}"
+
+
 def _later(version: str) -> bool:
-    """A handshake of a job's later phases (a newcomer's join, a recovery, a rebuilt world):
-    one of them meeting another is a straggler of the job, turned away, not a version skew."""
-    return any(tag in version for tag in ("; join", "; recovery ", "; world "))
+    """A handshake of a job's later phases (:func:`phase_version`): one of them meeting
+    another is a straggler of the job, turned away, not a version skew."""
+    return any(f"; {phase}" in version for phase in _PHASES)
 
 
 def _accept_all(

@@ -31,12 +31,12 @@ import numpy as np
 from meshcomm.plugin import CommTimeoutError, DistributedError
 
 from . import wire
-from .connect import Connection, _connect_once, _direct, _Greeters, _Hello, establish
+from .connect import Connection, _connect_once, _direct, _Greeters, _Hello, establish, phase_version
 from .hostfile import Peer
 from .recovery import Recovery, _agree_key, read_message, seal_message
 from .sockio import recv_exact
 
-__all__ = ["admit_waiting", "join", "Joiner", "JOIN_LIMIT"]
+__all__ = ["admit_waiting", "announce", "connect_world", "share", "join", "Joiner", "JOIN_LIMIT"]
 
 log = logging.getLogger("meshcomm.sockets")
 
@@ -44,15 +44,6 @@ log = logging.getLogger("meshcomm.sockets")
 JOIN_LIMIT = 2.0
 #: seconds between a newcomer's attempts to reach an address that did not answer
 _RETRY = 0.2
-
-
-def join_version(version: str) -> str:
-    return f"{version}; join"
-
-
-def world_version(version: str, epoch: int) -> str:
-    """The handshake version of the connections of world number ``epoch``."""
-    return f"{version}; world {epoch}"
 
 
 @dataclass
@@ -66,7 +57,7 @@ class Joiner:
 def admit_waiting(rec: Recovery) -> list[Joiner]:
     """At the door: every newcomer waiting in the listening socket that proves the secret."""
     me = rec.rank
-    version = join_version(rec.version)
+    version = phase_version(rec.version, "join")
     deadline = time.monotonic() + JOIN_LIMIT
     hellos: queue.Queue[_Hello] = queue.Queue()
     greeters = _Greeters()
@@ -104,28 +95,34 @@ def admit_waiting(rec: Recovery) -> list[Joiner]:
     return joiners
 
 
-def announce(joiners: list[Joiner], rec: Recovery, peers: list[Peer]) -> None:
-    """At the door: tell each newcomer its rank, everyone's address and the world's number."""
-    first = len(peers) - len(joiners)
+def announce(joiners: list[Joiner], nxt: Recovery) -> None:
+    """At the door: tell each newcomer its rank, everyone's address and the number of the
+    world ``nxt`` (the larger world's recovery, as this rank holds it) they all join."""
+    first = len(nxt.peers) - len(joiners)
     for i, j in enumerate(joiners):
-        msg = {"rank": first + i, "peers": [p.model_dump() for p in peers], "epoch": rec.epoch + 1}
+        msg = {"rank": first + i, "peers": [p.model_dump() for p in nxt.peers], "epoch": nxt.epoch}
         try:
-            j.conn.sock.settimeout(rec.timeout)
+            j.conn.sock.settimeout(nxt.timeout)
             j.conn.sock.sendall(seal_message(_agree_key(j.conn.send_key), 0, msg))
         except OSError as exc:  # it is gone: the larger world finds out when it connects
-            log.warning("meshcomm sockets rank %d: could not tell newcomer %s its rank: %s", rec.rank, j.peer, exc)
+            log.warning("meshcomm sockets rank %d: could not tell newcomer %s its rank: %s", nxt.rank, j.peer, exc)
         finally:
             j.conn.sock.close()
 
 
-def grow_world(rec: Recovery, rank: int, peers: list[Peer], epoch: int) -> tuple[dict[int, Connection], Recovery]:
-    """Connect ``rank`` to every rank of the world numbered ``epoch`` (the old ranks and the
-    newcomers); returns the connections and the larger world's recovery."""
-    version = world_version(rec.version, epoch)
-    conns = establish(
-        peers, rank, secret=rec.secret, version=version, timeout=rec.timeout, listener=rec.listener, keep_listener=True
+def connect_world(rec: Recovery) -> dict[int, Connection]:
+    """Connect this rank to every other of the world ``rec`` belongs to (old ranks and newcomers
+    alike), in a handshake marked with its epoch."""
+    version = phase_version(rec.version, "world", rec.epoch)
+    return establish(
+        rec.peers,
+        rec.rank,
+        secret=rec.secret,
+        version=version,
+        timeout=rec.timeout,
+        listener=rec.listener,
+        keep_listener=True,
     )
-    return conns, Recovery(peers, rank, rec.secret, rec.version, rec.timeout, rec.listener, rec.build, epoch)
 
 
 def share(backend: Any, joiners: list[Joiner]) -> list[Peer]:
@@ -162,7 +159,7 @@ def join(
                 nonce_a = wire.parse_challenge(recv_exact(sock, wire.CHALLENGE_SIZE, deadline, during="a join"))
                 nonce_c = os.urandom(16)
                 view = wire.connection_view(sock, connector=True)
-                hello = wire.Hello(0, slot, q, nonce_c, join_version(version), view)
+                hello = wire.Hello(0, slot, q, nonce_c, phase_version(version, "join"), view)
                 sock.sendall(wire.hello(secret, nonce_a, hello))
                 head = recv_exact(sock, wire.WELCOME_FIXED, deadline, during="a join")
                 rest = recv_exact(sock, wire.welcome_size(head) - len(head), deadline, during="a join")

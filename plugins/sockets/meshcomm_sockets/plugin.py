@@ -253,7 +253,7 @@ def _join(
     """A newcomer's world: wait until the job's ranks admit it (grow()), then connect to all."""
     from .connect import open_listener
     from .hostfile import Peer
-    from .joining import grow_world, join
+    from .joining import connect_world, join
     from .recovery import Recovery
 
     slot = config.rank if config.rank is not None else -1
@@ -261,9 +261,8 @@ def _join(
         me = hint[slot] if 0 <= slot < len(hint) else Peer(ip=settings.bind or "127.0.0.1", port=1)
         listener = open_listener(slot, me.model_copy(update={"port": 0}), settings.bind, len(hint) + 1)
     rank, peers, epoch = join(hint, slot, secret, version, config.timeout, listener)
-    seed = Recovery(peers, rank, secret, version, config.timeout, listener, build, epoch - 1)
-    conns, recovery = grow_world(seed, rank, peers, epoch)
-    return build(rank, peers, conns, recovery)
+    recovery = Recovery(peers, rank, secret, version, config.timeout, listener, build, epoch)
+    return build(rank, peers, connect_world(recovery), recovery)
 
 
 def _world(

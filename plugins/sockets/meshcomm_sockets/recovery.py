@@ -37,11 +37,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
-from .connect import Connection, _admit, _connect, _Greeters, _Hello, tune
+from .connect import Connection, _admit, _connect, _Greeters, _Hello, phase_version, tune
 from .hostfile import Peer
 from .sockio import recv_exact
 
@@ -71,23 +71,37 @@ def _agree_key(key: bytes) -> bytes:
     return hmac.new(key, b"meshcomm sockets recovery agreement", hashlib.sha256).digest()
 
 
+def _tag(key: bytes, ctr: int, body: bytes) -> bytes:
+    return hmac.new(key, ctr.to_bytes(8, "little") + body, hashlib.sha256).digest()
+
+
 def seal_message(key: bytes, ctr: int, msg: dict) -> bytes:
     """One message of a recovery or join connection: length, JSON, HMAC(key, counter || JSON)."""
     body = json.dumps(msg, separators=(",", ":")).encode()
-    return _LEN.pack(len(body)) + body + hmac.new(key, ctr.to_bytes(8, "little") + body, hashlib.sha256).digest()
+    return _LEN.pack(len(body)) + body + _tag(key, ctr, body)
+
+
+def _length(head: bytes | bytearray, who: str) -> int:
+    """The body length a message's head announces (DistributedError beyond _MAX_MESSAGE)."""
+    (n,) = _LEN.unpack_from(head)
+    if n > _MAX_MESSAGE:
+        raise DistributedError(f"{who} announced a {n}-byte message")
+    return int(n)
+
+
+def _opened(key: bytes, ctr: int, body: bytes, tag: bytes, who: str) -> dict:
+    """The message ``body`` if ``tag`` is its tag (DistributedError otherwise)."""
+    if not hmac.compare_digest(tag, _tag(key, ctr, body)):
+        raise DistributedError(f"a message from {who} failed its authentication (changed on the way?)")
+    return json.loads(body)
 
 
 def read_message(sock: socket.socket, key: bytes, ctr: int, deadline: float, who: str) -> dict:
     """The message :func:`seal_message` made, read whole by ``deadline`` (TimeoutError,
     ConnectionError; DistributedError when it fails its authentication)."""
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline, during=f"a message from {who}"))
-    if n > _MAX_MESSAGE:
-        raise DistributedError(f"{who} announced a {n}-byte message")
+    n = _length(recv_exact(sock, _LEN.size, deadline, during=f"a message from {who}"), who)
     rest = recv_exact(sock, n + _TAG, deadline, during=f"a message from {who}")
-    body, tag = rest[:n], rest[n:]
-    if not hmac.compare_digest(tag, hmac.new(key, ctr.to_bytes(8, "little") + body, hashlib.sha256).digest()):
-        raise DistributedError(f"a message from {who} failed its authentication (changed on the way?)")
-    return json.loads(body)
+    return _opened(key, ctr, rest[:n], rest[n:], who)
 
 
 class _Excluded(Exception):
@@ -159,21 +173,14 @@ class Channel:
         sock = side.inc.sock
         while True:
             if len(side.buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(side.buf)
-                if n > _MAX_MESSAGE:
-                    raise DistributedError(f"rank {self.rank}: rank {q} sent a {n}-byte agreement message")
+                who = f"rank {q} (to rank {self.rank}, in its recovery)"
+                n = _length(side.buf, who)
                 if len(side.buf) >= _LEN.size + n + _TAG:
                     body = bytes(side.buf[_LEN.size : _LEN.size + n])
                     tag = bytes(side.buf[_LEN.size + n : _LEN.size + n + _TAG])
                     del side.buf[: _LEN.size + n + _TAG]
-                    want = hmac.new(side.recv_key, side.read.to_bytes(8, "little") + body, hashlib.sha256).digest()
-                    if not hmac.compare_digest(tag, want):
-                        raise DistributedError(
-                            f"rank {self.rank}: an agreement message from rank {q} failed its authentication "
-                            "(changed on the way?); the recovery stops here"
-                        )
+                    msg = _opened(side.recv_key, side.read, body, tag, who)
                     side.read += 1
-                    msg = json.loads(body)
                     if msg.get("t") == "excluded":
                         raise _Excluded(q)
                     return msg
@@ -341,7 +348,7 @@ class Recovery:
         if self.channel is not None:
             return self.channel
         me, world = self.rank, len(self.peers)
-        version = f"{self.version}; recovery {self.epoch}"
+        version = phase_version(self.version, "recovery", self.epoch)
         start = time.monotonic()
         deadline = start + self.timeout
         grace = start + min(SUSPECT_GRACE, self.timeout)
@@ -446,19 +453,14 @@ class Recovery:
         members = channel.members(agreed)
         conns = channel.hand_over(members)
         self.channel = None
-        new_rank = members.index(self.rank)
         renumber = {old: new for new, old in enumerate(members)}
-        nxt = Recovery(
-            [self.peers[q] for q in members],
-            new_rank,
-            self.secret,
-            self.version,
-            self.timeout,
-            self.listener,
-            self.build,
-            self.epoch + 1,
-        )
-        return self.build(new_rank, nxt.peers, {renumber[q]: c for q, c in conns.items()}, nxt)
+        nxt = self.next([self.peers[q] for q in members], renumber[self.rank])
+        return self.build(nxt.rank, nxt.peers, {renumber[q]: c for q, c in conns.items()}, nxt)
+
+    def next(self, peers: list[Peer], rank: int) -> Recovery:
+        """The recovery of the next world: ``peers`` (everyone's address), this rank's ``rank``
+        in it, the same listener and key, the next epoch."""
+        return replace(self, peers=peers, rank=rank, epoch=self.epoch + 1, channel=None)
 
     def close(self) -> None:
         if self.channel is not None:
