@@ -32,17 +32,7 @@ import time
 import meshcomm as mc
 import numpy as np
 from meshcomm import nn
-
-
-def cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean softmax cross-entropy and its gradient with respect to ``logits``."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    n = len(labels)
-    loss = float(-np.log(p[np.arange(n), labels] + 1e-12).mean())
-    p[np.arange(n), labels] -= 1.0
-    return loss, (p / n).astype(logits.dtype)
+from train_digits import cross_entropy  # the same loss as the digits example (this directory)
 
 
 class Trainer:
