@@ -1,7 +1,7 @@
 """How long survivors take to go on: from a rank's loss to the first collective of the
 shrunk world, for each way of losing it.
 
-    python bench/survivors.py [--backend sockets|gloo] [--ranks 4] [--runs 5] [--timeout 3]
+    python bench/survivors.py [--backend sockets|gloo|mpi] [--ranks 4] [--runs 5] [--timeout 3]
 
 Each run is a real job (``meshcomm launch --keep-going -n R --timeout T --
 tests/programs/survivors.py --kind K``): rank 1 prints the wall-clock time just before it
@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--timeout", type=float, default=3.0, help="MLX_TIMEOUT: how long a stopped rank takes to notice")
     p.add_argument("--kinds", default="sigkill,raise,sigstop")
-    p.add_argument("--backend", default="sockets", help="sockets or gloo")
+    p.add_argument("--backend", default="sockets", help="sockets, gloo or mpi")
     args = p.parse_args()
     print(
         f"{args.backend}, {args.ranks} ranks, rank 1 lost, MLX_TIMEOUT={args.timeout:g}, "

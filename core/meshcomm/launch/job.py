@@ -24,9 +24,16 @@ class Job:
     """Implements :class:`meshcomm.runtime.launchspec.JobSpec` for one run of ``meshcomm launch``."""
 
     def __init__(
-        self, places: list[RankPlace], *, verbose: bool = False, port_base: int | None = None, shm_dir: bool = False
+        self,
+        places: list[RankPlace],
+        *,
+        verbose: bool = False,
+        port_base: int | None = None,
+        shm_dir: bool = False,
+        keep_going: bool = False,
     ) -> None:
         self.nranks = len(places)
+        self.keep_going = keep_going
         self.places = places
         self.job_id = uuid.uuid4().hex[:12]
         self.secret = secrets.token_hex(16)

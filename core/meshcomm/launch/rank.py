@@ -127,14 +127,17 @@ def whole_line_writes() -> None:
         setattr(sys, f"__{name}__", new)
 
 
-def _record_pid(rank: int | None) -> None:
+def _record_pid(rank: int | None, suffix: str = "pid") -> None:
+    """``<job dir>/pids/rank-R.pid`` (the launcher signals and reaps by it); with suffix
+    ``done``: the program ended with status 0 (how ``--keep-going`` under mpiexec, which
+    reports one status for the job, tells survivors from lost ranks)."""
     job_dir = os.environ.get("MESHCOMM_JOB_DIR")
     if not job_dir or rank is None:
         return
     folder = os.path.join(job_dir, "pids")
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        with open(os.path.join(folder, f"rank-{rank}.pid"), "w") as f:
+        with open(os.path.join(folder, f"rank-{rank}.{suffix}"), "w") as f:
             f.write(f"{os.getpid()}\n")
     except OSError:
         pass
@@ -287,6 +290,8 @@ def main() -> None:
             raise SystemExit(127) from None
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     status = run(args)
+    if status == 0:
+        _record_pid(rank, "done")
     sys.exit(status)
 
 

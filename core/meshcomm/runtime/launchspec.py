@@ -58,6 +58,9 @@ class JobSpec(Protocol):
     #: transport's own files, removed at the end even when the launcher is killed; made for
     #: backends started by an external launcher (mpiexec), else None (and where there is none)
     shm_dir: Path | None
+    #: the survivors go on when a rank is lost (``--keep-going``): a launcher that starts the
+    #: ranks itself (mpiexec) starts them with its fault tolerance
+    keep_going: bool
 
     def free_port(self, place: RankPlace) -> int:
         """A TCP port that is free on ``place``'s host (probed locally, chosen for remote hosts)."""

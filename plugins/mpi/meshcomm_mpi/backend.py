@@ -26,11 +26,13 @@ from meshcomm.plugin import (
     CallsDiffer,
     CollectiveMismatchError,
     DistributedError,
+    NotSupportedError,
     in_place,
     split_plan,
 )
 from mpi4py import MPI
 
+from . import survivors
 from .control import Control
 from .errors import mpi_error
 from .ops import Counts
@@ -69,11 +71,11 @@ class MPIBackend(Backend):
     pipelines_calls = True
     #: results go straight into callers' out= arrays (out=x: MPI_IN_PLACE)
     direct_out = True
-    #: why agree/shrink raise NotSupportedError here
+    #: why agree/shrink raise NotSupportedError when the job runs without MPI's fault tolerance
     survival_hint = (
-        "meshcomm-mpi does not run under MPI's fault tolerance (ULFM) yet: the Open MPI and MPICH "
-        "wheels have MPIX_Comm_agree/shrink, but the job must start with it (mpiexec --with-ft ulfm; "
-        "MPICH: -disable-auto-cleanup) and the backend must revoke and shrink its communicators"
+        "this MPI job was not started with MPI's fault tolerance (ULFM), so a lost rank ends it; start "
+        "it with `meshcomm launch --keep-going --backend mpi` (which runs mpiexec --with-ft ulfm, or "
+        "MPICH's -disable-auto-cleanup), with an MPI that has ULFM (Open MPI 5, MPICH 4)"
     )
 
     def __init__(
@@ -117,6 +119,9 @@ class MPIBackend(Backend):
         #: (MPI may still write into them: they must outlive the job)
         self._seen = np.empty(2, dtype=np.int64)
         self._abandoned: list[tuple[Any, ...]] = []
+        #: under MPI's fault tolerance (survivors.fault_tolerant): agree and shrink work
+        self.survives_failures = control.ft
+        self.epoch = 0
         control.register(self)
 
     # -- identity -----------------------------------------------------------------------
@@ -149,6 +154,11 @@ class MPIBackend(Backend):
         return Counts(self.coll_count, self.sent[q], self.recvd[q])
 
     def _fail(self, op: str, exc: Any, peer: int | None = None) -> DistributedError:
+        if self._ctl.ft:
+            lost = survivors.lost_error(exc, self, op)
+            if lost is not None:
+                self.broken = f"{op} raised PeerLostError: {lost}"
+                return lost
         return mpi_error(exc, rank=self._rank, size=self._size, op=op, peer=peer)
 
     def _usable(self, op: str) -> None:
@@ -475,6 +485,36 @@ class MPIBackend(Backend):
             spare=spare,
         )
 
+    # -- survivors continue (MPI's fault tolerance) --------------------------------------------
+    def agree(self, flag: int) -> tuple[int, frozenset[int]]:
+        """ULFM's agreement (:func:`.survivors.agree`); ranks it finds failed make this
+        communicator's later operations raise until the world is shrunk."""
+        value, lost = survivors.agree(self, flag)
+        if lost and self.broken is None:
+            self.broken = f"agree() found ranks {sorted(lost)} failed"
+        return value, lost
+
+    def shrink(self) -> Backend:
+        """The world of the live ranks (:func:`.survivors.shrink`), with its own control channel."""
+        comm, old = survivors.shrink(self)
+        survivors.bound_finalize()
+        old_peers = self._ctl.peers
+        peers = old_peers.keep(old, comm.Get_rank()) if old_peers is not None else None
+        control = Control(comm.Dup(), peers, spin=self._ctl.spin, answer_wait=self._ctl.answer_wait, ft=True)
+        control.ctl.Set_errhandler(MPI.ERRORS_RETURN)
+        world = MPIBackend(comm, self._ops, control, timeout=self.timeout, spare=comm.Dup())
+        world.epoch = self.epoch + 1
+        self.broken = "this world was replaced by shrink()"
+        self._closed = True
+        return world
+
+    def grow(self) -> Backend | None:
+        raise NotSupportedError(
+            f"[mpi] rank {self._rank}: grow() is not available on the mpi backend: a process started later "
+            "cannot join a running MPI job's communicator here (that needs MPI_Comm_connect through a name "
+            "server both jobs reach); the sockets backend can grow"
+        )
+
     # -- ending -------------------------------------------------------------------------------
     def abort(self, code: int, reason: str) -> None:
         """This rank's program failed: make every peer raise PeerLostError, then MPI_Abort(code).
@@ -500,7 +540,7 @@ class MPIBackend(Backend):
         if self.cid == "world" and self._ctl.comms.get("world") is self:
             try:
                 self._ctl.exit_notice()
-                if self._ctl.lost and not self._ctl.aborting:
+                if self._ctl.lost and not self._ctl.aborting and not self._ctl.ft:
                     self._ctl.abort(1, "closed after a peer was lost")
             except MPI.Exception:
                 pass

@@ -72,10 +72,17 @@ class Control:
         peers: pid and host of every world rank, or None (then ``/proc`` is not consulted).
         spin: seconds a wait spins before it starts to sleep.
         answer_wait: seconds a timed-out rank waits for peers' answers to its query.
+        ft: the job runs under MPI's fault tolerance (:mod:`.survivors`): a failing rank tells
+            its peers and exits instead of ending the job with MPI_Abort.
     """
 
-    def __init__(self, ctl: Any, peers: PeerTable | None, *, spin: float = 1e-4, answer_wait: float = 1.0) -> None:
+    def __init__(
+        self, ctl: Any, peers: PeerTable | None, *, spin: float = 1e-4, answer_wait: float = 1.0, ft: bool = False
+    ) -> None:
         self.ctl = ctl
+        self.ft = ft
+        #: world ranks an operation of this rank timed out on (shrink ends them if they are stopped here)
+        self.suspects: set[int] = set()
         self.rank = ctl.Get_rank()
         self.size = ctl.Get_size()
         self.peers = peers
@@ -146,6 +153,23 @@ class Control:
     def _notice(self, **fields: Any) -> dict[str, Any]:
         return {"rank": self.rank, "counts": self._all_counts(), "state": self._state(), **fields}
 
+    def probe(self) -> bool:
+        """Whether a control message has arrived (its envelope in ``self._status``).
+
+        Under MPI's fault tolerance a probe from any source fails while a peer's failure is
+        not acknowledged: acknowledge it and report no message (the operations that involve
+        that peer report it themselves; this one may not)."""
+        try:
+            return bool(self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status))
+        except MPI.Exception:
+            if not self.ft:
+                raise
+            try:
+                self.ctl.Ack_failed()
+            except MPI.Exception:
+                pass
+            return False
+
     # -- the wait loop ----------------------------------------------------------------------
     def wait(
         self, backend: Any, reqs: list[Any], what: tuple[Any, ...], statuses: list[Any] | None, nbytes: int = 0
@@ -161,14 +185,14 @@ class Control:
         test = _tester(reqs, statuses)
         start = time.monotonic()
         spin_end = start + self.spin + min(nbytes * 1e-9, 0.25)
-        probe, st, any_src, any_tag = self.ctl.Iprobe, self._status, MPI.ANY_SOURCE, MPI.ANY_TAG
+        probe = self.probe
         yield_ = os.sched_yield if self.oversubscribed else None
         i = 0
         while True:
             if test():
                 return
             i += 1
-            if not i & 63 and (probe(any_src, any_tag, st) or time.monotonic() >= spin_end):
+            if not i & 63 and (probe() or time.monotonic() >= spin_end):
                 break
             if yield_ is not None:
                 yield_()
@@ -192,7 +216,7 @@ class Control:
         while True:
             if test():
                 return
-            if self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
+            if self.probe():
                 try:
                     self._drain(desc)
                 except DistributedError:
@@ -234,6 +258,9 @@ class Control:
         """After an operation raised: remember it for answers, and cancel or break the communicator."""
         self.last = {**desc.public(), "phase": f"raised {type(exc).__name__}"}
         self.last_error = exc
+        peer = getattr(exc, "peer", None)
+        if isinstance(exc, CommTimeoutError) and peer is not None and 0 <= peer < len(backend.members):
+            self.suspects.add(backend.members[peer])
         if desc.kind == "recv" and isinstance(exc, CommTimeoutError):
             try:
                 reqs[0].Cancel()
@@ -248,12 +275,12 @@ class Control:
     # -- notices ------------------------------------------------------------------------------
     def poll(self, desc: Desc | None = None) -> None:
         """Handle control messages that have arrived (answers queries while not waiting too)."""
-        if self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
+        if self.probe():
             self._drain(desc)
 
     def _drain(self, desc: Desc | None) -> None:
         st = self._status
-        while self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
+        while self.probe():
             src, tag = st.Get_source(), st.Get_tag()
             buf = bytearray(st.Get_count(MPI.BYTE))
             self.ctl.Recv([buf, MPI.BYTE], source=src, tag=tag)
@@ -298,7 +325,7 @@ class Control:
         A collective started beside its call check can complete on a rank that resumes after
         its peers gave up on it (their requests were posted before they timed out): such a
         rank must raise as they did, not return the result (one Iprobe when nothing is known)."""
-        if self.failed or self.down or self.ctl.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, self._status):
+        if self.failed or self.down or self.probe():
             desc = Desc(backend, what)
             self._drain(desc)
             self._check_known(desc)
@@ -463,6 +490,8 @@ class Control:
         self.aborting = True
         others = [w for w in range(self.size) if w != self.rank]
         first_hand = False
+        if self.ft:
+            self._leave(code, reason, others)
 
         def everyone_knows() -> bool:
             return all(w in self.acks or w in self.down or w in self.exited or w in self.failed for w in others)
@@ -509,6 +538,17 @@ class Control:
         _unlink_shared_memory()
         _exit_if_abort_hangs(code)
         MPI.COMM_WORLD.Abort(code)
+
+    def _leave(self, code: int, reason: str, others: list[int]) -> None:
+        """Under MPI's fault tolerance the survivors go on: tell them why this rank fails (each
+        raises PeerLostError naming it), then end only this process (MPI_Abort would end them too)."""
+        notice = self._notice(code=code, reason=reason)
+        for w in others:
+            self._post(w, FAIL, notice)
+        self._flush_sends(0.5)
+        _flush_std()
+        _unlink_shared_memory()
+        os._exit(code)
 
     def acknowledge(self) -> None:
         """Tell every rank whose FAIL notice arrived that this rank has printed its error."""

@@ -18,6 +18,7 @@ from meshcomm.plugin import FAMILIES, MPI_FAMILIES
 
 __all__ = ["MPI_FAMILIES", "LAUNCHER_VARIABLES", "launched_world_size", "launch_reason", "unavailable_reason"]
 
+
 #: variables an MPI launcher sets in every rank: (rank variable, size variable, launcher), for the
 #: MPI launchers of the core's table (:data:`meshcomm.plugin.MPI_FAMILIES`)
 LAUNCHER_VARIABLES: tuple[tuple[str, str | None, str], ...] = tuple(

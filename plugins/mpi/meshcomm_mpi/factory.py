@@ -35,6 +35,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     from .control import Control, host_cores
     from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
+    from .survivors import fault_tolerant
 
     world = MPI.COMM_WORLD
     size = world.Get_size()
@@ -55,7 +56,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
         # a rank must not outlive its mpiexec: SIGKILL when its parent exits; if the parent
         # died before the request took effect, the rank ends at once
         die_with_parent(signal.SIGKILL, check="kill")
-    control = Control(ctl, None, spin=settings.spin_us * 1e-6)
+    control = Control(ctl, None, spin=settings.spin_us * 1e-6, ft=fault_tolerant(settings))
     timeout = float(config.timeout)
     # start-up exchanges run under the deadline like every operation
     start = MPIBackend(comm, OpTable([]), control, timeout=timeout)

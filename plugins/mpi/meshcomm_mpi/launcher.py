@@ -35,9 +35,9 @@ from pathlib import Path
 from meshcomm.plugin import JobSpec, check_env_name, load_settings, secret_names
 
 from .discover import find_library, find_mpiexec, mpiexec_flavor
-from .settings import MPISettings
+from .settings import FT_ENV, MPISettings
 
-__all__ = ["mpiexec_command", "job_command", "resolve_mpiexec", "main"]
+__all__ = ["mpiexec_command", "job_command", "fault_tolerance_flags", "resolve_mpiexec", "main"]
 
 
 def _local_cores() -> int:
@@ -149,6 +149,16 @@ _SHOWN = (
 )
 
 
+def fault_tolerance_flags(flavor: str) -> list[str]:
+    """mpiexec's flags for a job whose survivors go on after a rank is lost (``--keep-going``):
+    Open MPI's ULFM, on the TCP transport (its shared-memory one does not report failed
+    peers: a job on it hangs). None for MPICH: the wheel's library has no ``MPIX_Comm_iagree``,
+    and its Hydra mpiexec fails when a rank is killed even with ``-disable-auto-cleanup``."""
+    if flavor == "openmpi":
+        return ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
+    return []
+
+
 def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """``external_command`` of the launcher: the mpiexec command for a planned ``JobSpec``.
 
@@ -186,6 +196,10 @@ def job_command(job: JobSpec, argv: Sequence[str], env: Mapping[str, str]) -> li
             extra += ["--mca", "btl_vader_backing_directory", str(shm_dir), "--mca", "orte_tmpdir_base", str(shm_dir)]
     shown = {k: v for k, v in env.items() if k in _SHOWN}
     forward = [k for k in env if k not in shown]
+    ft = fault_tolerance_flags(flavor) if getattr(job, "keep_going", False) else []
+    if ft:
+        extra += ft
+        shown[FT_ENV] = "1"
     return mpiexec_command(int(job.nranks), argv, shown, hosts=hosts, extra=extra, forward=forward)
 
 

@@ -43,10 +43,15 @@ class PeerTable:
     """
 
     def __init__(self, table: np.ndarray, rank: int) -> None:
+        self.table = table
         self.pids = [int(p) for p in table[:, 0]]
         keys = [int(k) for k in table[:, 1]]
         self.local = [keys[q] == keys[rank] for q in range(len(keys))]
         self.local_count = sum(self.local)
+
+    def keep(self, ranks: list[int], rank: int) -> PeerTable:
+        """The table of a smaller world: these world ``ranks`` in order, this process its ``rank``."""
+        return PeerTable(self.table[ranks], rank)
 
     def state(self, peer: int) -> str | None:
         """ "dead", "stopped", "running" for a peer on this host; None when it cannot be seen."""

@@ -12,7 +12,10 @@ from typing import Literal
 from meshcomm.plugin import setting
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["MPISettings"]
+__all__ = ["MPISettings", "FT_ENV"]
+
+#: set by ``meshcomm launch --keep-going`` in every rank it starts under Open MPI's fault tolerance
+FT_ENV = "MESHCOMM_MPI_FT"
 
 
 class MPISettings(BaseModel):
@@ -58,4 +61,14 @@ class MPISettings(BaseModel):
         ge=0,
         le=10_000_000,
         allow_inf_nan=False,
+    )
+    fault_tolerance: bool = setting(
+        False,
+        env=FT_ENV,
+        accepts="1/0, true/false, yes/no, on/off",
+        description=(
+            "the job runs under MPI's fault tolerance (Open MPI's mpiexec --with-ft ulfm), so survivors "
+            "can agree and shrink; `meshcomm launch --keep-going --backend mpi` sets it (Open MPI's own "
+            "OMPI_MCA_mpi_ft_enable counts too)"
+        ),
     )
