@@ -140,19 +140,22 @@ def test_gloo_survivors_cannot_go_on_without_rank_0() -> None:
         assert failed and "rendezvous store does not answer" in failed[0] and "world rank 0" in failed[0], (r, shown)
 
 
-def test_a_replacement_joins_and_a_stranger_cannot() -> None:
+@pytest.mark.parametrize("backend", ["sockets", "gloo"])
+def test_a_replacement_joins_and_a_stranger_cannot(backend: str) -> None:
     """Rank 1 of 4 is killed; the launcher starts a replacement (--restart-lost 1), the three
     survivors shrink, go on, then call grow() until it is admitted: the world of 4 is whole
     again (a sum over all, rank 0's state broadcast to the newcomer, an agreement). Then a
     process with the job's addresses but another secret tries to join while the world keeps
-    calling grow(): it times out and the world stays at 4."""
-    rc, lines, shown = _run(4, "sigkill", [1], ("--restart-lost", "1"), ("--grow", "--stranger"))
+    calling grow(): it is refused (sockets: its handshake fails and it times out; gloo: the
+    store's values fail its secret check) and the world stays at 4."""
+    rc, lines, shown = _run(4, "sigkill", [1], ("--restart-lost", "1"), ("--grow", "--stranger"), backend=backend)
     assert rc == 0, shown
     assert "JOINED as rank 3 of 4" in lines[1], shown  # the replacement prints under its slot's prefix
     for r, new in ((0, 0), (2, 1), (3, 2), (1, 3)):
         assert f"GROWN ok size=4 rank={new} agree=True" in lines[r], (r, shown)
         assert "AFTER-STRANGER size=4 agree=True" in lines[r], (r, shown)
-    assert "STRANGER rc=1 joined=False timeout=True" in lines[0], shown
+    refused = "timeout=True secret-check=False" if backend == "sockets" else "timeout=False secret-check=True"
+    assert f"STRANGER rc=1 joined=False {refused}" in lines[0], shown
     assert "starting a replacement that joins when the others call grow() (1 of 1)" in shown
 
 

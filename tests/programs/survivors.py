@@ -64,7 +64,10 @@ def stranger_phase(world: mc.Group) -> None:
         time.sleep(0.05)
     if stranger is not None:
         out = stranger.communicate(timeout=30)[0]
-        print(f"STRANGER rc={stranger.returncode} joined={'JOINED' in out} timeout={'CommTimeoutError' in out}")
+        print(
+            f"STRANGER rc={stranger.returncode} joined={'JOINED' in out} timeout={'CommTimeoutError' in out} "
+            f"secret-check={'failed the job secret check' in out}"
+        )
     print(f"AFTER-STRANGER size={world.size()} agree={world.agree(True)}", flush=True)
 
 

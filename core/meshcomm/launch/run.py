@@ -153,7 +153,7 @@ def launch(options: LaunchOptions) -> int:
     if options.restart_lost and external:
         raise ConfigError(
             f"--restart-lost {options.restart_lost}: replacements are started for a backend meshcomm launch "
-            f"starts itself (sockets); {spec.name} runs under mpiexec"
+            f"starts itself (sockets, gloo); {spec.name} runs under mpiexec"
         )
     if all(p.host is None for p in places):
         argv = own_python_program(argv, interpreter)

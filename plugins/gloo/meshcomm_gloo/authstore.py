@@ -66,11 +66,14 @@ class AuthStore(dist.Store):
         #: the first value this store refused (kept so that a caller can report it even if an
         #: error crossed C++ code on its way out)
         self.rejected: StoreAuthError | None = None
+        self.nonce = b""
 
     # -- sealing ------------------------------------------------------------------------
     def begin(self, nonce: bytes) -> None:
         """Seal and check every key outside ``meshcomm/session/`` over ``nonce`` from now on."""
         self._sealer = self._base.bound(nonce)
+        #: the start-up's nonce (rank 0 hands it to newcomers that prove the secret: :mod:`.joining`)
+        self.nonce = nonce
 
     def _full(self, key: str) -> str:
         return self._ns + key

@@ -8,6 +8,7 @@ fresh output (all-reduce is in place in gloo) or a dtype needs re-encoding
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import warnings
@@ -32,6 +33,7 @@ from meshcomm.plugin import (
 from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
 from .codecs import Plan, plan_for
 from .errors import first_line, translate
+from .joining import Admission, Joins, admit_waiting, write_admission
 from .liveness import RankProcess, owner, process_state, suspects
 from .records import Records
 from .rendezvous import connect
@@ -117,6 +119,8 @@ class GlooBackend(Backend):
         self._failed: DistributedError | None = None
         self._status_sent = False
         self._agreements = 0
+        #: rank 0's book of newcomers (:mod:`.joining`), handed from world to world
+        self._joins = Joins()
         self.timeout = timeout
 
     # -- identity -------------------------------------------------------------------
@@ -522,26 +526,61 @@ class GlooBackend(Backend):
         self._agreements += 1  # a shrink that failed (a member died meanwhile) is called again: a new key
         key = f"{self._prefix}/shrink{self._agreements}"
         _flag, members = agree_in_store(self._store, key, me, self._members, 1, self.timeout, self._gone, timed_out)
-        rank, prefix = members.index(me), f"{self._prefix}/shrunk{self._agreements}"
+        prefix = f"{self._prefix}/shrunk{self._agreements}"
+        return self._rebuild("shrink", prefix, members.index(me), members, self._peers)
+
+    def grow(self) -> Backend | None:
+        """Admit the newcomers waiting in the store (:mod:`.joining`): rank 0 (the store's host)
+        decides who, every rank reads the decision, and the larger world forms under a new prefix."""
+        self._survivors("grow")
+        store = self._store
+        self._agreements += 1
+        key = f"{self._prefix}/grow{self._agreements}"
+        try:
+            if self._rank == 0:
+                ready = admit_waiting(store, self._joins, self.timeout)
+                store.set(key, json.dumps([[n, p.host, p.pid] for n, p in ready]))
+            decided = json.loads(bytes(store.get(key)).decode())
+        except DistributedError:
+            raise
+        except Exception as exc:  # rank 0, and with it the store, is gone or unreachable
+            raise DistributedError(
+                f"[gloo] {self._where()}: grow() cannot read rank 0's decision: the rendezvous store does not answer "
+                f"({type(exc).__name__}: {first_line(exc)}); it is served by world rank 0"
+            ) from None
+        if not decided:
+            return None
+        joiners = [(int(n), RankProcess(str(h), int(pid))) for n, h, pid in decided]
+        peers = self._peers + [p for _, p in joiners]
+        members = self._members + [len(self._peers) + i for i in range(len(joiners))]
+        prefix = f"{self._prefix}/grown{self._agreements}"
+        if self._rank == 0:
+            for i, (n, _) in enumerate(joiners):
+                place = Admission(prefix, self._size + i, len(members), self.epoch + 1, members, peers)
+                write_admission(store, n, place)
+                self._joins.admitted.add(n)
+        return self._rebuild("grow", prefix, self._rank, members, peers)
+
+    def _rebuild(self, op: str, prefix: str, rank: int, members: list[int], peers: list[RankProcess]) -> GlooBackend:
+        """The next world (after shrink or grow): a ProcessGroupGloo of ``members`` under ``prefix``;
+        this world is spent. A member lost while they connect leaves the new world failed (its
+        next operation raises), and the survivors shrink it in turn."""
         pg: Any = None
         ends: list[set[str]] = []
         failed: DistributedError | None = None
         try:
             pg, ends = connect(self._store, prefix, rank, len(members), self.timeout, self._ifname)
         except RuntimeError as exc:
-            # a member was lost while the survivors connected: the world is returned failed (its
-            # next operation raises), and they shrink it in turn
-            failed = translate(
-                exc, where=self._where(), op="shrink() connecting to the survivors", timeout=self.timeout
-            )
+            failed = translate(exc, where=self._where(), op=f"{op}() connecting to the new world", timeout=self.timeout)
         world = GlooBackend(
-            pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", self._peers, members, ends
+            pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", peers, members, ends
         )
         world._failed = failed
         world.epoch = self.epoch + 1
+        world._joins = self._joins
         self._pg = None
         if self._failed is None:
-            self._failed = DistributedError(f"[gloo] {self._where()}: this world was replaced by shrink()")
+            self._failed = DistributedError(f"[gloo] {self._where()}: this world was replaced by {op}()")
         self._store = None  # the new world speaks for this process from now on (its status records)
         return world
 

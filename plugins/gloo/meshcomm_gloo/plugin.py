@@ -86,6 +86,8 @@ def factory(config: Config, settings: Any) -> Backend:
     check_job_secret(
         settings, who="gloo backend", rank=config.rank, size=config.world_size, warning=NO_SECRET_WARNING, log=log
     )
+    if config.join:
+        return _join(config, settings)
     store, rank, size, where = make_store(config, settings)
     try:
         peers = admit(store, rank, size, open_session(store, rank, size))
@@ -115,6 +117,45 @@ def factory(config: Config, settings: Any) -> Backend:
             timeout=config.timeout,
         ) from exc
     return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers, ends=ends)
+
+
+def _join(config: Config, settings: GlooSettings) -> Backend:
+    """A newcomer's world: ask the running job to admit this process (:mod:`.joining`), then
+    connect to the grown world it was given a place in."""
+    import datetime
+
+    from .backend import GlooBackend
+    from .errors import translate
+    from .joining import ask_to_join
+    from .rendezvous import connect, make_store
+
+    store, _rank, _size, where = make_store(config, settings, join=True)
+    place = ask_to_join(store, config.timeout)
+    store.set_timeout(datetime.timedelta(seconds=config.timeout))
+    try:
+        pg, ends = connect(store, place.prefix, place.rank, place.size, config.timeout, settings.ifname)
+    except RuntimeError as exc:
+        raise translate(
+            exc,
+            where=f"newcomer, rank {place.rank} of the grown world (size {place.size}, {where})",
+            op="joining (connecting to every rank)",
+            timeout=config.timeout,
+        ) from exc
+    world = GlooBackend(
+        pg,
+        store,
+        place.prefix,
+        place.rank,
+        place.size,
+        config.timeout,
+        settings.ifname,
+        "world",
+        place.peers,
+        place.members,
+        ends,
+    )
+    world.epoch = place.epoch
+    return world
 
 
 @hookimpl

@@ -8,6 +8,7 @@ imported only by the factory.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -30,14 +31,17 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def make_store(config: Config, settings: GlooSettings) -> tuple[Any, int, int, str]:
+def make_store(config: Config, settings: GlooSettings, *, join: bool = False) -> tuple[Any, int, int, str]:
     """The rendezvous store (an :class:`.authstore.AuthStore`), this rank, the world size and a
     description of the store.
 
     Where the store is and who hosts it comes from :func:`.placing.resolve`; every value in it
-    is sealed with the job secret (:mod:`.sealing`).
+    is sealed with the job secret (:mod:`.sealing`). A newcomer (``join``) is always a client
+    of the running job's store, whatever rank its environment names.
     """
     rdv = resolve(config, settings)
+    if join and rdv.kind == "host":
+        rdv = dataclasses.replace(rdv, kind="client")
     rank, size, where = rdv.rank, rdv.size, rdv.describe()
     sealer = Sealer((settings.secret or "").encode(), rdv.job)
     inner: Any
