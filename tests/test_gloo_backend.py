@@ -433,7 +433,7 @@ def test_registered_with_settings_and_launcher() -> None:
     spec = Registry().load().spec("gloo")
     assert spec.unavailable_reason() is None
     assert isinstance(spec.launcher, RankEnvLauncher)
-    places = [RankPlace(r, None, "10.0.0.5", r) for r in range(3)]
+    places = [RankPlace(r, None, f"10.0.0.{5 + r}", r) for r in range(3)]
     asked = []
     job = SimpleNamespace(
         nranks=3,
@@ -447,7 +447,9 @@ def test_registered_with_settings_and_launcher() -> None:
     )
     envs = spec.launcher.rank_env(job)
     assert asked == [places[0]], "the store port must be free on rank 0's host"
-    assert envs == [{"MESHCOMM_GLOO_ADDR": "10.0.0.5", "MESHCOMM_GLOO_PORT": "4567", "MLX_WORLD_SIZE": "3"}] * 3
+    # the store at rank 0's address; each rank's data connections on its own address
+    store = {"MESHCOMM_GLOO_ADDR": "10.0.0.5", "MESHCOMM_GLOO_PORT": "4567", "MLX_WORLD_SIZE": "3"}
+    assert envs == [{**store, "MESHCOMM_GLOO_HOST": f"10.0.0.{5 + r}"} for r in range(3)]
 
 
 def test_error_translation_names_peer_and_fix() -> None:

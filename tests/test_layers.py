@@ -27,8 +27,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "api": ("api",),
     # the two public faces: `meshcomm` for users, `meshcomm.plugin` for backend authors
     "faces": ("__init__", "plugin"),
-    # tools built on the faces: launcher, tracer, benchmarks, conformance kit, layers
-    "tools": ("launch", "trace", "bench", "testing", "nn"),
+    # tools built on the faces: launcher, tracer, benchmarks, conformance kit, layers, Ray groups
+    "tools": ("launch", "trace", "bench", "testing", "nn", "ray"),
     # the `meshcomm` command
     "commands": ("cli", "__main__"),
 }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from meshcomm.plugin import JobSpec
 
+from .placing import is_address
+
 __all__ = ["GlooLauncher"]
 
 
@@ -25,4 +27,6 @@ class GlooLauncher:
             "MESHCOMM_GLOO_PORT": str(int(port)),
             "MLX_WORLD_SIZE": str(job.nranks),
         }
-        return [dict(env) for _ in range(job.nranks)]
+        # each rank's own address for its data connections (when it is an IP address: the host
+        # name may resolve to a loopback address, which breaks a job across hosts)
+        return [{**env, **({"MESHCOMM_GLOO_HOST": p.ip} if is_address(p.ip) else {})} for p in job.places]

@@ -18,6 +18,7 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from meshcomm.plugin import FAMILIES, BackendUnavailableError, Config
 if TYPE_CHECKING:
     from .settings import GlooSettings
 
-__all__ = ["Rendezvous", "resolve", "missing", "job_id"]
+__all__ = ["Rendezvous", "resolve", "missing", "job_id", "is_address"]
 
 _OWN, *_SCHEDULERS = FAMILIES  # meshcomm's own variables, then every other launcher's in the core's order
 _RANK_VARS = f"{_OWN.rank} (or a scheduler's rank: {', '.join(f.rank for f in _SCHEDULERS)})"
@@ -178,3 +179,12 @@ def resolve(config: Config, settings: GlooSettings, environ: Mapping[str, str] |
             agent=True,
         )
     return Rendezvous(rank, size, "host" if rank == 0 else "client", coord.host, coord.port, None, "", job, origin)
+
+
+def is_address(text: str) -> bool:
+    """Whether ``text`` is an IP address (not a host or interface name)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

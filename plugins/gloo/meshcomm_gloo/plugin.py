@@ -80,7 +80,7 @@ def factory(config: Config, settings: Any) -> Backend:
     from .admission import admit, note_rejection, rejection_of_others
     from .backend import GlooBackend
     from .errors import StoreAuthError, translate
-    from .rendezvous import WORLD_PREFIX, connect, make_store
+    from .rendezvous import WORLD_PREFIX, connect, device_of, make_store
     from .session import open_session
 
     check_job_secret(
@@ -91,7 +91,7 @@ def factory(config: Config, settings: Any) -> Backend:
     store, rank, size, where = make_store(config, settings)
     try:
         peers = admit(store, rank, size, open_session(store, rank, size))
-        pg, ends = connect(store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname)
+        pg, ends = connect(store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings))
     except StoreAuthError as exc:
         note_rejection(store, rank, str(exc))
         raise
@@ -116,7 +116,7 @@ def factory(config: Config, settings: Any) -> Backend:
             op="start-up (connecting to every rank)",
             timeout=config.timeout,
         ) from exc
-    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, settings.ifname, peers=peers, ends=ends)
+    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings), peers=peers, ends=ends)
 
 
 def _join(config: Config, settings: GlooSettings) -> Backend:
@@ -127,13 +127,13 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
     from .backend import GlooBackend
     from .errors import translate
     from .joining import ask_to_join
-    from .rendezvous import connect, make_store
+    from .rendezvous import connect, device_of, make_store
 
     store, _rank, _size, where = make_store(config, settings, join=True)
     place = ask_to_join(store, config.timeout)
     store.set_timeout(datetime.timedelta(seconds=config.timeout))
     try:
-        pg, ends = connect(store, place.prefix, place.rank, place.size, config.timeout, settings.ifname)
+        pg, ends = connect(store, place.prefix, place.rank, place.size, config.timeout, device_of(settings))
     except RuntimeError as exc:
         raise translate(
             exc,
@@ -148,7 +148,7 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
         place.rank,
         place.size,
         config.timeout,
-        settings.ifname,
+        device_of(settings),
         "world",
         place.peers,
         place.members,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -17,11 +18,11 @@ from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .liveness import endpoints
-from .placing import resolve
+from .placing import is_address, resolve
 from .sealing import Sealer
 from .settings import GlooSettings
 
-__all__ = ["make_store", "make_group", "connect", "WORLD_PREFIX"]
+__all__ = ["make_store", "make_group", "connect", "device_of", "WORLD_PREFIX"]
 
 #: key prefix of every store key meshcomm writes (the world group's own prefix is below it)
 WORLD_PREFIX = "meshcomm/world"
@@ -87,13 +88,30 @@ def _store_error(exc: Exception, where: str, rank: int, size: int, timeout: floa
     return BackendUnavailableError(f"gloo backend: rank {rank} could not open the {where}: {said}")
 
 
+def device_of(settings: GlooSettings) -> str | None:
+    """What gloo's data connections use: the interface named (MESHCOMM_GLOO_IFNAME), else
+    the address MESHCOMM_GLOO_HOST gives unless GLOO_SOCKET_IFNAME names an interface
+    (torch reads that one itself), else None (the host name's address)."""
+    if settings.ifname:
+        return settings.ifname
+    if settings.host and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        return settings.host
+    return None
+
+
 def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None) -> Any:
-    """A ProcessGroupGloo over ``PrefixStore(prefix, store)``; connects to every member."""
+    """A ProcessGroupGloo over ``PrefixStore(prefix, store)``; connects to every member.
+    ``ifname`` (:func:`device_of`) is an interface name or an IP address of this host."""
     pstore = dist.PrefixStore(prefix, store)
     if not ifname:
         return dist.ProcessGroupGloo(pstore, rank, size, _delta(timeout))
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, missing from the stubs
-    opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
+    device = (
+        dist.ProcessGroupGloo.create_device(hostname=ifname)
+        if is_address(ifname)
+        else dist.ProcessGroupGloo.create_device(interface=ifname)
+    )
+    opts._devices = [device]
     opts._timeout = _delta(timeout)
     return dist.ProcessGroupGloo(pstore, rank, size, opts)
 

@@ -45,5 +45,14 @@ class GlooSettings(JobSecretSettings):
         None,
         env="MESHCOMM_GLOO_IFNAME",
         accepts="a network interface name such as eth0 or lo (GLOO_SOCKET_IFNAME is honoured too)",
-        description="network interface gloo's data connections use (default: the host name's address)",
+        description="network interface gloo's data connections use (default: MESHCOMM_GLOO_HOST, else the host "
+        "name's address)",
+    )
+    host: str | None = setting(
+        None,
+        env="MESHCOMM_GLOO_HOST",
+        accepts="an IP address of this host",
+        description="the address gloo's data connections use when no interface is named (meshcomm launch and "
+        "meshcomm.ray set each rank's own: a host name that resolves to a loopback address breaks jobs across "
+        "hosts)",
     )
