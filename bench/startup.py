@@ -13,7 +13,10 @@ reports, per N, the median over ``--reps`` runs of
 * ``total``: the last rank's "first collective done" minus t0 (what a user waits for);
 * ``python``: the last rank's "imports done" minus t0 (process start-up: launcher, interpreter,
   imports; the part meshcomm's connection set-up does not control);
-* ``connect``: ``total - python``: init (rendezvous/handshakes), barrier and the first all_sum.
+* ``connect``: ``total - python``: init (rendezvous/handshakes), barrier and the first all_sum;
+
+and, the slowest or largest rank of each run: one more barrier, a 1 MiB all_sum, the open
+sockets and files, and the peak resident memory of a rank.
 
 Ranks on one machine share its cores: with more ranks than cores the numbers are dominated by
 interpreter start-up competing for CPU. Prints a Markdown table (docs/scaling.md).
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,6 +41,19 @@ import numpy as np  # noqa: E402
 T_IMPORTED = time.time()
 
 
+def _open_files() -> tuple[int, int]:
+    """(open file descriptors, of which sockets) of this process."""
+    fds = sockets = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        fds += 1
+        sockets += target.startswith("socket:")
+    return fds, sockets
+
+
 def rank_main() -> None:
     g = mc.init(strict=True)
     t_init = time.time()
@@ -44,6 +61,16 @@ def rank_main() -> None:
     x = mc.all_sum(np.ones(4, np.float32))
     assert np.array_equal(x, np.full(4, g.size(), np.float32)), x
     t_done = time.time()
+    t0 = time.perf_counter()
+    g.barrier()
+    t_barrier = time.perf_counter() - t0
+    big = np.ones(1 << 18, np.float32)  # 1 MiB
+    t0 = time.perf_counter()
+    y = mc.all_sum(big)
+    t_mib = time.perf_counter() - t0
+    assert y[0] == g.size(), y[0]
+    fds, sockets = _open_files()
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         "STARTUP "
         + json.dumps(
@@ -54,6 +81,11 @@ def rank_main() -> None:
                 "imported": T_IMPORTED,
                 "init": t_init,
                 "done": t_done,
+                "barrier": t_barrier,
+                "mib": t_mib,
+                "fds": fds,
+                "sockets": sockets,
+                "rss_mib": rss_mib,
             }
         ),
         flush=True,
@@ -84,7 +116,17 @@ def run_once(backend: str, n: int) -> dict[str, float]:
         raise RuntimeError(f"{n} ranks but {len(recs)} STARTUP lines:\n{p.stdout[-3000:]}")
     total = max(r["done"] for r in recs) - t0
     python = max(r["imported"] for r in recs) - t0
-    return {"total": total, "python": python, "connect": total - python, "exit": t_end - t0}
+    return {
+        "total": total,
+        "python": python,
+        "connect": total - python,
+        "exit": t_end - t0,
+        "barrier": max(r["barrier"] for r in recs),
+        "mib": max(r["mib"] for r in recs),
+        "sockets": max(r["sockets"] for r in recs),
+        "fds": max(r["fds"] for r in recs),
+        "rss_mib": max(r["rss_mib"] for r in recs),
+    }
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -111,6 +153,17 @@ def driver(args: argparse.Namespace) -> None:
         print(
             f"| {backend} ({starter}) | {n} | {med['total']:.2f} | {med['python']:.2f} | {med['connect']:.2f} | "
             f"{med['exit']:.2f} |"
+        )
+    print()
+    print(
+        "| backend | ranks | barrier (ms) | 1 MiB all_sum (ms) | open sockets per rank | open files per rank | "
+        "peak RSS per rank (MiB) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for backend, n, med, _ in rows:  # the slowest / largest rank, median over the runs
+        print(
+            f"| {backend} | {n} | {med['barrier'] * 1e3:.2f} | {med['mib'] * 1e3:.1f} | {med['sockets']:.0f} | "
+            f"{med['fds']:.0f} | {med['rss_mib']:.0f} |"
         )
 
 

@@ -29,8 +29,15 @@ class RayCluster:
         self.hosts = hosts
         self.temp = Path(f"/tmp/mcray-{hosts.id}")  # short: Ray's socket paths must fit 107 bytes
         self.head = f"{hosts.ips[0]}:{PORT}"
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
-        self.env = env
+        # HOME inside the temp directory: Ray keeps state there (~/.ray/auth_token), which must
+        # neither come from the user's home nor stay behind
+        self.env = {
+            **os.environ,
+            "HOME": str(self.temp / "home"),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+        }
+        (self.temp / "home").mkdir(parents=True, exist_ok=True)
         try:
             for i, ip in enumerate(hosts.ips):
                 args = ["start", "--node-ip-address", ip, "--num-cpus", "2", "--temp-dir", str(self.temp / str(i))]
