@@ -25,9 +25,10 @@ from ray_cluster import RayCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "programs" / "ray_group.py"
-#: MLX_TIMEOUT of the groups: a killed actor's peers see its connections close at once,
-#: the deadline only bounds a test that would otherwise hang
-TIMEOUT = 20
+#: MLX_TIMEOUT of the groups: a killed actor's peers see its connections close at once, so
+#: the deadline only bounds a test that would otherwise hang; it also bounds start-up, where 4
+#: actors import torch (gloo) on 2 cores beside the rest of the test suite
+TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")

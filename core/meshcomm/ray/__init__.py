@@ -86,7 +86,14 @@ def init(
 
     limit = float(timeout if timeout is not None else DEFAULT_TIMEOUT)
     rdv = _remote_rendezvous(group, size, backend, limit, get_if_exists=True)
+    # the member that created the meeting point owns it, and Ray ends an actor whose owner let
+    # go of every handle: keep this one until the last member has started
+    _meetings[group] = rdv
     world = start_member(group, rank, limit)
     if ray.get(rdv.leave.remote()):  # the last member to start ends the meeting point
         ray.kill(rdv)
     return world
+
+
+#: handles of the meeting points this process joined through :func:`init`
+_meetings: dict[str, Any] = {}
