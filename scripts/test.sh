@@ -74,11 +74,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # pytest's exit status 5 (no test selected) fails a part, unless arguments chose a subset
 none_ok() { if [ "$1" = 5 ] && [ "$2" -gt 0 ]; then echo 0; else echo "$1"; fi; }
 set +e
-# the tests of the machine's one Slurm test cluster and of the Ray cluster: one pytest process of their own, alongside
+# the tests of the machine's one Slurm test cluster: one pytest process of their own, alongside
 slurm_log=$scratch/slurm.log
-"$VPY" -m pytest -p no:cacheprovider -q -m "(slurm_cluster or ray_cluster) and not exclusive" "$@" > "$slurm_log" 2>&1 &
+"$VPY" -m pytest -p no:cacheprovider -q -m "slurm_cluster and not exclusive" "$@" > "$slurm_log" 2>&1 &
 slurm=$!
-echo "== pytest ($WORKERS processes; the Slurm and Ray clusters' tests in one more)"
+echo "== pytest ($WORKERS processes; the Slurm cluster's tests in one more)"
 # --durations: the slowest tests of every run, where the suite's time goes
 "$VPY" -m pytest -p no:cacheprovider -q --durations=25 -n "$WORKERS" --dist worksteal \
   -m "not exclusive and not slurm_cluster and not ray_cluster" "$@"
@@ -86,10 +86,10 @@ rc=$(none_ok $? $#)
 echo "== main pytest ended at $SECONDS s"
 wait "$slurm"
 slurm_rc=$(none_ok $? $#)
-echo "== pytest (the Slurm and Ray clusters' tests)"
+echo "== pytest (the Slurm cluster's tests)"
 cat "$slurm_log"
-echo "== pytest (tests that need the machine to themselves, one at a time)"
-"$VPY" -m pytest -p no:cacheprovider -q -m exclusive "$@"
+echo "== pytest (tests that need the machine to themselves, one at a time: machine-wide state, the Ray cluster)"
+"$VPY" -m pytest -p no:cacheprovider -q -m "exclusive or ray_cluster" "$@"
 exclusive_rc=$(none_ok $? $#)
 mpich_rc=0
 if [ "$MPICH" != 0 ]; then
