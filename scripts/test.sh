@@ -7,7 +7,8 @@
 # The tests run in parallel (pytest-xdist, MESHCOMM_TEST_WORKERS processes, default: cores + 1,
 # because most tests wait on processes they started), the tests of the one Slurm test cluster
 # in one more process beside them; tests marked `exclusive` (they compare machine-wide state)
-# run after them, one at a time; then the MPICH set.
+# and `ray_cluster` (a Ray cluster's daemons would slow the others) run after them, one at a
+# time; then the MPICH set.
 # Extra arguments go to both pytest runs (e.g. scripts/test.sh -k sockets);
 # MESHCOMM_TEST_MPICH=0 skips the MPICH venv and run.
 set -euo pipefail
