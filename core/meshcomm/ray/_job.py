@@ -12,6 +12,7 @@ handed to every member to write on its own node.
 from __future__ import annotations
 
 import secrets
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,7 @@ class RayJob:
             seen[o.node] = seen.get(o.node, 0) + 1
         self.local_sizes = [seen[o.node] for o in self.offers]
         #: where files of the job are written on every member's node (then removed)
-        self.dir = Path("/tmp") / f"meshcomm-ray-{self.job_id}"
+        self.dir = Path(tempfile.gettempdir()) / f"meshcomm-ray-{self.job_id}"
 
     def free_port(self, place: RankPlace) -> int:
         return self.offers[place.rank].spare_port

@@ -37,6 +37,8 @@ FINALIZE_LIMIT = 5.0
 _PROC_FAILED = getattr(MPI, "ERR_PROC_FAILED", None)
 _PROC_FAILED_PENDING = getattr(MPI, "ERR_PROC_FAILED_PENDING", None)
 _REVOKED = getattr(MPI, "ERR_REVOKED", None)
+#: the error classes with which ULFM reports a failed peer (the operation's result may still stand)
+_FAILURE_CLASSES = (_PROC_FAILED, _PROC_FAILED_PENDING, _REVOKED)
 
 
 def fault_tolerant(settings: MPISettings) -> bool:
@@ -73,7 +75,7 @@ def lost_error(exc: Any, backend: Any, op: str) -> DistributedError | None:
     """The PeerLostError for an MPI error that reports a failed peer (ULFM's classes), else None."""
     klass = _error_class(exc)
     failed = failed_ranks(backend.comm)  # also behind other classes (libnbc's "round failed")
-    if not failed and klass not in (_PROC_FAILED, _PROC_FAILED_PENDING, _REVOKED):
+    if not failed and klass not in _FAILURE_CLASSES:
         return None
     where = f"[mpi] rank {backend.rank()} of {backend.size()}: {op} on {backend.label}"
     fix = "; call world.shrink() on every survivor to go on without it"
@@ -113,7 +115,7 @@ def _complete(req: Any, backend: Any, what: str) -> int | None:
                 return None
         except MPI.Exception as exc:
             klass = _error_class(exc)
-            if klass in (_PROC_FAILED, _PROC_FAILED_PENDING, _REVOKED):
+            if klass in _FAILURE_CLASSES:
                 return klass
             raise DistributedError(
                 f"[mpi] rank {backend.rank()} of {backend.size()}: {what} failed: {exc.Get_error_string()}"
