@@ -33,6 +33,7 @@ from meshcomm.plugin import (
 )
 
 from . import wire
+from .dialing import CONNECT_ALL_UP_TO
 from .engine import Call, Fabric, Link, as_bytes
 from .mesh import MeshGroup
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
@@ -115,7 +116,7 @@ class SocketsBackend(MeshGroup):
 
     def link(self, r: int) -> Link:
         """The TCP link to group rank ``r``."""
-        return self.fabric.links[self.members[r]]
+        return self.fabric.link_to(self.members[r])
 
     def _op(self, name: str, buf: np.ndarray, arg: int = 0) -> _Op:
         """The call ``name`` on ``buf`` (``arg``: its root) for the frames sent inside
@@ -238,6 +239,12 @@ class SocketsBackend(MeshGroup):
 
     # -- survivors continue ---------------------------------------------------------------
     def _recovery(self, what: str) -> Recovery:
+        if self.fabric.dialer is not None:
+            raise NotSupportedError(
+                f"rank {self.fabric.rank}: {what} needs every rank connected to every other, and this job "
+                "connects ranks only when needed (MESHCOMM_SOCKETS_CONNECT=needed, the default above "
+                f"{CONNECT_ALL_UP_TO} ranks). Set MESHCOMM_SOCKETS_CONNECT=all on every rank to let survivors continue."
+            )
         if self.recovery is None:
             raise NotSupportedError(
                 f"rank {self.fabric.rank}: {what} works on the world group (split {self.label!r} cannot); "

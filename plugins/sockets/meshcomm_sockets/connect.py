@@ -35,7 +35,7 @@ from . import wire
 from .hostfile import Peer
 from .sockio import recv_exact
 
-__all__ = ["establish", "open_listener", "tune", "phase_version", "Connection", "MAX_PENDING"]
+__all__ = ["establish", "open_listener", "tune", "phase_version", "Connection", "Crossed", "MAX_PENDING"]
 
 log = logging.getLogger("meshcomm.sockets")
 
@@ -59,6 +59,11 @@ class Connection(NamedTuple):
     send_key: bytes
     recv_key: bytes
     direct: bool = False
+
+
+class Crossed(Exception):
+    """The dialled rank dials this one at the same time and keeps its own connection
+    (``STATUS_CROSSING``, :mod:`.dialing`): wait for that one instead."""
 
 
 def _direct(rank: int, q: int, mine: str, theirs: str) -> bool:
@@ -218,6 +223,9 @@ def _connect(
                         "it did not accept this rank's proof of MESHCOMM_JOB_SECRET"
                     )
             else:
+                if w.status == wire.STATUS_CROSSING:
+                    sock.close()
+                    raise Crossed(q)
                 if w.status != wire.STATUS_OK:
                     sock.close()
                     theirs = (

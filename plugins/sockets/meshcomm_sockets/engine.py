@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from meshcomm.plugin import (
@@ -42,6 +42,9 @@ from meshcomm.plugin import (
 )
 
 from . import wire
+
+if TYPE_CHECKING:
+    from .dialing import Dialer
 
 __all__ = ["Call", "Fabric", "Link", "FrameAuthError"]
 
@@ -288,11 +291,13 @@ class Fabric:
         self.size = size
         self.timeout = timeout
         keys = keys or {}
-        self.links: dict[int, Link] = {q: Link(q, s, *keys.get(q, (b"", b""))) for q, s in socks.items()}
-        for link in self.links.values():
-            link.seal_payload = (
-                not (link.peer in direct and is_loopback(link.sock)) if payload_integrity is None else payload_integrity
-            )
+        self._integrity = payload_integrity
+        self.links: dict[int, Link] = {}
+        for q, sock in socks.items():
+            self._add(q, sock, *keys.get(q, (b"", b"")), direct=q in direct)
+        #: makes the connections this rank did not make at start-up, when first needed
+        #: (:mod:`.dialing`); None: every rank connected to every other at start-up
+        self.dialer: Dialer | None = None
         self._sealing = 0
         self.failure: DistributedError | None = None
         #: seconds a waiting rank polls without sleeping (see topology.wait_policy), also in ns
@@ -305,6 +310,38 @@ class Fabric:
         #: the resume (_resumed) that check() last looked after
         self._resume_seen = _resumed[0]
         watch_resume()
+
+    def _add(self, q: int, sock: socket.socket, send_key: bytes, recv_key: bytes, *, direct: bool) -> Link:
+        link = self.links[q] = Link(q, sock, send_key, recv_key)
+        integrity = self._integrity
+        link.seal_payload = not (direct and is_loopback(sock)) if integrity is None else integrity
+        return link
+
+    def link_to(self, q: int) -> Link:
+        """The link to world rank ``q``, connected now if this rank has none yet (the first
+        operation that needs it; a failure to connect is this rank's first failure)."""
+        link = self.links.get(q)
+        if link is not None:
+            return link
+        if self.dialer is None:
+            raise KeyError(q)
+        self.check()
+        try:
+            conn = self.dialer.connection(q)
+        except DistributedError as exc:
+            # q may be gone because of a third rank, whose ABORT names it: that one wins
+            mine = self.pending_abort() if isinstance(exc, PeerLostError) else None
+            self.fail(mine or exc)
+            raise (mine or exc) from None
+        self.adopt()
+        return self._add(q, conn.sock, conn.send_key, conn.recv_key, direct=conn.direct)
+
+    def adopt(self) -> None:
+        """Take the connections peers made to this rank since the last look (they carry their
+        frames, and this rank's failure notices must reach them)."""
+        if self.dialer is not None:
+            for q, c in self.dialer.arrived().items():
+                self._add(q, c.sock, c.send_key, c.recv_key, direct=c.direct)
 
     # -- queueing -----------------------------------------------------------------------
     @contextmanager
@@ -576,6 +613,7 @@ class Fabric:
         (a reset while sending to it) before this rank read the ABORT."""
         if self._scanning:  # probing below can end in _lost, which asks again
             return None
+        self.adopt()
         found: Link | None = None
         for link in self.links.values():
             if link.closed or link.cur is not None:
@@ -882,6 +920,9 @@ class Fabric:
         if self.failure is not None:
             return
         self.failure = exc
+        if self.dialer is not None:
+            self.dialer.close()  # peers that dial this rank from now on learn that it is gone
+            self.adopt()
         kind = next((k for cls, k in _KIND_OF.items() if isinstance(exc, cls)), 4)
         msg = str(exc).encode("utf-8", "replace")[:_MAX_ABORT]
         lost = getattr(exc, "peer", None)
@@ -939,6 +980,9 @@ class Fabric:
         ended, not that it crashed. Nothing is sent after a failure (its ABORT said more)."""
         if self.failure is not None:
             return
+        if self.dialer is not None:
+            self.dialer.close()
+            self.adopt()
         header = wire.HEADER.pack(0xFFFFFFFF, self.rank, wire.ABORT, wire.ENDED, 0, 0, 0)
         for link in self.links.values():
             if link.closed or link.out:
@@ -970,6 +1014,9 @@ class Fabric:
             self._linger()
         else:
             self.say_ended()
+        if self.dialer is not None:
+            self.dialer.close()
+            self.adopt()
         for link in self.links.values():
             try:
                 link.sock.close()

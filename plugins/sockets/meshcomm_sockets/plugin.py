@@ -27,6 +27,7 @@ from meshcomm.plugin import (
 
 if TYPE_CHECKING:
     from .connect import Connection
+    from .dialing import Dialer
     from .hostfile import Peer
     from .recovery import Recovery
 
@@ -121,6 +122,15 @@ class SocketsSettings(JobSecretSettings):
         ge=0,
         le=100000,
     )
+    connect: Literal["auto", "all", "needed"] = setting(
+        "auto",
+        env="MESHCOMM_SOCKETS_CONNECT",
+        accepts="auto, all or needed (the same on every rank)",
+        description="all: every pair of ranks connects at start-up (a full mesh; shrink() and grow() need "
+        "it); needed: a rank connects at start-up to about 3 log2(n) peers (the ring's and the doubling "
+        "algorithms') and to any other the first time an operation needs it, so its open sockets grow with "
+        "what it talks to, not with the world; auto: all up to 64 ranks, needed above",
+    )
     listen_fd: int | None = setting(
         None,
         env="MESHCOMM_SOCKETS_LISTEN_FD",
@@ -132,7 +142,7 @@ class SocketsSettings(JobSecretSettings):
     )
 
 
-def _version(chunk_kib: int, integrity: str = "payload") -> str:
+def _version(chunk_kib: int, integrity: str = "payload", connect: str = "all") -> str:
     def v(dist: str) -> str:
         try:
             return metadata.version(dist)
@@ -143,7 +153,7 @@ def _version(chunk_kib: int, integrity: str = "payload") -> str:
 
     return (
         f"meshcomm {v('meshcomm')}, meshcomm-sockets {v('meshcomm-sockets')}, protocol {PROTOCOL}, "
-        f"chunk {chunk_kib} KiB, integrity {integrity}"
+        f"chunk {chunk_kib} KiB, integrity {integrity}" + ("" if connect == "all" else f", connect {connect}")
     )
 
 
@@ -187,6 +197,7 @@ def _check_secret(rank: int, settings: SocketsSettings, size: int, hosts: list[s
 
 def _factory(config: Config, settings: SocketsSettings) -> Backend:
     from .connect import establish, open_listener
+    from .dialing import Dialer, connects_all, overlay
     from .hostfile import read_hostfile
     from .recovery import Recovery
 
@@ -213,7 +224,8 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         local_key = _check_secret(config.rank, settings, config.world_size or 1, [coord.host] if coord else [])
         secret = local_key or (settings.secret or "").encode()
         peers, listener, startup = peers_from_coordinator(config, settings.bind, settings.host_id, secret)
-    version = _version(settings.chunk_kib, settings.integrity)
+    all_pairs = connects_all(settings.connect, len(peers))
+    version = _version(settings.chunk_kib, settings.integrity, "all" if all_pairs else "needed")
     start = _seq_start()
 
     def build(rank: int, world: list[Peer], conns: dict[int, Connection], recovery: Recovery | None) -> Backend:
@@ -225,6 +237,15 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         return _join(config, settings, peers, listener, secret, version, build)
     if listener is None and len(peers) > 1:
         listener = open_listener(config.rank, peers[config.rank], settings.bind, len(peers))
+    if not all_pairs and listener is not None:
+        dialer = Dialer(peers, config.rank, listener, secret=secret, version=version, timeout=startup)
+        try:
+            conns = dialer.start(overlay(config.rank, len(peers)))
+            dialer.timeout = config.timeout
+            return _world(config, settings, config.rank, len(peers), conns, local_key, start, None, dialer)
+        except BaseException:
+            dialer.close()
+            raise
     conns = establish(
         peers,
         config.rank,
@@ -274,8 +295,10 @@ def _world(
     local_key: bytes | None,
     start: int,
     recovery: Recovery | None,
+    dialer: Dialer | None = None,
 ) -> Backend:
-    """The world backend of ``rank`` of ``size`` over the authenticated ``conns``."""
+    """The world backend of ``rank`` of ``size`` over the authenticated ``conns`` (``dialer``:
+    connects the other pairs when first needed)."""
     from .backend import SocketsBackend
     from .engine import Fabric
 
@@ -288,6 +311,7 @@ def _world(
         payload_integrity=None if settings.integrity == "auto" else settings.integrity == "payload",
         direct={q for q, c in conns.items() if c.direct},
     )
+    fabric.dialer = dialer
     world = SocketsBackend(
         fabric, list(range(size)), chunk_bytes=settings.chunk_kib * 1024, owner=True, seq_start=start
     )

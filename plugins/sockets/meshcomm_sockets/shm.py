@@ -348,7 +348,7 @@ class ShmGroup:
                 remove_dir(self.dir)
             self.close()
             raise
-        self.links = [fabric.links[q] for q in local if q != fabric.rank]
+        self.links = [fabric.link_to(q) for q in local if q != fabric.rank]
         #: every local rank reads the others' arrays directly (set by topology after probe_direct)
         self.direct = False
         #: this rank's results of large all-reduces in shared memory, and the peers' mapped here
@@ -504,7 +504,7 @@ class ShmGroup:
                 # finds its connection closed
                 return
             # it may have failed because of someone else and said so (ABORT): that wins
-            self.fabric.probe(self.fabric.links[self.local[i]])
+            self.fabric.probe(self.fabric.link_to(self.local[i]))
             mine = self.fabric.pending_abort() or self.fabric.stalled_error(f"found local rank {self.local[i]} gone")
             if mine is not None:
                 raise mine from None

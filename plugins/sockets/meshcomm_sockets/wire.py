@@ -73,6 +73,7 @@ __all__ = [
     "STATUS_VERSION",
     "STATUS_WORLD",
     "STATUS_RANK",
+    "STATUS_CROSSING",
     "STATUS_TEXT",
     "SEQ_MASK",
     "next_seq",
@@ -132,12 +133,15 @@ ABORT = 0xFFFF
 #: the rank's program ended rather than that it crashed
 ENDED = 5
 
-STATUS_OK, STATUS_VERSION, STATUS_WORLD, STATUS_RANK = 0, 1, 2, 3
+STATUS_OK, STATUS_VERSION, STATUS_WORLD, STATUS_RANK, STATUS_CROSSING = 0, 1, 2, 3, 4
 STATUS_TEXT = {
     STATUS_OK: "ok",
     STATUS_VERSION: "version skew",
     STATUS_WORLD: "different world size",
     STATUS_RANK: "unexpected rank",
+    #: two ranks that connect only when needed dialled each other at once: the lower rank's
+    #: connection is the one kept, the other side waits for it
+    STATUS_CROSSING: "crossing connections",
 }
 
 _CHALLENGE = struct.Struct("<8sH16s")
