@@ -55,6 +55,10 @@ def _open_files() -> tuple[int, int]:
 
 
 def rank_main() -> None:
+    hosts = int(os.environ.get("STARTUP_HOSTS", "0"))
+    if hosts:  # ranks r*hosts//n share memory only with those of the same "host" (sockets)
+        rank, size = int(os.environ["MLX_RANK"]), int(os.environ["MLX_WORLD_SIZE"])
+        os.environ["MESHCOMM_HOST_ID"] = f"startup-host-{rank * hosts // size}"
     g = mc.init(strict=True)
     t_init = time.time()
     g.barrier()
@@ -92,10 +96,14 @@ def rank_main() -> None:
     )
 
 
-def run_once(backend: str, n: int) -> dict[str, float]:
+def run_once(backend: str, n: int, args: argparse.Namespace) -> dict[str, float]:
     here = os.path.abspath(__file__)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "OMPI_", "PMIX_", "SLURM_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MLX_TIMEOUT="120")
+    if args.connect:
+        env["MESHCOMM_SOCKETS_CONNECT"] = args.connect
+    if args.hosts:
+        env["STARTUP_HOSTS"] = str(args.hosts)
     if backend == "mpi":
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         env["MLX_BACKEND"] = "mpi"
@@ -133,7 +141,7 @@ def driver(args: argparse.Namespace) -> None:
     rows = []
     for backend in args.backends:
         for n in args.ranks:
-            runs = [run_once(backend, n) for _ in range(args.reps)]
+            runs = [run_once(backend, n, args) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append((backend, n, med, [r["total"] for r in runs]))
             print(
@@ -173,6 +181,13 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--backends", nargs="+", default=["sockets", "mpi"])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--connect", choices=["auto", "all", "needed"], help="sockets: MESHCOMM_SOCKETS_CONNECT")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="sockets: split the ranks into this many shared-memory groups (MESHCOMM_HOST_ID), as on that many hosts",
+    )
     args = p.parse_args()
     if args.driver:
         driver(args)

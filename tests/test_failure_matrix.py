@@ -84,6 +84,10 @@ class Job:
     leftovers: list[str]
     #: seconds from the start to the last rank's READY line (None: not every rank got there)
     ready: float | None = None
+    #: ranks of the job
+    n: int = 3
+    #: seconds the job may take after its last READY line
+    after_ready: float = AFTER_READY
 
     def lines(self, rank: int) -> list[str]:
         got = []
@@ -131,20 +135,33 @@ def _kill_all(marker: str) -> None:
                 pass
 
 
-def run_job(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
-    job = _run_job_once(backend, kind, extra)
+def run_job(
+    backend: str,
+    kind: str,
+    extra: tuple[str, ...] = (),
+    *,
+    n: int = 3,
+    timeout: float = MLX_TIMEOUT,
+    settings: dict[str, str] | None = None,
+) -> Job:
+    """The job of ``n`` ranks under MLX_TIMEOUT=``timeout`` (``settings``: more environment
+    variables for every rank)."""
+    job = _run_job_once(backend, kind, extra, n, timeout, settings or {})
     if MPI_RUNTIME_NOT_STARTED in job.err and "READY" not in job.out:
-        job = _run_job_once(backend, kind, extra)
+        job = _run_job_once(backend, kind, extra, n, timeout, settings or {})
     return job
 
 
-def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
+def _run_job_once(
+    backend: str, kind: str, extra: tuple[str, ...], n: int, timeout: float, settings: dict[str, str]
+) -> Job:
     marker = f"mcfm-{uuid.uuid4().hex[:12]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
+    env.update(settings)
     if backend in ELEMENTS:
         backend, env["FAILURE_ELEMENTS"] = "sockets", str(ELEMENTS[backend])
     env.update(
-        MLX_TIMEOUT=f"{MLX_TIMEOUT:g}",
+        MLX_TIMEOUT=f"{timeout:g}",
         PYTHONUNBUFFERED="1",
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -155,11 +172,11 @@ def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
         "meshcomm",
         "launch",
         "-n",
-        "3",
+        str(n),
         "--backend",
         backend,
         "--timeout",
-        f"{MLX_TIMEOUT:g}",
+        f"{timeout:g}",
         "--",
         str(PROGRAM),
         "--kind",
@@ -192,7 +209,7 @@ def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
         t.start()
     try:
         try:
-            proc.wait(timeout=START_LIMIT + AFTER_READY + 20)
+            proc.wait(timeout=START_LIMIT * max(1, n // 8) + timeout - MLX_TIMEOUT + AFTER_READY + 20)
         except subprocess.TimeoutExpired:
             _kill_all(marker)  # the ranks (and mpirun) hold the output pipes open: end them too
             proc.kill()
@@ -205,22 +222,31 @@ def _run_job_once(backend: str, kind: str, extra: tuple[str, ...] = ()) -> Job:
         leftovers = _processes(marker)
     finally:
         _kill_all(marker)
-    ready = ready_at[2] if len(ready_at) >= 3 else None
-    return Job(proc.returncode, took, "".join(out_lines), "".join(err_box), leftovers, ready)
+    ready = ready_at[n - 1] if len(ready_at) >= n else None
+    return Job(
+        proc.returncode,
+        took,
+        "".join(out_lines),
+        "".join(err_box),
+        leftovers,
+        ready,
+        n,
+        timeout - MLX_TIMEOUT + AFTER_READY,
+    )
 
 
 def _timely_and_no_result(job: Job, bad: str) -> list[str]:
     """Problems every failure job is checked for first: over its time limit, a rank that did
     not start, a rank that printed a line starting with ``bad`` (a result)."""
     problems = []
-    if job.ready is not None and job.took - job.ready > AFTER_READY:
+    if job.ready is not None and job.took - job.ready > job.after_ready:
         problems.append(
-            f"the job ended {job.took - job.ready:.1f} s after every rank was READY, more than {AFTER_READY:g} s"
+            f"the job ended {job.took - job.ready:.1f} s after every rank was READY, more than {job.after_ready:g} s"
         )
-    ready = [r for r in range(3) if "READY" in job.lines(r)]
-    if ready != [0, 1, 2]:
+    ready = [r for r in range(job.n) if "READY" in job.lines(r)]
+    if ready != list(range(job.n)):
         problems.append(f"only ranks {ready} printed READY (start-up failed?)")
-    for r in range(3):
+    for r in range(job.n):
         results = [line for line in job.lines(r) if line.startswith(bad)]
         if results:
             problems.append(f"rank {r} printed a result: {results}")
@@ -337,4 +363,24 @@ def test_failure_more(backend: str, kind: str, op: str, root: int) -> None:
         survivors, want_rc = (), 9  # MPICH's Hydra kills the survivors at once (see test_failure)
     problems += _survivor_problems(job, survivors, kind, backend)
     problems += _exit_and_leftovers(job, want_rc)
+    assert not problems, "\n".join(problems) + "\n" + job.show()
+
+
+# -- at scale (issue 38) -------------------------------------------------------------------
+#: ranks of the failure jobs at scale: on this 2-core machine, 32 per core
+SCALE = 64
+#: MLX_TIMEOUT of those jobs: it bounds start-up too, and 64 interpreters take ~9 s to start here
+SCALE_TIMEOUT = 30.0
+
+
+@pytest.mark.exclusive  # 64 processes on the machine's cores: alone, so the others' deadlines hold
+@pytest.mark.parametrize("kind, connect", [("sigkill", "all"), ("raise", "needed")])
+def test_failure_at_64_ranks(kind: str, connect: str) -> None:
+    """Rank 1 of 64 fails while the others are in all_sum: every one of the 63 survivors names
+    it within the deadline, with every pair connected and with ranks connected only as needed
+    (most survivors then hear of it from others, not from rank 1's closed connection)."""
+    job = run_job("sockets", kind, n=SCALE, timeout=SCALE_TIMEOUT, settings={"MESHCOMM_SOCKETS_CONNECT": connect})
+    problems = _timely_and_no_result(job, "RESULT")
+    problems += _survivor_problems(job, tuple(r for r in range(SCALE) if r != 1), kind, "sockets")
+    problems += _exit_and_leftovers(job, EXIT[kind])
     assert not problems, "\n".join(problems) + "\n" + job.show()

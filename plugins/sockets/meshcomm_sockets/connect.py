@@ -27,6 +27,7 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from meshcomm.plugin import CommTimeoutError, ConfigError, DistributedError, PeerLostError
@@ -286,9 +287,10 @@ class _Greeters:
             self.count -= 1
 
     def greet(
-        self, sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline: float, out: queue.Queue[_Hello]
+        self, sock: socket.socket, addr: tuple, rank: int, secret: bytes, deadline: float, out: Callable[[_Hello], None]
     ) -> bool:
-        """Challenge ``sock`` on a thread of its own (:func:`_greet`); False, and the socket
+        """Challenge ``sock`` on a thread of its own (:func:`_greet`), handing a valid HELLO to
+        ``out`` on that thread; False, and the socket
         closed at once, when :data:`MAX_PENDING` handshakes already run."""
         if self.count >= MAX_PENDING:
             sock.close()
@@ -306,7 +308,7 @@ def _greet(
     rank: int,
     secret: bytes,
     deadline: float,
-    out: queue.Queue[_Hello],
+    out: Callable[[_Hello], None],
     greeters: _Greeters,
 ) -> None:
     """Challenge one accepted connection and queue its valid HELLO (runs on its own thread,
@@ -318,7 +320,7 @@ def _greet(
         sock.sendall(wire.challenge(nonce_a))
         head = recv_exact(sock, wire.HELLO_FIXED, limit, during=_HANDSHAKE)
         rest = recv_exact(sock, wire.hello_size(head) - len(head), limit, during=_HANDSHAKE)
-        out.put(_Hello(wire.parse_hello(secret, nonce_a, head + rest), sock, addr, nonce_a))
+        out(_Hello(wire.parse_hello(secret, nonce_a, head + rest), sock, addr, nonce_a))
     except (OSError, wire.HandshakeError) as exc:
         log.warning("meshcomm sockets rank %d: rejected a connection from %s: %s", rank, addr[:2], exc)
         sock.close()
@@ -443,7 +445,7 @@ def _accept_all(
                     raise _exhausted(rank, "accepting a connection from a peer", exc) from None
                 time.sleep(0.01)  # pending handshakes end within their limit and free theirs
                 continue
-            if not greeters.greet(sock, addr, rank, secret, deadline, hellos):
+            if not greeters.greet(sock, addr, rank, secret, deadline, hellos.put):
                 turned_away += 1
     except BaseException:
         for c in conns.values():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
 import socket
 import threading
 import time
@@ -94,23 +93,20 @@ class Dialer:
 
     # -- the listener's thread ------------------------------------------------------------
     def _serve(self) -> None:
-        hellos: queue.Queue[_Hello] = queue.Queue()
+        """Accept until :meth:`close` (which shuts the listener down: accept then fails); each
+        connection is challenged on a thread of its own, which answers its HELLO."""
         greeters = _Greeters()
-        self.listener.settimeout(0.05)
+        self.listener.settimeout(None)
         while not self._closed.is_set():
-            while not hellos.empty():
-                self._answer(hellos.get_nowait())
             try:
                 sock, addr = self.listener.accept()
-            except TimeoutError:
-                continue
             except OSError as exc:
                 if self._closed.is_set():
                     return
                 log.warning("meshcomm sockets rank %d: accepting a connection failed: %s", self.rank, exc)
                 time.sleep(0.05)  # out of descriptors: pending handshakes free theirs
                 continue
-            if not greeters.greet(sock, addr, self.rank, self.secret, time.monotonic() + self.timeout, hellos):
+            if not greeters.greet(sock, addr, self.rank, self.secret, time.monotonic() + self.timeout, self._answer):
                 log.warning(
                     "meshcomm sockets rank %d: closed a connection from %s at once: handshakes pending",
                     self.rank,
@@ -121,6 +117,9 @@ class Dialer:
         """Admit a proven HELLO unless this rank holds or (being the lower rank) dials that peer."""
         q = got.hello.rank
         with self._lock:
+            if self._closed.is_set():  # this rank's world has ended or failed
+                got.sock.close()
+                return
             if q in self._linked or q in self._accepted or (q < self.world and q > self.rank and q in self._dialing):
                 self._cross(got)
                 return
@@ -242,11 +241,14 @@ class Dialer:
 
     def close(self) -> None:
         """Stop answering: peers that dial this rank from now on learn that it is gone."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         try:
-            self.listener.close()
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept
         except OSError:
             pass
+        self.listener.close()
         self._thread.join(1.0)  # what it accepted meanwhile is left for arrived()
 
 

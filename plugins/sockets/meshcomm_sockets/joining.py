@@ -68,7 +68,7 @@ def admit_waiting(rec: Recovery) -> list[Joiner]:
                 sock, addr = rec.listener.accept()
             except (BlockingIOError, InterruptedError):
                 break
-            greeters.greet(sock, addr, me, rec.secret, deadline, hellos)
+            greeters.greet(sock, addr, me, rec.secret, deadline, hellos.put)
     finally:
         rec.listener.setblocking(True)
     while greeters.count and time.monotonic() < deadline:

@@ -439,7 +439,7 @@ class Recovery:
                 continue
             except OSError as exc:
                 raise DistributedError(f"rank {me}: accepting recovery connections failed: {exc}") from None
-            greeters.greet(sock, addr, me, self.secret, deadline, hellos)
+            greeters.greet(sock, addr, me, self.secret, deadline, hellos.put)
 
     def agree(self, flag: int, suspects: set[int]) -> Agreement:
         """Agree with the other survivors (``suspects``: see :meth:`open_channel`)."""
