@@ -3,7 +3,7 @@ not to every rank of the world.
 
 At start-up a rank connects to its :func:`overlay` peers only: ``r ± 2**k`` (the ring, the
 dissemination barrier, Bruck's all-gather) and recursive doubling's partners, about
-``3 log2 n`` of them, each pair by the higher rank dialling the lower one, several at once.
+``2 log2 n`` of them (23 at 4096 ranks), each pair by the higher rank dialling the lower one, several at once.
 Every other pair connects the first time an operation needs it (an all-to-all, a root's
 scatter, a send): whichever side needs it first dials, and a thread that serves this rank's
 listener for the whole job answers (challenge, proof of the job secret, keys: the start-up
@@ -166,6 +166,7 @@ class Dialer:
             if dial:
                 self._dialing.add(q)
         if dial:
+            conn = None
             try:
                 conn = _connect(
                     self.rank,
@@ -181,13 +182,13 @@ class Dialer:
             except Crossed:  # q dials this rank at the same time: its connection is kept
                 conn = None
             finally:
-                with self._lock:
+                with self._lock:  # from dialing to linked in one step: the listener never sees q as neither
                     self._dialing.discard(q)
+                    if conn is not None:
+                        self._linked.add(q)
             if conn is not None:
                 tune(conn.sock)
                 conn.sock.setblocking(False)
-                with self._lock:
-                    self._linked.add(q)
                 return conn
         return self._await(q, deadline)
 

@@ -312,6 +312,9 @@ class Fabric:
         watch_resume()
 
     def _add(self, q: int, sock: socket.socket, send_key: bytes, recv_key: bytes, *, direct: bool) -> Link:
+        if q in self.links:  # one connection per pair (dialing.Dialer keeps it so): a second is a bug
+            sock.close()
+            raise DistributedError(f"rank {self.rank}: a second connection to rank {q} (a meshcomm bug: report it)")
         link = self.links[q] = Link(q, sock, send_key, recv_key)
         integrity = self._integrity
         link.seal_payload = not (direct and is_loopback(sock)) if integrity is None else integrity
