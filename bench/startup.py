@@ -2,6 +2,7 @@
 
     python bench/startup.py --driver                      # sockets via meshcomm launch, mpi via mpiexec
     python bench/startup.py --driver --ranks 1 2 4 --reps 3 --backends sockets
+    python bench/startup.py --driver --ranks 256 --reps 1 --backends sockets --netns 8   # 8 "hosts"
 
 The driver takes ``t0 = time.time()`` just before it starts the job (``meshcomm launch -n N
 --backend sockets bench/startup.py``, or the venv's ``mpiexec -n N --oversubscribe python
@@ -109,7 +110,13 @@ def run_once(backend: str, n: int, args: argparse.Namespace) -> dict[str, float]
         env["MLX_BACKEND"] = "mpi"
         cmd = [mpiexec, "-n", str(n), "--oversubscribe", sys.executable, here]
     else:
-        cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend, "--", here]
+        cmd = [sys.executable, "-m", "meshcomm", "launch", "-n", str(n), "--backend", backend]
+        if args.netns is not None:  # n/K ranks "on" each namespace, started through its "ssh"
+            per = [n // len(args.netns.ips) + (i < n % len(args.netns.ips)) for i in range(len(args.netns.ips))]
+            hosts = ",".join(f"{ip}:{k}" for ip, k in zip(args.netns.ips, per, strict=True))
+            cmd += ["--hosts", hosts, "--ssh", args.netns.ssh_command, "--timeout", "120"]
+            env.update(args.netns.env)
+        cmd += ["--", here]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
     t_end = time.time()
@@ -188,8 +195,26 @@ def main() -> None:
         default=0,
         help="sockets: split the ranks into this many shared-memory groups (MESHCOMM_HOST_ID), as on that many hosts",
     )
+    p.add_argument(
+        "--netns",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sockets: spread the ranks over K network namespaces standing for hosts (needs root and iproute2)",
+    )
     args = p.parse_args()
-    if args.driver:
+    if args.driver and args.netns:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from netns import NetnsHosts
+
+        hosts, args.netns = args.netns, NetnsHosts(args.netns)
+        try:
+            print(f"{hosts} network namespaces: {', '.join(args.netns.ips)}", file=sys.stderr, flush=True)
+            driver(args)
+        finally:
+            args.netns.close()
+    elif args.driver:
+        args.netns = None
         driver(args)
     else:
         rank_main()

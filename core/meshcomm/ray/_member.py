@@ -3,7 +3,7 @@
 The member opens its listening socket on its node's address (the kernel picks the port:
 no race for it) and notes a spare free port, offers both to the group's rendezvous actor,
 and waits for its answer: its rank and environment (the job secret among it) and the files
-the backend writes for its ranks. It writes those files privately on its node, sets the
+the backend writes for its ranks. It writes those files into a private directory of its own, sets the
 variables in this process (one meshcomm world per actor process, as one per launched
 rank), starts the world with ``meshcomm.init`` and removes the files again.
 """
@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
 from typing import Any
 
 from ..api.group import Group
 from ..api.world import init as world_init
 from ..protocol.errors import CommTimeoutError
+from ..runtime.private_files import write_atomic
 from ._rendezvous import NAMESPACE, actor_name
 
 __all__ = ["start_member", "start_in_actor"]
@@ -39,14 +41,14 @@ def _spare_port(ip: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _write_files(folder: str, files: dict[str, str]) -> None:
-    if not files:
-        return
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+def _write_files(folder: str, files: dict[str, str], env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """Write the job's ``files`` (paths under ``folder``) into a new private directory of this
+    member's own, so that members sharing a node never read each other's half-written or
+    removed files; returns that directory and ``env`` pointing into it."""
+    own = tempfile.mkdtemp(prefix="meshcomm-ray-")  # mode 0700, a fresh random name
     for path, content in files.items():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(content)
+        write_atomic(own, os.path.basename(path), content.encode())
+    return own, {k: v.replace(folder, own) for k, v in env.items()}
 
 
 def start_member(group: str, rank: int | None, timeout: float) -> Group:
@@ -79,12 +81,12 @@ def start_member(group: str, rank: int | None, timeout: float) -> Group:
         listener.detach()  # the backend owns the socket from now on (its fd is in the environment)
     else:
         listener.close()
+    own, env = _write_files(answer["dir"], answer["files"], answer["env"])
     try:
-        _write_files(answer["dir"], answer["files"])
-        os.environ.update(answer["env"])
-        return world_init(strict=True, backend=answer["env"]["MLX_BACKEND"])
+        os.environ.update(env)
+        return world_init(strict=True, backend=env["MLX_BACKEND"])
     finally:
-        shutil.rmtree(answer["dir"], ignore_errors=True)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def start_in_actor(actor: Any, group: str, rank: int, timeout: float) -> int:

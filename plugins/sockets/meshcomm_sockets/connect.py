@@ -179,7 +179,8 @@ def _connect(
 ) -> Connection:
     """Connect to rank ``q`` and complete the handshake by ``deadline``. ``patient``: retry
     while ``q`` does not listen yet (start-up); otherwise (``q`` listened before, as in a
-    recovery) a refused or closed connection means ``q`` is gone: PeerLostError at once."""
+    recovery) a refused connection, or one closed after this rank's HELLO, means ``q`` is
+    gone: PeerLostError at once."""
     delay, last, refused, refusal = 0.02, "no attempt", 0, ""
     while True:
         try:
@@ -210,7 +211,9 @@ def _connect(
                         f"rank {rank}: the process at {peer} (rank {q} in MLX_HOSTFILE) failed the handshake: {exc}"
                     ) from None
                 last = str(exc)
-                if not patient and isinstance(exc, ConnectionError):
+                # closed before this rank's HELLO: turned away while MAX_PENDING handshakes ran
+                # (a live rank: try again; a gone one refuses the next connection)
+                if not patient and isinstance(exc, ConnectionError) and said_hello:
                     raise PeerLostError(
                         f"rank {rank}: rank {q} at {peer} closed the connection ({exc})", peer=q
                     ) from None
