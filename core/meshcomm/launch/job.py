@@ -59,7 +59,7 @@ class Job:
         self.files: dict[str, str] = {}
         self._fds: dict[int, list[int]] = {}
         self._keep: list[socket.socket] = []
-        self._port_base = port_base or random.randrange(20000, 50000, 100)
+        self._port_base = port_base or _remote_port_base(self.nranks)
         self._remote_ports: dict[tuple[str | None, int], int] = {}
 
     @property
@@ -201,3 +201,15 @@ def _sweep_stale(tmp: Path) -> None:
 
 def _family(ip: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in ip else socket.AF_INET
+
+
+def _remote_port_base(nranks: int) -> int:
+    """A random first port for ranks on remote hosts, below the kernel's range of ports for
+    outgoing connections (read here; Linux's default 32768-60999): there a rank's
+    connections to its peers could take a port another rank of its host is yet to listen on."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return random.randrange(10000, max(10100, low - nranks - 100), 100)
