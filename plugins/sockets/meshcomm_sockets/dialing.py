@@ -224,7 +224,9 @@ class Dialer:
             return got
 
     def start(self, peers: set[int]) -> dict[int, Connection]:
-        """Start-up: dial the lower ``peers`` (several at once), await the higher ones."""
+        """Connect to ``peers``, which connect to this rank at the same time (start-up, or a
+        host's ranks setting up shared memory): dial the lower ones (several at once, retrying
+        while one does not listen yet), await the higher ones."""
         conns: dict[int, Connection] = {}
         lower = sorted(q for q in peers if q < self.rank)
         try:

@@ -339,6 +339,25 @@ class Fabric:
         self.adopt()
         return self._add(q, conn.sock, conn.send_key, conn.recv_key, direct=conn.direct)
 
+    def link_all(self, peers: list[int]) -> list[Link]:
+        """The links to ``peers``, which all connect to each other at this moment (a host's
+        ranks setting up shared memory): the missing ones made together, as at start-up
+        (the higher rank of each pair dials, several at once), not one by one."""
+        if self.dialer is not None:
+            self.adopt()
+            missing = {q for q in peers if q not in self.links}
+            if missing:
+                self.check()
+                try:
+                    conns = self.dialer.start(missing)
+                except DistributedError as exc:
+                    self.fail(exc)
+                    raise
+                self.adopt()
+                for q, c in conns.items():
+                    self._add(q, c.sock, c.send_key, c.recv_key, direct=c.direct)
+        return [self.link_to(q) for q in peers]
+
     def adopt(self) -> None:
         """Take the connections peers made to this rank since the last look (they carry their
         frames, and this rank's failure notices must reach them)."""

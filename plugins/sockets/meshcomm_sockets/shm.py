@@ -348,7 +348,7 @@ class ShmGroup:
                 remove_dir(self.dir)
             self.close()
             raise
-        self.links = [fabric.link_to(q) for q in local if q != fabric.rank]
+        self.links = fabric.link_all([q for q in local if q != fabric.rank])
         #: every local rank reads the others' arrays directly (set by topology after probe_direct)
         self.direct = False
         #: this rank's results of large all-reduces in shared memory, and the peers' mapped here
