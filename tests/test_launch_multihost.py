@@ -513,3 +513,29 @@ def test_netns_lost_rank_is_restarted_on_its_host_and_joins(hosts: NetnsHosts, t
     for r in range(3):
         assert f"[rank {r}] RESULT ok size=3 rank={r} sum=6.0" in out, show(p)
     assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"
+
+
+def test_netns_hosts_connecting_as_needed(hosts: NetnsHosts) -> None:
+    """The contract on 9 ranks over 3 namespace hosts with ranks connecting only when needed:
+    the first contacts cross the bridge (authenticated payloads: the links leave the host)."""
+    p = run_launch(
+        "-n",
+        "9",
+        "--hosts",
+        ",".join(hosts.ips),
+        "--ssh",
+        hosts.ssh_command,
+        "--env",
+        "MESHCOMM_SOCKETS_CONNECT=needed",
+        "--timeout",
+        "60",
+        "--",
+        "-m",
+        "meshcomm.testing.contract",
+        "--more",
+        env=hosts.env,
+        timeout=300,
+    )
+    assert p.returncode == 0, show(p)
+    assert p.stdout.decode().count("on sockets: 20 passed, 0 failed") == 9, show(p)
+    assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"
