@@ -516,11 +516,11 @@ def test_netns_lost_rank_is_restarted_on_its_host_and_joins(hosts: NetnsHosts, t
 
 
 def test_netns_hosts_connecting_as_needed(hosts: NetnsHosts) -> None:
-    """The contract on 9 ranks over 3 namespace hosts with ranks connecting only when needed:
+    """The contract on 6 ranks over 3 namespace hosts with ranks connecting only when needed:
     the first contacts cross the bridge (authenticated payloads: the links leave the host)."""
     p = run_launch(
         "-n",
-        "9",
+        "6",
         "--hosts",
         ",".join(hosts.ips),
         "--ssh",
@@ -537,5 +537,5 @@ def test_netns_hosts_connecting_as_needed(hosts: NetnsHosts) -> None:
         timeout=300,
     )
     assert p.returncode == 0, show(p)
-    assert p.stdout.decode().count("on sockets: 20 passed, 0 failed") == 9, show(p)
+    assert p.stdout.decode().count("on sockets: 20 passed, 0 failed") == 6, show(p)
     assert not hosts.running(), f"processes left in the namespaces: {hosts.running()}"

@@ -14,8 +14,8 @@ from meshcomm_sockets.dialing import CONNECT_ALL_UP_TO, connects_all, overlay
 
 PROG = "tests/programs/connect_rank.py"
 NEEDED = {"MESHCOMM_SOCKETS_CONNECT": "needed"}
-#: 8 ranks: rank 0's start-up peers are 1, 2, 4, 6 and 7; 3 and 5 connect when needed
-N = 8
+#: 6 ranks: rank 0's start-up peers are 1, 2, 4 and 5; 0 and 3 (and 1 and 4) connect when needed
+N = 6
 
 
 def _lines(out: str) -> list[dict]:
@@ -101,7 +101,7 @@ def test_a_ranks_sockets_grow_with_the_peers_it_talks_to(tmp_path):
 
 @pytest.mark.parametrize("shm", ["0", "1"])
 def test_a_killed_rank_is_named_by_every_survivor_also_those_not_connected_to_it(tmp_path, shm):
-    victim = 5  # not among rank 0's start-up peers
+    victim = 3  # not among rank 0's start-up peers
     results = _job(tmp_path, "kill", {"VICTIM": str(victim), "MESHCOMM_SOCKETS_SHM": shm})
     assert results[victim][0] == -9
     for r in set(range(N)) - {victim}:
@@ -111,7 +111,7 @@ def test_a_killed_rank_is_named_by_every_survivor_also_those_not_connected_to_it
 
 
 def test_a_first_contact_with_a_rank_whose_program_ended_is_a_lost_peer_at_once(tmp_path):
-    victim = 5
+    victim = 3
     results = _job(tmp_path, "ended", {"VICTIM": str(victim), "MESHCOMM_SOCKETS_SHM": "0"})
     first = _lines(results[0][1])[0]
     assert first["error"] == "PeerLostError" and first["peer"] == victim, first
