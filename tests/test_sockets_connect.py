@@ -5,11 +5,14 @@ failures are named by every survivor, also by ranks that never connected to the 
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import numpy as np
 import pytest
 from jobs import finish, free_ports, launch, start_ranks, write_hostfile
 from meshcomm.protocol import algorithms
+from meshcomm_sockets.connect import MAX_PENDING
 from meshcomm_sockets.dialing import CONNECT_ALL_UP_TO, connects_all, overlay
 
 PROG = "tests/programs/connect_rank.py"
@@ -141,3 +144,31 @@ def test_ranks_that_disagree_on_the_setting_fail_at_start_up_naming_it(tmp_path)
     text = "".join(err for _rc, _out, err in results.values())
     assert all(rc != 0 for rc, _o, _e in results.values()), results
     assert "connect needed" in text, text[-3000:]
+
+
+def test_strangers_flooding_a_listener_delay_a_first_contact_but_do_not_break_it(tmp_path):
+    """Mid-job, a rank's listener answers first contacts; strangers on its port (garbage, and
+    more idle connections than it runs handshakes at once) are turned away, and the real
+    peer's dial, turned away too while the handshakes are full, is tried again and gets in."""
+    ports = free_ports(N)
+    hf = write_hostfile(tmp_path / "h.json", ports)
+    env = {"MLX_TIMEOUT": "20", "PAUSE": "2", "MESHCOMM_SOCKETS_SHM": "0", **NEEDED}
+    procs = start_ranks(N, [PROG, "strangers"], hf, env=env)
+    strangers: list[socket.socket] = []
+    try:
+        assert procs[3].stdout is not None
+        line = procs[3].stdout.readline()  # rank 3 is past start-up: its listener serves first contacts
+        assert '"ready": 3' in line, line
+        for _ in range(MAX_PENDING + 8):  # silent: each holds a handshake until its limit
+            strangers.append(socket.create_connection(("127.0.0.1", ports[3]), timeout=5))
+        noisy = socket.create_connection(("127.0.0.1", ports[3]), timeout=5)
+        noisy.sendall(b"GET / HTTP/1.0\r\n\r\n" * 100)
+        strangers.append(noisy)
+        time.sleep(8)  # past the ranks' pause and the strangers' handshake limit (5 s)
+    finally:
+        for sock in strangers:
+            sock.close()
+    results = finish(procs, timeout=120)
+    for r in range(N):
+        rc, out, err = results[r]
+        assert rc == 0 and _lines(out)[-1] == {"error": None}, (r, out, err[-3000:])

@@ -1,7 +1,7 @@
 """A rank of a job whose ranks connect only when needed (MESHCOMM_SOCKETS_CONNECT=needed).
 Prints JSON lines: what it saw, how many sockets it held, the error it got.
 
-usage: connect_rank.py MODE   (count | kill | ended | shrink)
+usage: connect_rank.py MODE   (count | kill | ended | shrink | strangers)
 """
 
 import json
@@ -64,6 +64,12 @@ try:
         say(error=None)
     elif mode == "shrink":
         g.shrink()
+    elif mode == "strangers":  # the test floods rank 3's port between READY and the all-to-all
+        mc.barrier()
+        say(ready=r)
+        time.sleep(float(os.environ.get("PAUSE", "2")))
+        got = mc.all_to_all(np.arange(n, dtype=np.int64) + 1000 * r)  # first contacts: 0-3, 1-4
+        assert got.tolist() == [1000 * q + r for q in range(n)], got
     say(error=None)
 except mc.DistributedError as exc:
     say(error=type(exc).__name__, peer=getattr(exc, "peer", None), elapsed=time.monotonic() - t0, message=str(exc))
