@@ -123,8 +123,8 @@ def test_a_first_contact_with_a_rank_whose_program_ended_is_a_lost_peer_at_once(
         assert _lines(results[r][1])[0]["error"] is None
 
 
-def test_shrink_says_it_needs_every_pair_connected(tmp_path):
-    results = _job(tmp_path, "shrink", {}, 4)
+def test_grow_says_newcomers_need_every_pair_connected(tmp_path):
+    results = _job(tmp_path, "grow", {}, 4)
     for r in range(4):
         first = _lines(results[r][1])[0]
         assert first["error"] == "NotSupportedError", first

@@ -1,7 +1,7 @@
 """A rank of a job whose ranks connect only when needed (MESHCOMM_SOCKETS_CONNECT=needed).
 Prints JSON lines: what it saw, how many sockets it held, the error it got.
 
-usage: connect_rank.py MODE   (count | kill | ended | shrink | strangers)
+usage: connect_rank.py MODE   (count | kill | ended | grow | strangers)
 """
 
 import json
@@ -62,8 +62,8 @@ try:
         if r == 0:
             mc.send(np.ones(4), victim)  # the first contact of rank 0 and the victim
         say(error=None)
-    elif mode == "shrink":
-        g.shrink()
+    elif mode == "grow":
+        g.grow()
     elif mode == "strangers":  # the test floods rank 3's port between READY and the all-to-all
         mc.barrier()
         say(ready=r)

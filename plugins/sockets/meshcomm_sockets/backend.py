@@ -239,11 +239,13 @@ class SocketsBackend(MeshGroup):
 
     # -- survivors continue ---------------------------------------------------------------
     def _recovery(self, what: str) -> Recovery:
-        if self.fabric.dialer is not None:
+        dialer = self.fabric.dialer
+        if dialer is not None and what == "grow":
             raise NotSupportedError(
-                f"rank {self.fabric.rank}: {what} needs every rank connected to every other, and this job "
-                "connects ranks only when needed (MESHCOMM_SOCKETS_CONNECT=needed, the default above "
-                f"{CONNECT_ALL_UP_TO} ranks). Set MESHCOMM_SOCKETS_CONNECT=all on every rank to let survivors continue."
+                f"rank {self.fabric.rank}: grow() needs newcomers to reach the world's listeners, which this job "
+                "keeps for connections between its ranks: it connects ranks only when needed "
+                f"(MESHCOMM_SOCKETS_CONNECT=needed, the default above {CONNECT_ALL_UP_TO} ranks). Set "
+                "MESHCOMM_SOCKETS_CONNECT=all on every rank to let newcomers join."
             )
         if self.recovery is None:
             raise NotSupportedError(
@@ -263,6 +265,9 @@ class SocketsBackend(MeshGroup):
                 "they went on without it",
                 peer=self.fabric.rank,
             )
+        if dialer is not None:  # the survivors' agreement connects them all through the listener
+            dialer.pause()
+            self.fabric.adopt()
         return self.recovery
 
     def _suspects(self) -> set[int]:
@@ -274,7 +279,12 @@ class SocketsBackend(MeshGroup):
         return set()
 
     def agree(self, flag: int) -> tuple[int, frozenset[int]]:
-        agreed = self._recovery("agree").agree(flag, self._suspects())
+        recovery = self._recovery("agree")
+        try:
+            agreed = recovery.agree(flag, self._suspects())
+        finally:
+            if self.fabric.dialer is not None:  # this world goes on: answer first contacts again
+                self.fabric.dialer.resume()
         if agreed.lost and self.fabric.failure is None:  # the agreement gave up on them: so does the world
             first = min(agreed.lost)
             self.fabric.failure = PeerLostError(
@@ -312,6 +322,7 @@ class SocketsBackend(MeshGroup):
         """The next world ``make()`` builds on this world's listener; this one is retired either
         way (and the listener closed when no next world came of it)."""
         self.recovery = None  # the listener goes on with the next world
+        self.fabric.dialer = None  # (paused in _recovery: it must not close the listener)
         try:
             return make()  # type: ignore[return-value]
         except BaseException:
@@ -345,6 +356,8 @@ class SocketsBackend(MeshGroup):
         ABORT frame, so each raises PeerLostError naming this rank instead of waiting (or
         blaming whichever rank it happens to read from first). Does nothing when an earlier
         failure was already reported (that one names the rank that failed first)."""
+        if self.fabric.dialer is not None:
+            self.fabric.dialer.close()
         if self.recovery is not None:  # survivors that try to reach this rank learn at once that it is gone
             self.recovery.close()
         self.fabric.abort(code, reason)

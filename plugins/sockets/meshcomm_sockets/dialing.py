@@ -10,13 +10,16 @@ listener for the whole job answers (challenge, proof of the job secret, keys: th
 handshake of :mod:`.connect`). Two ranks that dial each other at once keep the lower rank's
 connection: the lower rank answers the higher one's dial with ``STATUS_CROSSING`` and the
 higher one waits for the dial that is on its way. A peer that no longer listens is lost at
-once; one that does not answer within MLX_TIMEOUT is named in a CommTimeoutError.
+once; one that does not answer within MLX_TIMEOUT is named in a CommTimeoutError. The
+survivors of a failure agree through the same listener (:mod:`.recovery`): the thread
+pauses for them, and hands the recovery any of its HELLOs that arrive before.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import socket
 import threading
 import time
@@ -24,7 +27,7 @@ import time
 from meshcomm.plugin import CommTimeoutError, DistributedError
 
 from . import wire
-from .connect import Connection, Crossed, _admit, _connect, _Greeters, _Hello, tune
+from .connect import Connection, Crossed, _admit, _connect, _Greeters, _Hello, _later, tune
 from .hostfile import Peer
 
 __all__ = ["CONNECT_ALL_UP_TO", "Dialer", "overlay", "connects_all"]
@@ -88,8 +91,17 @@ class Dialer:
         self._linked: set[int] = set()
         self._refused: list[str] = []
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="meshcomm-listener", daemon=True)
-        self._thread.start()
+        #: after this rank's failure: every dial is turned away after its HELLO (a lost peer)
+        self._refusing = False
+        #: where HELLOs of the survivors' recoveries go (Recovery.hellos): they are not ours
+        self.later: queue.Queue[_Hello] | None = None
+        self._thread = self._serving()
+
+    def _serving(self) -> threading.Thread:
+        self._paused = False
+        thread = threading.Thread(target=self._serve, name="meshcomm-listener", daemon=True)
+        thread.start()
+        return thread
 
     # -- the listener's thread ------------------------------------------------------------
     def _serve(self) -> None:
@@ -101,11 +113,14 @@ class Dialer:
             try:
                 sock, addr = self.listener.accept()
             except OSError as exc:
-                if self._closed.is_set():
+                if self._closed.is_set() or self.listener.fileno() < 0:
                     return
                 log.warning("meshcomm sockets rank %d: accepting a connection failed: %s", self.rank, exc)
                 time.sleep(0.05)  # out of descriptors: pending handshakes free theirs
                 continue
+            if self._paused:  # the wake-up of pause(): the listener is the recovery's now
+                sock.close()
+                return
             if not greeters.greet(sock, addr, self.rank, self.secret, time.monotonic() + self.timeout, self._answer):
                 log.warning(
                     "meshcomm sockets rank %d: closed a connection from %s at once: handshakes pending",
@@ -117,8 +132,11 @@ class Dialer:
         """Admit a proven HELLO unless this rank holds or (being the lower rank) dials that peer."""
         q = got.hello.rank
         with self._lock:
-            if self._closed.is_set():  # this rank's world has ended or failed
-                got.sock.close()
+            if self.later is not None and not self._closed.is_set() and _later(got.hello.version):
+                self.later.put(got)  # a survivor's recovery, begun before this rank's: it answers
+                return
+            if self._closed.is_set() or self._refusing or self._paused:  # ended, failed or recovering
+                got.sock.close()  # after the HELLO: the dialling rank takes this rank as lost
                 return
             if q in self._linked or q in self._accepted or (q < self.world and q > self.rank and q in self._dialing):
                 self._cross(got)
@@ -241,6 +259,30 @@ class Dialer:
                 c.sock.close()
             raise
         return conns
+
+    def refuse(self) -> None:
+        """This rank failed: turn every dial away after its HELLO, so the dialling rank takes
+        this one as lost at once; the listener stays open for the survivors' recovery."""
+        self._refusing = True
+
+    def pause(self) -> None:
+        """Stop answering and leave the listener to the survivors' recovery (:mod:`.recovery`)."""
+        if self._paused or self._closed.is_set():
+            return
+        self._paused = True
+        host, port = self.listener.getsockname()[:2]
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+        try:  # wake the thread's accept
+            socket.create_connection((host, port), timeout=1.0).close()
+        except OSError:
+            pass
+        self._thread.join(2.0)
+
+    def resume(self) -> None:
+        """Answer dials again after :meth:`pause` (an agreement that did not end this world)."""
+        if self._paused and not self._closed.is_set():
+            self._thread = self._serving()
 
     def close(self) -> None:
         """Stop answering: peers that dial this rank from now on learn that it is gone."""

@@ -943,7 +943,7 @@ class Fabric:
             return
         self.failure = exc
         if self.dialer is not None:
-            self.dialer.close()  # peers that dial this rank from now on learn that it is gone
+            self.dialer.refuse()  # peers that dial this rank from now on learn that it is gone
             self.adopt()
         kind = next((k for cls, k in _KIND_OF.items() if isinstance(exc, cls)), 4)
         msg = str(exc).encode("utf-8", "replace")[:_MAX_ABORT]

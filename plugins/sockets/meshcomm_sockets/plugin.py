@@ -126,8 +126,7 @@ class SocketsSettings(JobSecretSettings):
         "auto",
         env="MESHCOMM_SOCKETS_CONNECT",
         accepts="auto, all or needed (the same on every rank)",
-        description="all: every pair of ranks connects at start-up (a full mesh; shrink() and grow() need "
-        "it); needed: a rank connects at start-up to about 2 log2(n) peers (the ring's and the doubling "
+        description="all: every pair of ranks connects at start-up (a full mesh; grow() needs it); needed: a rank connects at start-up to about 2 log2(n) peers (the ring's and the doubling "
         "algorithms') and to any other the first time an operation needs it, so its open sockets grow with "
         "what it talks to, not with the world; auto: all up to 64 ranks, needed above",
     )
@@ -242,7 +241,9 @@ def _factory(config: Config, settings: SocketsSettings) -> Backend:
         try:
             conns = dialer.start(overlay(config.rank, len(peers)))
             dialer.timeout = config.timeout
-            return _world(config, settings, config.rank, len(peers), conns, local_key, start, None, dialer)
+            survivors = Recovery(peers, config.rank, secret, version, config.timeout, listener, build)
+            dialer.later = survivors.hellos
+            return _world(config, settings, config.rank, len(peers), conns, local_key, start, survivors, dialer)
         except BaseException:
             dialer.close()
             raise

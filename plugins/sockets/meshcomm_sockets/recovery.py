@@ -340,6 +340,9 @@ class Recovery:
     build: Callable[[int, list[Peer], dict[int, Connection], Recovery], object]
     epoch: int = 0
     channel: Channel | None = None
+    #: HELLOs of the survivors' recoveries: challenged by this rank's listener thread while
+    #: the job connected its ranks as needed (:mod:`.dialing`), or by :meth:`_accept` itself
+    hellos: queue.Queue[_Hello] = field(default_factory=queue.Queue)
 
     def open_channel(self, suspects: set[int]) -> Channel:
         """Connect to every other rank both ways (see the module's docstring). ``suspects``
@@ -412,7 +415,7 @@ class Recovery:
         me, world = self.rank, len(self.peers)
         pending = set(wanted)
         conns: dict[int, Connection] = {}
-        hellos: queue.Queue[_Hello] = queue.Queue()
+        hellos = self.hellos
         greeters = _Greeters()
         refused: list[str] = []
         self.listener.settimeout(0.01)
