@@ -126,9 +126,10 @@ class SocketsSettings(JobSecretSettings):
         "auto",
         env="MESHCOMM_SOCKETS_CONNECT",
         accepts="auto, all or needed (the same on every rank)",
-        description="all: every pair of ranks connects at start-up (a full mesh; grow() needs it); needed: a rank connects at start-up to about 2 log2(n) peers (the ring's and the doubling "
-        "algorithms') and to any other the first time an operation needs it, so its open sockets grow with "
-        "what it talks to, not with the world; auto: all up to 64 ranks, needed above",
+        description="all: every pair of ranks connects at start-up (a full mesh; grow() needs it); needed: a "
+        "rank connects at start-up to about 2 log2(n) peers (the ring's and the doubling algorithms') and to any "
+        "other the first time an operation needs it, so its open sockets grow with what it talks to, not with "
+        "the world; auto: all up to 64 ranks, needed above",
     )
     listen_fd: int | None = setting(
         None,
