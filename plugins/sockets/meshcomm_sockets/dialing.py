@@ -3,8 +3,8 @@ not to every rank of the world.
 
 At start-up a rank connects to its :func:`overlay` peers only: ``r ± 2**k`` (the ring, the
 dissemination barrier, Bruck's all-gather) and recursive doubling's partners, about
-``2 log2 n`` of them (23 at 4096 ranks), each pair by the higher rank dialling the lower one, several at once.
-Every other pair connects the first time an operation needs it (an all-to-all, a root's
+``2 log2 n`` of them (23 at 4096 ranks), each pair by the higher rank dialling the lower
+one, several at once. Every other pair connects the first time an operation needs it (an all-to-all, a root's
 scatter, a send): whichever side needs it first dials, and a thread that serves this rank's
 listener for the whole job answers (challenge, proof of the job secret, keys: the start-up
 handshake of :mod:`.connect`). Two ranks that dial each other at once keep the lower rank's
@@ -35,7 +35,7 @@ __all__ = ["CONNECT_ALL_UP_TO", "Dialer", "overlay", "connects_all"]
 log = logging.getLogger("meshcomm.sockets")
 
 #: MESHCOMM_SOCKETS_CONNECT=auto connects every pair of ranks at start-up up to this world
-#: size (a full mesh: survivors can continue), and only the needed pairs above it
+#: size (a full mesh: newcomers can join with grow()), and only the needed pairs above it
 CONNECT_ALL_UP_TO = 64
 
 #: start-up dials of one rank in flight at once
