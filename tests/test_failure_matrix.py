@@ -156,6 +156,7 @@ def _run_job_once(
     backend: str, kind: str, extra: tuple[str, ...], n: int, timeout: float, settings: dict[str, str]
 ) -> Job:
     marker = f"mcfm-{uuid.uuid4().hex[:12]}"
+    after_ready = AFTER_READY + timeout - MLX_TIMEOUT  # the same allowance, for this job's MLX_TIMEOUT
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_", "MESHCOMM_", "OMPI_COMM", "PMIX_"))}
     env.update(settings)
     if backend in ELEMENTS:
@@ -209,7 +210,7 @@ def _run_job_once(
         t.start()
     try:
         try:
-            proc.wait(timeout=START_LIMIT * max(1, n // 8) + timeout - MLX_TIMEOUT + AFTER_READY + 20)
+            proc.wait(timeout=START_LIMIT * max(1, n // 8) + after_ready + 20)
         except subprocess.TimeoutExpired:
             _kill_all(marker)  # the ranks (and mpirun) hold the output pipes open: end them too
             proc.kill()
@@ -223,16 +224,7 @@ def _run_job_once(
     finally:
         _kill_all(marker)
     ready = ready_at[n - 1] if len(ready_at) >= n else None
-    return Job(
-        proc.returncode,
-        took,
-        "".join(out_lines),
-        "".join(err_box),
-        leftovers,
-        ready,
-        n,
-        timeout - MLX_TIMEOUT + AFTER_READY,
-    )
+    return Job(proc.returncode, took, "".join(out_lines), "".join(err_box), leftovers, ready, n, after_ready)
 
 
 def _timely_and_no_result(job: Job, bad: str) -> list[str]:

@@ -389,6 +389,22 @@ def phase_version(version: str, phase: str, number: int | None = None) -> str:
     return f"{version}; {phase}" if number is None else f"{version}; {phase} {number}"
 
 
+def _never_connected(
+    rank: int, timeout: float, missing: set[int], peers: list[Peer], refused: list[str]
+) -> CommTimeoutError:
+    """The error of a rank that waited ``timeout`` s for ranks ``missing`` to connect to it
+    (``refused``: the connections it turned away meanwhile, the last three named)."""
+    one = len(missing) == 1
+    who = ", ".join(f"{q} ({peers[q]})" for q in sorted(missing))
+    why = f" Meanwhile: {'; '.join(refused[-3:])}." if refused else ""
+    return CommTimeoutError(
+        f"rank {rank}: waited {timeout:g} s for {'rank' if one else 'ranks'} {who} to connect; "
+        f"{'it' if one else 'they'} never did. Did {'it' if one else 'they'} start, and "
+        f"{'does it' if one else 'do they'} use the same MLX_HOSTFILE?{why}",
+        peer=min(missing),
+    )
+
+
 def _later(version: str) -> bool:
     """A handshake of a job's later phases (:func:`phase_version`): one of them meeting
     another is a straggler of the job, turned away, not a version skew."""
@@ -419,13 +435,7 @@ def _accept_all(
             if not pending:
                 break
             if time.monotonic() >= deadline:
-                missing = ", ".join(f"{q} ({peers[q]})" for q in sorted(pending))
-                why = f" Meanwhile: {'; '.join(refused[-3:])}." if refused else ""
-                raise CommTimeoutError(
-                    f"rank {rank}: waited {timeout:g} s for ranks {missing} to connect; they never "
-                    f"did. Did they start, and do they use the same MLX_HOSTFILE?{why}",
-                    peer=min(pending),
-                )
+                raise _never_connected(rank, timeout, pending, peers, refused)
             try:
                 sock, addr = listener.accept()
             except TimeoutError:

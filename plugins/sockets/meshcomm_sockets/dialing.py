@@ -24,10 +24,10 @@ import socket
 import threading
 import time
 
-from meshcomm.plugin import CommTimeoutError, DistributedError
+from meshcomm.plugin import DistributedError
 
 from . import wire
-from .connect import Connection, Crossed, _admit, _connect, _Greeters, _Hello, _later, tune
+from .connect import Connection, Crossed, _admit, _connect, _Greeters, _Hello, _later, _never_connected, tune
 from .hostfile import Peer
 
 __all__ = ["CONNECT_ALL_UP_TO", "Dialer", "overlay", "connects_all"]
@@ -138,7 +138,7 @@ class Dialer:
             if self._closed.is_set() or self._refusing or self._paused:  # ended, failed or recovering
                 got.sock.close()  # after the HELLO: the dialling rank takes this rank as lost
                 return
-            if q in self._linked or q in self._accepted or (q < self.world and q > self.rank and q in self._dialing):
+            if q in self._linked or q in self._accepted or (q > self.rank and q in self._dialing):
                 self._cross(got)
                 return
             try:
@@ -198,7 +198,7 @@ class Dialer:
                     patient=patient,
                 )
             except Crossed:  # q dials this rank at the same time: its connection is kept
-                conn = None
+                pass
             finally:
                 with self._lock:  # from dialing to linked in one step: the listener never sees q as neither
                     self._dialing.discard(q)
@@ -226,12 +226,7 @@ class Dialer:
                 if left <= 0 or self._closed.is_set():
                     break
                 self._arrived.wait(min(left, 0.05))
-        why = f" Meanwhile: {'; '.join(self._refused[-3:])}." if self._refused else ""
-        raise CommTimeoutError(
-            f"rank {self.rank}: waited {self.timeout:g} s for rank {q} at {self.peers[q]} to connect; it never "
-            f"did. Did it start, and does it use the same MLX_HOSTFILE?{why}",
-            peer=q,
-        )
+        raise _never_connected(self.rank, self.timeout, {q}, self.peers, self._refused)
 
     def arrived(self) -> dict[int, Connection]:
         """Every connection the listener accepted since the last call (taken: the caller holds them)."""
