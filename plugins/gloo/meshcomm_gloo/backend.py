@@ -8,6 +8,7 @@ fresh output (all-reduce is in place in gloo) or a dtype needs re-encoding
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -506,11 +507,17 @@ class GlooBackend(Backend):
                 out.add(w)
         return out
 
+    def _connecting(self, world_rank: int) -> bool:
+        """Whether ``world_rank`` is still connecting to this world (its rebuild's connect has not returned)."""
+        return bool(self._store.check([f"{self._prefix}/meshcomm-connecting/{world_rank}"]))
+
     def agree(self, flag: int) -> tuple[int, frozenset[int]]:
         me, timed_out = self._survivors("agree")
         self._agreements += 1
         key = f"{self._prefix}/agree{self._agreements}"
-        value, members = agree_in_store(self._store, key, me, self._members, flag, self.timeout, self._gone, timed_out)
+        value, members = agree_in_store(
+            self._store, key, me, self._members, flag, self.timeout, self._gone, timed_out, self._connecting
+        )
         lost = frozenset(i for i, w in enumerate(self._members) if w not in members)
         if lost and self._failed is None:  # the agreement gave up on them: so does this world
             self._failed = PeerLostError(
@@ -525,7 +532,9 @@ class GlooBackend(Backend):
         me, timed_out = self._survivors("shrink")
         self._agreements += 1  # a shrink that failed (a member died meanwhile) is called again: a new key
         key = f"{self._prefix}/shrink{self._agreements}"
-        _flag, members = agree_in_store(self._store, key, me, self._members, 1, self.timeout, self._gone, timed_out)
+        _flag, members = agree_in_store(
+            self._store, key, me, self._members, 1, self.timeout, self._gone, timed_out, self._connecting
+        )
         prefix = f"{self._prefix}/shrunk{self._agreements}"
         return self._rebuild("shrink", prefix, members.index(me), members, self._peers)
 
@@ -568,10 +577,14 @@ class GlooBackend(Backend):
         pg: Any = None
         ends: list[set[str]] = []
         failed: DistributedError | None = None
+        marker = f"{prefix}/meshcomm-connecting/{members[rank]}"
         try:
+            self._store.set(marker, "1")  # the next agreement waits longer for a rank still connecting
             pg, ends = connect(self._store, prefix, rank, len(members), self.timeout, self._ifname)
         except RuntimeError as exc:
             failed = translate(exc, where=self._where(), op=f"{op}() connecting to the new world", timeout=self.timeout)
+        with contextlib.suppress(Exception):  # the store's server may be gone: the next agreement says so
+            self._store.delete_key(marker)
         world = GlooBackend(
             pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", peers, members, ends
         )

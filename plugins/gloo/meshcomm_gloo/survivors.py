@@ -7,7 +7,10 @@ agreement, waits until every other rank wrote too or is known gone (its process 
 or a zombie on this host, or it left a status record saying its program failed or
 ended), for ranks it timed out on only :data:`SUSPECT_GRACE` seconds, for the rest twice
 ``MLX_TIMEOUT`` (gloo does not tell every rank of a loss at once: a survivor whose peers
-are alive learns of it only when its own operation times out); then the first one done
+are alive learns of it only when its own operation times out), and for a rank still
+connecting to this world up to :data:`CONNECTING_TIMEOUTS` times ``MLX_TIMEOUT`` (a member
+that died after it published its address makes some ranks' connect last 5 timeouts, the
+others' only one); then the first one done
 proposes the ranks it saw with one compare-and-set, which every survivor reads back: one
 decision for all. A rank not in
 it raises (the others went on without it). ``shrink`` then makes a ProcessGroupGloo of
@@ -26,11 +29,15 @@ from typing import Any
 
 from meshcomm.plugin import CommTimeoutError, DistributedError
 
-__all__ = ["agree_in_store", "SUSPECT_GRACE"]
+__all__ = ["agree_in_store", "SUSPECT_GRACE", "CONNECTING_TIMEOUTS"]
 
 #: seconds the agreement waits for a rank this one timed out on (it may be alive, blamed for
 #: a third rank's silence: then it writes within milliseconds)
 SUSPECT_GRACE = 0.5
+#: how many MLX_TIMEOUTs the agreement waits for a member still connecting to this world:
+#: gloo fails a connection to a member that died after it published its address only after
+#: 5 timeouts (measured: 15.0 s at MLX_TIMEOUT=3, 30.0 s at 6), one timeout more for slack
+CONNECTING_TIMEOUTS = 6
 _POLL = 0.005
 
 
@@ -43,9 +50,11 @@ def agree_in_store(
     timeout: float,
     gone: Callable[[Iterable[int]], set[int]],
     suspects: set[int],
+    connecting: Callable[[int], bool] = lambda q: False,
 ) -> tuple[int, list[int]]:
     """(AND of the members' flags, the members) agreed under ``key`` by the ranks of
-    ``ranks`` (world ranks; ``me`` among them); ``gone(ranks)`` says which are known gone."""
+    ``ranks`` (world ranks; ``me`` among them); ``gone(ranks)`` says which are known gone,
+    ``connecting(q)`` whether rank ``q`` is still connecting to this world."""
     start = time.monotonic()
     try:
         store.set(f"{key}/here/{me}", str(int(flag)))
@@ -56,7 +65,14 @@ def agree_in_store(
             missing = [q for q in ranks if q not in present]
             dead = gone(missing) if missing else set()
             waiting = [
-                q for q in missing if q not in dead and now < start + (SUSPECT_GRACE if q in suspects else 2 * timeout)
+                q
+                for q in missing
+                if q not in dead
+                and (
+                    now < start + (SUSPECT_GRACE if q in suspects else 2 * timeout)
+                    or now < start + CONNECTING_TIMEOUTS * timeout
+                    and connecting(q)
+                )
             ]
             if not waiting or store.check([decided]):
                 break
