@@ -81,7 +81,7 @@ slurm_log=$scratch/slurm.log
 slurm=$!
 echo "== pytest ($WORKERS processes; the Slurm cluster's tests in one more)"
 # --durations: the slowest tests of every run, where the suite's time goes
-"$VPY" -m pytest -p no:cacheprovider -q --durations=25 -n "$WORKERS" --dist worksteal \
+"$VPY" -m pytest -p no:cacheprovider -q --durations=50 -n "$WORKERS" --dist worksteal \
   -m "not exclusive and not slurm_cluster and not ray_cluster" "$@"
 rc=$(none_ok $? $#)
 echo "== main pytest ended at $SECONDS s"
