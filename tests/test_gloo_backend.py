@@ -672,3 +672,47 @@ def _w_leave() -> None:
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
+
+
+# -- the survivors' agreement (in-process, on a real torch store) ----------------------
+@pytest.mark.parametrize("still_connecting", [True, False])
+def test_agreement_waits_past_two_timeouts_only_for_a_rank_still_connecting(still_connecting: bool) -> None:
+    """The survivors' agreement gives up on a rank after twice MLX_TIMEOUT, unless that rank
+    is still connecting to the world being rebuilt (gloo's connect to a member that died
+    after it published its address lasts 5 timeouts on some ranks and 1 on the others)."""
+    import threading
+
+    import torch.distributed as dist
+    from meshcomm.plugin import CommTimeoutError
+    from meshcomm_gloo.survivors import agree_in_store
+
+    store, timeout = dist.HashStore(), 0.5
+    connecting = {1} if still_connecting else set()
+    got: dict[int, object] = {}
+    decided = threading.Event()
+
+    def agree(me: int) -> None:
+        try:
+            got[me] = agree_in_store(
+                store, "k", me, [0, 1], 1, timeout, lambda q: set(), set(), connecting.__contains__
+            )
+        except CommTimeoutError as exc:
+            got[me] = exc
+
+    def late() -> None:  # rank 1's connect returns 3 timeouts in: past the 2 the others wait
+        time.sleep(3 * timeout)
+        if not still_connecting:
+            decided.wait()  # it comes after rank 0 gave up on it, however slow the machine
+        connecting.clear()
+        agree(1)
+
+    rank1 = threading.Thread(target=late)
+    rank1.start()
+    agree(0)
+    decided.set()
+    rank1.join()
+    if still_connecting:
+        assert got == {0: (1, [0, 1]), 1: (1, [0, 1])}
+    else:
+        assert got[0] == (1, [0]), got
+        assert isinstance(got[1], CommTimeoutError) and "gave up on this rank" in str(got[1]), got
