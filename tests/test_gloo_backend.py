@@ -7,6 +7,7 @@ rank programs are the ``_w_*`` functions below, run as ``python this_file.py NAM
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -275,6 +276,9 @@ def test_dead_peer_raises_on_survivors() -> None:
     for r in (0, 1):
         out = res[r][1]
         assert "RAISED PeerLostError peer=2" in out, out + res[r][2][-2000:]
+        before, after = map(int, re.search(r"THREADS (\d+) -> (\d+)", out).groups())  # type: ignore[union-attr]
+        assert after <= before - 2, f"rank {r}: the failed group's threads live on ({before} -> {after})"
+
         assert "rank 2" in out and "world rank 2" in out, out
         # measured by the rank from its first call after start-up (start-up is slow on a loaded machine)
         took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
@@ -596,6 +600,7 @@ def _w_dead() -> None:
 
         g.transport._peers[:] = [RankProcess(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
     mc.all_sum(np.ones(8), group=g)
+    threads = len(os.listdir("/proc/self/task"))  # with the world's ProcessGroupGloo and its threads
     if r == 2:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
@@ -611,6 +616,13 @@ def _w_dead() -> None:
             # keep the store up until rank 2, resumed by the test, has ended: its explanation reads
             # the others' records there (a fixed sleep raced rank 2's own MLX_TIMEOUT wait)
             _wait_ended(g.transport._peers[2].pid, limit=60)
+    # the failed group's process group goes with the error (not at interpreter exit, where
+    # freeing one can abort the process): its worker threads end
+    gc.collect()
+    end = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > threads - 2 and time.monotonic() < end:
+        time.sleep(0.02)
+    print(f"THREADS {threads} -> {len(os.listdir('/proc/self/task'))}", flush=True)
 
 
 def _wait_ended(pid: int, limit: float) -> None:

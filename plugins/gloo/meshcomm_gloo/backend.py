@@ -149,12 +149,8 @@ class GlooBackend(Backend):
         op = self._named(call).describe()
         if self._failed is not None:
             first = self._failed
-            again = type(first)(
-                f"[gloo] {self._where()}: {op} called on a group that failed earlier; the first error was: {first}"
-            )
-            if hasattr(first, "peer"):
-                again.peer = first.peer  # type: ignore[attr-defined]
-            raise again
+            said = f"{op} called on a group that failed earlier; the first error was: {first}"
+            raise _twin(first, f"[gloo] {self._where()}: {said}")
         raise DistributedError(f"[gloo] {self._where()}: {op} called after the group was closed")
 
     def _coll(self, name: str, buf: np.ndarray | None = None, root: int = -1) -> Call:
@@ -183,7 +179,7 @@ class GlooBackend(Backend):
         else:
             err = self._explain(exc, call, peer)
             err.gloo_error = exc  # type: ignore[attr-defined]
-        self._failed = err
+        self._failed = _twin(err)
         self._records.publish(self._rank, call, type(err).__name__, getattr(err, "peer", None), str(err))
         self._pg = None  # closes this group's connections: peers waiting on this rank learn now
         return err
@@ -622,6 +618,8 @@ class GlooBackend(Backend):
         """
         if self._pg is not None or self._failed is not None:
             self._set_status(_ENDED_STATUS)
+        if self._failed is not None and self._label == "world" and self._store is not None:
+            self._linger()
         for ref in self._children:
             child = ref()
             if child is not None:
@@ -629,3 +627,32 @@ class GlooBackend(Backend):
         self._children.clear()
         self._pg = None
         self._store = None
+
+    def _linger(self) -> None:
+        """World rank 0, leaving a failed world, serves the store the others read the failure's
+        records from while they explain it: it waits (at most ``_RECORD_WAIT`` seconds) until each
+        other rank has left its status record or is gone."""
+        me = self._members[self._rank]
+        if me != 0:
+            return
+        others = [w for w in self._members if w != me]
+        end = time.monotonic() + _RECORD_WAIT
+        while set(others) - self._gone(others) and time.monotonic() < end:
+            time.sleep(0.02)
+
+
+def _twin(err: DistributedError, message: str | None = None) -> DistributedError:
+    """A new error of ``err``'s class and peer (with ``message``, or ``err``'s own) that holds no traceback.
+
+    A group keeps the error that broke it this way, not the raised one: that one's traceback
+    holds the frames of the failed call and with them its ProcessGroupGloo, which would then
+    live until interpreter exit, where freeing a process group can abort the process
+    ("terminate called without an active exception")."""
+    text = str(err) if message is None else message
+    try:
+        twin = type(err)(text)
+    except TypeError:  # a class that needs more to be made (StoreAuthError: its key)
+        twin = DistributedError(text)
+    if hasattr(err, "peer"):
+        twin.peer = err.peer  # type: ignore[attr-defined]
+    return twin
