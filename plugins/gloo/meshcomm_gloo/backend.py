@@ -120,6 +120,8 @@ class GlooBackend(Backend):
         self._failed: DistributedError | None = None
         self._status_sent = False
         self._agreements = 0
+        #: this rank's "connecting" mark (:func:`_connecting_key`) is still in the store
+        self._marked = False
         #: rank 0's book of newcomers (:mod:`.joining`), handed from world to world
         self._joins = Joins()
         self.timeout = timeout
@@ -503,9 +505,16 @@ class GlooBackend(Backend):
                 out.add(w)
         return out
 
+    def _arrived(self) -> None:
+        """This rank wrote that it is here in this world's agreement: it is no longer connecting."""
+        if self._marked:
+            self._marked = False
+            with contextlib.suppress(Exception):
+                self._store.delete_key(_connecting_key(self._prefix, self._members[self._rank]))
+
     def _connecting(self, world_rank: int) -> bool:
         """Whether ``world_rank`` is still connecting to this world (its rebuild's connect has not returned)."""
-        return bool(self._store.check([f"{self._prefix}/meshcomm-connecting/{world_rank}"]))
+        return bool(self._store.check([_connecting_key(self._prefix, world_rank)]))
 
     def agree(self, flag: int) -> tuple[int, frozenset[int]]:
         me, timed_out = self._survivors("agree")
@@ -514,6 +523,7 @@ class GlooBackend(Backend):
         value, members = agree_in_store(
             self._store, key, me, self._members, flag, self.timeout, self._gone, timed_out, self._connecting
         )
+        self._arrived()
         lost = frozenset(i for i, w in enumerate(self._members) if w not in members)
         if lost and self._failed is None:  # the agreement gave up on them: so does this world
             self._failed = PeerLostError(
@@ -573,18 +583,22 @@ class GlooBackend(Backend):
         pg: Any = None
         ends: list[set[str]] = []
         failed: DistributedError | None = None
-        marker = f"{prefix}/meshcomm-connecting/{members[rank]}"
+        marker = _connecting_key(prefix, members[rank])
         try:
             self._store.set(marker, "1")  # the next agreement waits longer for a rank still connecting
             pg, ends = connect(self._store, prefix, rank, len(members), self.timeout, self._ifname)
         except RuntimeError as exc:
+            # the mark stays until this rank is in the new world's agreement: taken off now, the
+            # others could look between its connect and its arrival and give up on it
             failed = translate(exc, where=self._where(), op=f"{op}() connecting to the new world", timeout=self.timeout)
-        with contextlib.suppress(Exception):  # the store's server may be gone: the next agreement says so
-            self._store.delete_key(marker)
+        else:
+            with contextlib.suppress(Exception):  # the store's server may be gone: the next agreement says so
+                self._store.delete_key(marker)
         world = GlooBackend(
             pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", peers, members, ends
         )
         world._failed = failed
+        world._marked = failed is not None
         world.epoch = self.epoch + 1
         world._joins = self._joins
         self._pg = None
@@ -635,10 +649,18 @@ class GlooBackend(Backend):
         me = self._members[self._rank]
         if me != 0:
             return
-        others = [w for w in self._members if w != me]
+        waiting = {w for w in self._members if w != me}
         end = time.monotonic() + _RECORD_WAIT
-        while set(others) - self._gone(others) and time.monotonic() < end:
+        while waiting:
+            waiting -= self._gone(waiting)  # only those not yet seen leaving are looked up again
+            if not waiting or time.monotonic() >= end:
+                return
             time.sleep(0.02)
+
+
+def _connecting_key(prefix: str, world_rank: int) -> str:
+    """The store key that says ``world_rank`` is still connecting to the world under ``prefix``."""
+    return f"{prefix}/meshcomm-connecting/{world_rank}"
 
 
 def _twin(err: DistributedError, message: str | None = None) -> DistributedError:
