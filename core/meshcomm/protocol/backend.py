@@ -212,6 +212,13 @@ class Backend(abc.ABC):
         """
         algorithms.all_reduce(self, sendbuf, recvbuf, op)
 
+    def check_key(self, key: np.ndarray, out: np.ndarray) -> None:
+        """The core's call check: ``out`` = the element-wise max over ranks of ``key`` (int64
+        [h, -h] for a hash h of this rank's call). The default is :meth:`all_reduce`; a
+        transport whose every collective costs a slow round may carry it on a cheaper channel
+        of its own (gloo does), as long as a rank that waits in it past the timeout raises."""
+        self.all_reduce(key, out, "max")
+
     def all_reduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> Callable[[], None]:
         """A persistent all-reduce: set up once, then each call of the returned ``start()``
         runs one ``all_reduce`` of ``sendbuf``'s current contents into ``recvbuf`` (the same

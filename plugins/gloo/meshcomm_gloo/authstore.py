@@ -93,6 +93,11 @@ class AuthStore(dist.Store):
                 self.rejected = err
             raise err from None
 
+    def derive(self, label: str) -> bytes:
+        """A key for ``label`` (one group's call-check channel, :mod:`.checkline`) from the job
+        secret, bound to this job and this start-up."""
+        return self._sealer.tag(self._full(label), b"meshcomm gloo derived key")
+
     def get_over(self, key: str, nonce: bytes) -> bytes:
         """The value of ``key`` if it was sealed over ``nonce`` (not this start-up's); StoreAuthError
         otherwise. Rank 0 reads a refusal this way: a rank that did not take rank 0's nonce seals

@@ -91,7 +91,7 @@ def factory(config: Config, settings: Any) -> Backend:
     store, rank, size, where = make_store(config, settings)
     try:
         peers = admit(store, rank, size, open_session(store, rank, size))
-        pg, ends = connect(store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings))
+        pg, ends, line = connect(store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings))
     except StoreAuthError as exc:
         note_rejection(store, rank, str(exc))
         raise
@@ -116,7 +116,9 @@ def factory(config: Config, settings: Any) -> Backend:
             op="start-up (connecting to every rank)",
             timeout=config.timeout,
         ) from exc
-    return GlooBackend(pg, store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings), peers=peers, ends=ends)
+    return GlooBackend(
+        pg, store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings), peers=peers, ends=ends, line=line
+    )
 
 
 def _join(config: Config, settings: GlooSettings) -> Backend:
@@ -133,7 +135,7 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
     place = ask_to_join(store, config.timeout)
     store.set_timeout(datetime.timedelta(seconds=config.timeout))
     try:
-        pg, ends = connect(store, place.prefix, place.rank, place.size, config.timeout, device_of(settings))
+        pg, ends, line = connect(store, place.prefix, place.rank, place.size, config.timeout, device_of(settings))
     except RuntimeError as exc:
         raise translate(
             exc,
@@ -153,6 +155,7 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
         place.peers,
         place.members,
         ends,
+        line,
     )
     world.epoch = place.epoch
     return world

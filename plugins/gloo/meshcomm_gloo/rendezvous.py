@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 from typing import Any
 
 import torch.distributed as dist
 from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
+from .checkline import CheckLine, open_line
 from .liveness import endpoints
 from .placing import is_address, resolve
 from .sealing import Sealer
@@ -118,18 +120,32 @@ def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, if
 
 def connect(
     store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None
-) -> tuple[Any, list[set[str]]]:
-    """:func:`make_group`, plus every member's TCP endpoints of that group (index = group rank).
+) -> tuple[Any, list[set[str]], CheckLine | None]:
+    """:func:`make_group`, plus every member's TCP endpoints of that group (index = group rank)
+    and this rank's call-check channel (:mod:`.checkline`; None in a group of one).
 
     The endpoints let a failure's address ("closed by peer [ip]:port") be traced to a rank
     (:func:`.liveness.owner`); an empty list when they could not be learnt.
     """
     before = endpoints()
     pg = make_group(store, prefix, rank, size, timeout, ifname)
+    mine = endpoints() - before
+    ends: list[set[str]] = []
     try:
-        mine = endpoints() - before
         store.set(f"{prefix}/meshcomm-ends/{rank}", " ".join(sorted(mine)))
         got = store.multi_get([f"{prefix}/meshcomm-ends/{q}" for q in range(size)])
-        return pg, [set(bytes(v).decode().split()) for v in got]
+        ends = [set(bytes(v).decode().split()) for v in got]
     except Exception:  # noqa: BLE001 - only error messages lose a name; the group works
-        return pg, []
+        pass
+    return pg, ends, open_line(store, prefix, rank, size, timeout, _reachable_ip(mine, ifname))
+
+
+def _reachable_ip(mine: set[str], ifname: str | None) -> str:
+    """The local address of this rank's gloo connections (where its peers reach it)."""
+    for end in sorted(mine):
+        ip = end.rpartition(":")[0].strip("[]")
+        if ip not in ("0.0.0.0", "::", ""):
+            return ip
+    if ifname and is_address(ifname):
+        return ifname
+    return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,234 @@
+"""The call check's own channel: a few TCP connections per group, beside gloo's.
+
+The core compares every collective's call across ranks with one small all-reduce (max) of
+a key before the collective (``Backend.check_key``). Through gloo that is one more
+ProcessGroupGloo work item, which costs as much as the user's own small collective (a
+hand-off to gloo's threads and back on every rank). Here it is a dissemination exchange
+on plain sockets, driven by the calling thread: in round ``k`` rank ``r`` sends its running
+maximum to rank ``r + 2**k`` and takes the maximum with what rank ``r - 2**k`` sent
+(``ceil(log2(size))`` rounds; afterwards every rank holds the maximum over all).
+
+* **Who may connect.** Each rank listens on a fresh port and publishes ``ip port nonce`` in
+  the rendezvous store (sealed with the job secret, :mod:`.authstore`). A connecting rank
+  proves the secret over the listener's nonce and its own: a process without the secret,
+  or one replaying an earlier job's hello, is refused and the listener keeps waiting.
+  The listener's answer proves the secret back, so a rank never checks calls with a
+  stranger that took a peer's place.
+* **Every frame is authenticated**: ``seq | value | tag`` with an HMAC-SHA256 tag (16
+  bytes) under a key for that connection, so a changed frame is an error, not a passed
+  check.
+* **Failures look like gloo's.** A peer that does not send within the timeout raises
+  ``RuntimeError("... timed out ...")``, a closed connection ``RuntimeError("... connection
+  closed by peer ...")``; the backend explains them as it explains gloo's (who is dead,
+  stopped, or called something else).
+
+Pure Python + NumPy (no torch), so it is testable in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import select
+import socket
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CheckLine", "PeerClosed", "open_line", "ROUNDS"]
+
+_HELLO = struct.Struct("<4sIIII16s32s")  # magic, group size, from rank, to rank, round, nonce, tag
+_ANSWER = struct.Struct("<16s32s")  # nonce, tag
+_FRAME = struct.Struct("<Qqq16s")  # seq, value (2 x int64), tag
+_MAGIC = b"mcl1"
+_TAG = 16
+_OUT_OF_STEP = np.iinfo(np.int64).max  # a value no check key has: the calls differ
+
+
+def ROUNDS(size: int) -> int:  # noqa: N802 - a formula, named as the docs name it
+    """How many exchanges one check takes in a group of ``size`` ranks."""
+    return (size - 1).bit_length()
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(struct.pack("<I", len(p)) + p for p in parts), hashlib.sha256).digest()
+
+
+class CheckLine:
+    """One group's connections for the call check (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, outs: list[socket.socket], ins: list[socket.socket], keys: list[bytes]):
+        self._rank = rank
+        self._size = size
+        self._outs = outs  # round k: to rank + 2**k
+        self._ins = ins  # round k: from rank - 2**k
+        self._keys = keys  # round k: (key of the frames sent, key of the frames received)
+        self._seq = 0
+
+    def reduce_max(self, mine: np.ndarray, out: np.ndarray, timeout: float) -> None:
+        """``out`` = the element-wise max over the group of ``mine`` (int64 [h, -h]).
+
+        A peer at another check (a rank that skipped a collective) makes the result one no
+        key has, so the core sees the calls differ. Raises RuntimeError as gloo would."""
+        self._seq = seq = self._seq + 1
+        a, b = int(mine[0]), int(mine[1])
+        for k in range(len(self._outs)):
+            send_key, recv_key = self._keys[2 * k], self._keys[2 * k + 1]
+            body = struct.pack("<Qqq", seq, a, b)
+            try:
+                self._outs[k].sendall(body + hmac.digest(send_key, body, "sha256")[:_TAG])
+            except OSError as exc:
+                to = self._to(k)
+                raise PeerClosed(f"call check: connection closed by peer (sending to rank {to}): {exc}", to) from None
+            frame = self._read(self._ins[k], _FRAME.size, timeout, self._from(k))
+            their_seq, x, y, tag = _FRAME.unpack(frame)
+            if not hmac.compare_digest(tag, hmac.digest(recv_key, frame[:-_TAG], "sha256")[:_TAG]):
+                raise _Forged(
+                    f"call check: a frame from rank {self._from(k)} failed its authentication (changed on the way, "
+                    "or not sent by that rank of this job)"
+                )
+            if their_seq != seq:
+                a = b = _OUT_OF_STEP
+            else:
+                a, b = max(a, x), max(b, y)
+        out[0], out[1] = a, b
+
+    def _to(self, k: int) -> int:
+        return (self._rank + (1 << k)) % self._size
+
+    def _from(self, k: int) -> int:
+        return (self._rank - (1 << k)) % self._size
+
+    @staticmethod
+    def _read(sock: socket.socket, n: int, timeout: float, peer: int) -> bytes:
+        buf = b""
+        sock.settimeout(timeout)
+        try:
+            while len(buf) < n:
+                chunk = sock.recv(n - len(buf))
+                if not chunk:
+                    raise PeerClosed(f"call check: connection closed by peer (rank {peer})", peer)
+                buf += chunk
+        except TimeoutError:
+            raise RuntimeError(f"call check: timed out after {timeout:g} s waiting for rank {peer}") from None
+        except OSError as exc:
+            raise PeerClosed(f"call check: connection reset by peer (rank {peer}): {exc}", peer) from None
+        return buf
+
+    def close(self) -> None:
+        """Close every connection: peers waiting in a check learn now (EOF)."""
+        for s in self._outs + self._ins:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._outs, self._ins = [], []
+
+
+class _Forged(RuntimeError):
+    """A check frame or hello that failed its authentication."""
+
+
+class PeerClosed(RuntimeError):
+    """The connection to group rank ``peer`` closed (worded as gloo words it)."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, host: str) -> CheckLine | None:
+    """Connect this rank's check channel in the group under ``prefix`` (None for one rank).
+
+    Every member calls it at the same point (right after the group's ProcessGroupGloo is
+    made); ``host`` is the address this rank's peers reach it at (its gloo address)."""
+    rounds = ROUNDS(size)
+    if rounds == 0:
+        return None
+    derive = getattr(store, "derive", None)
+    secret = derive(f"{prefix}/meshcomm-line") if derive is not None else b""
+    listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    nonce = os.urandom(16)
+    outs: list[socket.socket] = []
+    ins: list[socket.socket | None] = [None] * rounds
+    deadline = time.monotonic() + timeout
+    try:
+        port = listener.getsockname()[1]
+        store.set(f"{prefix}/meshcomm-line/{rank}", f"{host} {port} {nonce.hex()}")
+        # 1. one connection to each round's receiver, with a hello proving the secret
+        mine: list[bytes] = []
+        for k in range(rounds):
+            to = (rank + (1 << k)) % size
+            ip, p, theirs = bytes(store.get(f"{prefix}/meshcomm-line/{to}")).decode().split()
+            s = socket.create_connection((ip, int(p)), timeout=max(0.1, deadline - time.monotonic()))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            outs.append(s)
+            n_out = os.urandom(16)
+            mine.append(n_out)
+            tag = _mac(secret, b"hello", _pair(size, rank, to, k), bytes.fromhex(theirs), n_out)
+            s.sendall(_HELLO.pack(_MAGIC, size, rank, to, k, n_out, tag))
+        # 2. each round's sender: accepted once its hello proves the secret over our nonce
+        answers: list[bytes] = [b""] * rounds
+        hellos: list[bytes] = [b""] * rounds
+        while any(s is None for s in ins):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([listener], [], [], left)[0]:
+                missing = [(rank - (1 << k)) % size for k in range(rounds) if ins[k] is None]
+                raise RuntimeError(f"call check: timed out after {timeout:g} s waiting for ranks {missing} to connect")
+            conn, _ = listener.accept()
+            got = _hello(conn, secret, size, rank, nonce, deadline)
+            if got is None or ins[got[0]] is not None:
+                conn.close()
+                continue
+            k, n_in = got
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ins[k], hellos[k] = conn, n_in
+            frm = (rank - (1 << k)) % size
+            n_mine = os.urandom(16)
+            answers[k] = n_mine
+            conn.sendall(_ANSWER.pack(n_mine, _mac(secret, b"answer", _pair(size, frm, rank, k), n_in, n_mine)))
+        # 3. each receiver's answer proves the secret back
+        keys: list[bytes] = []
+        for k in range(rounds):
+            to = (rank + (1 << k)) % size
+            raw = CheckLine._read(outs[k], _ANSWER.size, max(0.1, deadline - time.monotonic()), to)
+            n_ans, tag = _ANSWER.unpack(raw)
+            if not hmac.compare_digest(tag, _mac(secret, b"answer", _pair(size, rank, to, k), mine[k], n_ans)):
+                raise _Forged(f"call check: rank {to}'s answer failed the job secret check (a stranger took its port?)")
+            frm = (rank - (1 << k)) % size
+            keys.append(_mac(secret, b"frames", _pair(size, rank, to, k), mine[k], n_ans))
+            keys.append(_mac(secret, b"frames", _pair(size, frm, rank, k), hellos[k], answers[k]))
+        return CheckLine(rank, size, outs, [s for s in ins if s is not None], keys)
+    except BaseException as exc:
+        for s in outs + [s for s in ins if s is not None]:
+            s.close()
+        if isinstance(exc, TimeoutError):
+            raise RuntimeError(f"call check: timed out connecting to the group's ranks: {exc}") from None
+        if isinstance(exc, OSError):
+            raise RuntimeError(f"call check: connection refused or closed while connecting: {exc}") from None
+        raise
+    finally:
+        listener.close()
+
+
+def _pair(size: int, frm: int, to: int, k: int) -> bytes:
+    return struct.pack("<IIII", size, frm, to, k)
+
+
+def _hello(
+    conn: socket.socket, secret: bytes, size: int, rank: int, nonce: bytes, deadline: float
+) -> tuple[int, bytes] | None:
+    """(round, the sender's nonce) of a valid hello on ``conn``, or None (a stranger, a replay)."""
+    try:
+        raw = CheckLine._read(conn, _HELLO.size, max(0.1, min(2.0, deadline - time.monotonic())), -1)
+    except RuntimeError:
+        return None
+    magic, n, frm, to, k, n_out, tag = _HELLO.unpack(raw)
+    if magic != _MAGIC or n != size or to != rank or k >= ROUNDS(size) or frm != (rank - (1 << k)) % size:
+        return None
+    if not hmac.compare_digest(tag, _mac(secret, b"hello", _pair(size, frm, rank, k), nonce, n_out)):
+        return None
+    return k, n_out

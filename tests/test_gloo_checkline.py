@@ -1,0 +1,203 @@
+"""The gloo backend's call-check channel (meshcomm_gloo.checkline): the maximum on every rank,
+strangers refused, changed frames caught, a closed or silent peer reported as gloo would.
+
+The ranks are threads of this process over a real torch HashStore sealed with a job secret
+(the AuthStore every gloo rank uses) and real loopback sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+
+def _store(secret: bytes = b"job secret") -> Any:
+    import torch.distributed as dist
+    from meshcomm_gloo.authstore import AuthStore
+    from meshcomm_gloo.sealing import Sealer
+
+    return AuthStore(dist.HashStore(), Sealer(secret, "job1"))
+
+
+def _on_ranks(n: int, body: Callable[[int], Any]) -> list[Any]:
+    """``body(rank)`` on ``n`` threads; each one's result, or the exception it raised."""
+    got: list[Any] = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            got[r] = body(r)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            got[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got
+
+
+def _lines(n: int, store: Any = None, timeout: float = 5.0) -> list[Any]:
+    from meshcomm_gloo.checkline import open_line
+
+    store = store if store is not None else _store()
+    lines = _on_ranks(n, lambda r: open_line(store, "g", r, n, timeout, "127.0.0.1"))
+    for line in lines:
+        assert not isinstance(line, BaseException), line
+    return lines
+
+
+def _close(lines: list[Any]) -> None:
+    for line in lines:
+        line.close()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_every_rank_gets_the_maximum_and_equal_keys_pass(n: int) -> None:
+    lines = _lines(n)
+    try:
+        for round_ in range(3):
+            keys = [np.array([10 * round_ + r, -(10 * round_ + r)], np.int64) for r in range(n)]
+
+            def check(r: int, keys: list[np.ndarray] = keys) -> np.ndarray:
+                out = np.empty(2, np.int64)
+                lines[r].reduce_max(keys[r], out, 5.0)
+                return out
+
+            want = np.max(np.stack(keys), axis=0)
+            for r, got in enumerate(_on_ranks(n, check)):
+                assert not isinstance(got, BaseException), got
+                assert got.tolist() == want.tolist(), (r, got, want)
+        same = np.array([7, -7], np.int64)
+        outs = _on_ranks(n, lambda r: (lines[r].reduce_max(same, o := np.empty(2, np.int64), 5.0), o)[1])
+        assert all(o.tolist() == [7, -7] for o in outs), outs
+    finally:
+        _close(lines)
+
+
+def test_a_rank_at_another_check_makes_the_calls_differ() -> None:
+    """Frames of another check (a rank that made one check more) never pass as equal keys."""
+    lines = _lines(3)
+    try:
+        lines[1]._seq += 1
+        key = np.array([7, -7], np.int64)
+        outs = _on_ranks(3, lambda r: (lines[r].reduce_max(key, o := np.empty(2, np.int64), 5.0), o)[1])
+        for o in outs:
+            assert not isinstance(o, BaseException), o
+            assert o[0] != -o[1], outs  # what the core reads as "the calls differ"
+    finally:
+        _close(lines)
+
+
+def test_a_stranger_without_the_secret_is_refused_and_the_ranks_connect() -> None:
+    """A process that read rank 0's address from the store connects first and sends a hello
+    signed without the secret: rank 0 drops it and still takes rank 1's."""
+    from meshcomm_gloo.checkline import open_line
+
+    store = _store()
+    hello_sent = threading.Event()
+    refused: list[bytes] = []
+    outsider = threading.Thread(target=lambda: stranger())
+
+    def stranger() -> None:
+        ip, port, nonce = bytes(store.get("g/meshcomm-line/0")).decode().split()
+        with socket.create_connection((ip, int(port)), timeout=5) as s:
+            forged = hmac.new(b"guess", b"hello" + bytes.fromhex(nonce), hashlib.sha256).digest()
+            s.sendall(struct.pack("<4sIIII16s32s", b"mcl1", 2, 1, 0, 0, os.urandom(16), forged))
+            hello_sent.set()  # rank 1 connects only now: rank 0 meets the stranger first
+            s.settimeout(10)
+            refused.append(s.recv(100))  # b"": closed without an answer
+
+    def rank(r: int) -> Any:
+        if r == 1:
+            outsider.start()
+            assert hello_sent.wait(10)
+        return open_line(store, "g", r, 2, 10.0, "127.0.0.1")
+
+    lines = _on_ranks(2, rank)
+    outsider.join(10)
+    try:
+        assert refused == [b""]
+        for line in lines:
+            assert not isinstance(line, BaseException), line
+        key = np.array([3, -3], np.int64)
+        outs = _on_ranks(2, lambda r: (lines[r].reduce_max(key, o := np.empty(2, np.int64), 5.0), o)[1])
+        assert [o.tolist() for o in outs] == [[3, -3], [3, -3]]
+    finally:
+        _close([x for x in lines if not isinstance(x, BaseException)])
+
+
+def test_a_rank_with_another_secret_cannot_connect() -> None:
+    """Rank 1 holds another secret (its store reads rank 0's address: only its checks differ):
+    rank 0 never accepts it and times out; rank 1 is refused."""
+    from meshcomm_gloo.checkline import open_line
+
+    good = _store(b"right")
+    bad = _store(b"wrong")
+
+    def rank(r: int) -> Any:
+        if r == 0:
+            return open_line(good, "g", 0, 2, 1.0, "127.0.0.1")
+        return open_line(_Unsealed(good, bad), "g", 1, 2, 1.0, "127.0.0.1")
+
+    got = _on_ranks(2, rank)
+    assert isinstance(got[0], RuntimeError) and "timed out" in str(got[0]), got
+    assert isinstance(got[1], RuntimeError), got
+
+
+class _Unsealed:
+    """Rank 1's store: reads and writes as ``good`` does (the address is public), but its
+    channel key comes from ``bad``'s secret."""
+
+    def __init__(self, good: Any, bad: Any) -> None:
+        self._good, self._bad = good, bad
+
+    def set(self, key: str, value: Any) -> None:
+        self._good.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._good.get(key)
+
+    def derive(self, label: str) -> bytes:
+        return self._bad.derive(label)
+
+
+def test_a_changed_frame_is_an_error_not_a_passed_check() -> None:
+    """Bytes put into the stream on the way (here: by writing to rank 1's socket to rank 0)
+    fail the frame's tag on rank 0."""
+    lines = _lines(2)
+    try:
+        body = struct.pack("<Qqq", 1, 7, -7)
+        lines[1]._outs[0].sendall(body + b"\0" * 16)  # a frame with rank 0's expected seq, unsigned
+        with pytest.raises(RuntimeError, match="failed its authentication"):
+            lines[0].reduce_max(np.array([7, -7], np.int64), np.empty(2, np.int64), 5.0)
+    finally:
+        _close(lines)
+
+
+def test_a_closed_peer_is_named_and_a_silent_one_times_out() -> None:
+    from meshcomm_gloo.checkline import PeerClosed
+
+    lines = _lines(3)
+    try:
+        key = np.array([1, -1], np.int64)
+        # rank 2 is silent: rank 0 (which hears from rank 2 in round 0) gives up after the timeout
+        with pytest.raises(RuntimeError, match="timed out after 0.3 s waiting for rank 2"):
+            lines[0].reduce_max(key, np.empty(2, np.int64), 0.3)
+        lines[2].close()  # now rank 2 is gone: rank 1 hears of it at once, and names it
+        with pytest.raises(PeerClosed) as err:
+            lines[1].reduce_max(key, np.empty(2, np.int64), 5.0)
+        assert err.value.peer == 2, err.value
+    finally:
+        _close(lines)
