@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import select
 import socket
 import struct
 import time
@@ -175,10 +174,17 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
         hellos: list[bytes] = [b""] * rounds
         while any(s is None for s in ins):
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([listener], [], [], left)[0]:
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                listener.settimeout(left)  # not select(): a process of many ranks has descriptors past 1024
+                conn, _ = listener.accept()
+            except TimeoutError:
                 missing = [(rank - (1 << k)) % size for k in range(rounds) if ins[k] is None]
-                raise RuntimeError(f"call check: timed out after {timeout:g} s waiting for ranks {missing} to connect")
-            conn, _ = listener.accept()
+                raise RuntimeError(
+                    f"call check: timed out after {timeout:g} s waiting for ranks {missing} to connect"
+                ) from None
+            conn.settimeout(None)
             got = _hello(conn, secret, size, rank, nonce, deadline)
             if got is None or ins[got[0]] is not None:
                 conn.close()
