@@ -199,5 +199,8 @@ def test_a_closed_peer_is_named_and_a_silent_one_times_out() -> None:
         with pytest.raises(PeerClosed) as err:
             lines[1].reduce_max(key, np.empty(2, np.int64), 5.0)
         assert err.value.peer == 2, err.value
+        lines[1].close()
+        with pytest.raises(RuntimeError, match="the channel was closed"):  # never a check of no rounds
+            lines[1].reduce_max(key, np.empty(2, np.int64), 5.0)
     finally:
         _close(lines)

@@ -72,6 +72,8 @@ class CheckLine:
 
         A peer at another check (a rank that skipped a collective) makes the result one no
         key has, so the core sees the calls differ. Raises RuntimeError as gloo would."""
+        if not self._outs:  # closed: a check of no rounds would pass anything
+            raise RuntimeError("call check: the channel was closed (the group failed or was closed)")
         self._seq = seq = self._seq + 1
         a, b = int(mine[0]), int(mine[1])
         for k in range(len(self._outs)):
