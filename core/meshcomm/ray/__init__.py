@@ -90,7 +90,11 @@ def init(
     # go of every handle: keep this one until the last member has started
     _meetings[group] = rdv
     world = start_member(group, rank, limit)
-    if ray.get(rdv.leave.remote()):  # the last member to start ends the meeting point
+    try:
+        last = ray.get(rdv.leave.remote())
+    except ray.exceptions.RayActorError:  # already ended: this member's world has started all the same
+        last = False
+    if last:  # the last member to start ends the meeting point
         ray.kill(rdv)
     return world
 
