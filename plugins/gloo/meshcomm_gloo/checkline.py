@@ -42,6 +42,7 @@ __all__ = ["CheckLine", "PeerClosed", "open_line", "ROUNDS"]
 _HELLO = struct.Struct("<4sIIII16s32s")  # magic, group size, from rank, to rank, round, nonce, tag
 _ANSWER = struct.Struct("<16s32s")  # nonce, tag
 _FRAME = struct.Struct("<Qqq16s")  # seq, value (2 x int64), tag
+_BODY = struct.Struct("<Qqq")  # the frame without its tag
 _MAGIC = b"mcl1"
 _TAG = 16
 _OUT_OF_STEP = np.iinfo(np.int64).max  # a value no check key has: the calls differ
@@ -52,6 +53,16 @@ def ROUNDS(size: int) -> int:  # noqa: N802 - a formula, named as the docs name 
     return (size - 1).bit_length()
 
 
+def _to(rank: int, size: int, k: int) -> int:
+    """The rank this one sends to in round ``k``."""
+    return (rank + (1 << k)) % size
+
+
+def _from(rank: int, size: int, k: int) -> int:
+    """The rank this one receives from in round ``k``."""
+    return (rank - (1 << k)) % size
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(struct.pack("<I", len(p)) + p for p in parts), hashlib.sha256).digest()
 
@@ -59,7 +70,14 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 class CheckLine:
     """One group's connections for the call check (see the module docstring)."""
 
-    def __init__(self, rank: int, size: int, outs: list[socket.socket], ins: list[socket.socket], keys: list[bytes]):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        outs: list[socket.socket],
+        ins: list[socket.socket],
+        keys: list[tuple[bytes, bytes]],
+    ) -> None:
         self._rank = rank
         self._size = size
         self._outs = outs  # round k: to rank + 2**k
@@ -76,19 +94,19 @@ class CheckLine:
             raise RuntimeError("call check: the channel was closed (the group failed or was closed)")
         self._seq = seq = self._seq + 1
         a, b = int(mine[0]), int(mine[1])
-        for k in range(len(self._outs)):
-            send_key, recv_key = self._keys[2 * k], self._keys[2 * k + 1]
-            body = struct.pack("<Qqq", seq, a, b)
+        for k, (send_key, recv_key) in enumerate(self._keys):
+            body = _BODY.pack(seq, a, b)
             try:
                 self._outs[k].sendall(body + hmac.digest(send_key, body, "sha256")[:_TAG])
             except OSError as exc:
-                to = self._to(k)
+                to = _to(self._rank, self._size, k)
                 raise PeerClosed(f"call check: connection closed by peer (sending to rank {to}): {exc}", to) from None
-            frame = self._read(self._ins[k], _FRAME.size, timeout, self._from(k))
+            frm = _from(self._rank, self._size, k)
+            frame = self._read(self._ins[k], _FRAME.size, timeout, frm)
             their_seq, x, y, tag = _FRAME.unpack(frame)
             if not hmac.compare_digest(tag, hmac.digest(recv_key, frame[:-_TAG], "sha256")[:_TAG]):
                 raise _Forged(
-                    f"call check: a frame from rank {self._from(k)} failed its authentication (changed on the way, "
+                    f"call check: a frame from rank {frm} failed its authentication (changed on the way, "
                     "or not sent by that rank of this job)"
                 )
             if their_seq != seq:
@@ -96,12 +114,6 @@ class CheckLine:
             else:
                 a, b = max(a, x), max(b, y)
         out[0], out[1] = a, b
-
-    def _to(self, k: int) -> int:
-        return (self._rank + (1 << k)) % self._size
-
-    def _from(self, k: int) -> int:
-        return (self._rank - (1 << k)) % self._size
 
     @staticmethod
     def _read(sock: socket.socket, n: int, timeout: float, peer: int) -> bytes:
@@ -149,8 +161,7 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
     rounds = ROUNDS(size)
     if rounds == 0:
         return None
-    derive = getattr(store, "derive", None)
-    secret = derive(f"{prefix}/meshcomm-line") if derive is not None else b""
+    secret = store.derive(f"{prefix}/meshcomm-line")  # an AuthStore (:mod:`.authstore`)
     listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     nonce = os.urandom(16)
     outs: list[socket.socket] = []
@@ -162,7 +173,7 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
         # 1. one connection to each round's receiver, with a hello proving the secret
         mine: list[bytes] = []
         for k in range(rounds):
-            to = (rank + (1 << k)) % size
+            to = _to(rank, size, k)
             ip, p, theirs = bytes(store.get(f"{prefix}/meshcomm-line/{to}")).decode().split()
             s = socket.create_connection((ip, int(p)), timeout=max(0.1, deadline - time.monotonic()))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -182,7 +193,7 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
                 listener.settimeout(left)  # not select(): a process of many ranks has descriptors past 1024
                 conn, _ = listener.accept()
             except TimeoutError:
-                missing = [(rank - (1 << k)) % size for k in range(rounds) if ins[k] is None]
+                missing = [_from(rank, size, k) for k in range(rounds) if ins[k] is None]
                 raise RuntimeError(
                     f"call check: timed out after {timeout:g} s waiting for ranks {missing} to connect"
                 ) from None
@@ -194,21 +205,24 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
             k, n_in = got
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             ins[k], hellos[k] = conn, n_in
-            frm = (rank - (1 << k)) % size
+            frm = _from(rank, size, k)
             n_mine = os.urandom(16)
             answers[k] = n_mine
             conn.sendall(_ANSWER.pack(n_mine, _mac(secret, b"answer", _pair(size, frm, rank, k), n_in, n_mine)))
         # 3. each receiver's answer proves the secret back
-        keys: list[bytes] = []
+        keys: list[tuple[bytes, bytes]] = []
         for k in range(rounds):
-            to = (rank + (1 << k)) % size
+            to, frm = _to(rank, size, k), _from(rank, size, k)
             raw = CheckLine._read(outs[k], _ANSWER.size, max(0.1, deadline - time.monotonic()), to)
             n_ans, tag = _ANSWER.unpack(raw)
             if not hmac.compare_digest(tag, _mac(secret, b"answer", _pair(size, rank, to, k), mine[k], n_ans)):
                 raise _Forged(f"call check: rank {to}'s answer failed the job secret check (a stranger took its port?)")
-            frm = (rank - (1 << k)) % size
-            keys.append(_mac(secret, b"frames", _pair(size, rank, to, k), mine[k], n_ans))
-            keys.append(_mac(secret, b"frames", _pair(size, frm, rank, k), hellos[k], answers[k]))
+            keys.append(
+                (
+                    _mac(secret, b"frames", _pair(size, rank, to, k), mine[k], n_ans),
+                    _mac(secret, b"frames", _pair(size, frm, rank, k), hellos[k], answers[k]),
+                )
+            )
         return CheckLine(rank, size, outs, [s for s in ins if s is not None], keys)
     except BaseException as exc:
         for s in outs + [s for s in ins if s is not None]:
@@ -235,7 +249,7 @@ def _hello(
     except RuntimeError:
         return None
     magic, n, frm, to, k, n_out, tag = _HELLO.unpack(raw)
-    if magic != _MAGIC or n != size or to != rank or k >= ROUNDS(size) or frm != (rank - (1 << k)) % size:
+    if magic != _MAGIC or n != size or to != rank or k >= ROUNDS(size) or frm != _from(rank, size, k):
         return None
     if not hmac.compare_digest(tag, _mac(secret, b"hello", _pair(size, frm, rank, k), nonce, n_out)):
         return None
