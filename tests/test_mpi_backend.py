@@ -325,6 +325,105 @@ def rank_other_shape_same_count(g: Any) -> None:
         raise AssertionError(f"rank {r}: a call after the mismatch ran on the communicator")
 
 
+class _WatchedComm:
+    """A communicator whose Iallreduce records the libnbc algorithm variable as MPI_T reads it."""
+
+    def __init__(self, comm: Any, read: Any) -> None:
+        self._comm, self._read, self.seen = comm, read, []
+
+    def Iallreduce(self, *args: Any) -> Any:  # noqa: N802 - mpi4py's name
+        self.seen.append(self._read())
+        return self._comm.Iallreduce(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+
+def _algorithm_reader() -> Any:
+    """A function reading coll_libnbc_iallreduce_algorithm through MPI_T (Open MPI only)."""
+    import ctypes
+
+    from mpi4py import MPI
+
+    lib = ctypes.CDLL(MPI.__file__)
+    index, count, value = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    handle = ctypes.c_void_p()
+    assert lib.MPI_T_cvar_get_index(b"coll_libnbc_iallreduce_algorithm", ctypes.byref(index)) == 0
+    assert lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) == 0
+
+    def read() -> int:
+        assert lib.MPI_T_cvar_read(handle, ctypes.byref(value)) == 0
+        return value.value
+
+    return read
+
+
+def rank_ring_allreduce(g: Any) -> None:
+    """All-reduces from the ring threshold up run Open MPI's ring algorithm and give NumPy's
+    results: every op and several dtypes, on both sides of the threshold and of 64 KiB, in
+    place on some ranks only (on 4+ ranks Open MPI's own choice of algorithm would differ
+    between those ranks); the call key keeps Open MPI's own choice."""
+    import meshcomm as mc
+    from meshcomm_mpi import algorithms
+    from mpi4py import MPI
+
+    n, r = g.size(), g.rank()
+    b = g.transport
+    start = b._iallreduce
+    if not MPI.Get_library_version().startswith("Open MPI"):
+        if algorithms._variable is not None or start.ring_from is not None:
+            raise AssertionError(f"rank {r}: the ring switch is on under {MPI.Get_library_version()[:20]}")
+    else:
+        want = algorithms.ring_threshold(n, "auto")
+        if start.ring_from != want or algorithms._variable is None:
+            raise AssertionError(f"rank {r}: ring from {start.ring_from} bytes, want {want}")
+        read = _algorithm_reader()
+        watched = _WatchedComm(b.comm, read)
+        b.comm = watched
+        try:
+            mc.all_sum(np.ones(want // 4, np.float32), group=g)
+            mc.all_sum(np.ones(want // 4 - 1, np.float32), group=g)
+        finally:
+            b.comm = watched._comm
+        # per call: the call key (library's choice), then the data: ring from the threshold;
+        # below it on 4+ ranks Rabenseifner's (the library's own choice would depend on in place)
+        below = 3 if n >= 4 else 0
+        if watched.seen != [0, 1, 0, below] or read() != 0:
+            raise AssertionError(
+                f"rank {r}: algorithm per start {watched.seen}, after {read()}; want [0, 1, 0, {below}], 0"
+            )
+    edges = (algorithms.ring_threshold(n, "auto") or 4096, 65536)
+    for dt in (np.float32, np.float64, np.int32, np.float16, np.complex64):
+        item = np.dtype(dt).itemsize
+        for count in sorted({e // item + d for e in edges for d in (-1, 5)}):
+            base = np.arange(count) % 11  # small integers: every order of summation is exact
+            xs = [(base + 3 * q).astype(dt) for q in range(n)]
+            for name, f in (("sum", np.add), ("max", np.maximum), ("min", np.minimum)):
+                if dt == np.complex64 and name != "sum":
+                    continue
+                want_x = _fold(f, xs)
+                got = getattr(mc, f"all_{name}")(xs[r], group=g)
+                _check_equal(got, want_x, f"all_{name} {np.dtype(dt).name}[{count}]", r)
+                y = xs[r].copy()
+                out = y if r % 2 == 0 else None  # in place on even ranks only
+                got = getattr(mc, f"all_{name}")(y, group=g, out=out)
+                _check_equal(got, want_x, f"all_{name} {np.dtype(dt).name}[{count}], in place on even ranks", r)
+
+
+def rank_user_algorithm_kept(g: Any) -> None:
+    """With the algorithm chosen by the user (an MCA variable), meshcomm never switches it."""
+    import meshcomm as mc
+    from meshcomm_mpi import algorithms
+
+    if algorithms._variable is not None or g.transport._iallreduce.ring_from is not None:
+        raise AssertionError(f"rank {g.rank()}: the ring switch is on although the user chose an algorithm")
+    read = _algorithm_reader()
+    x = np.ones(1 << 18, np.float32)
+    _check_equal(mc.all_sum(x, group=g), x * g.size(), "all_sum under the user's algorithm", g.rank())
+    if read() != 2:
+        raise AssertionError(f"rank {g.rank()}: the user's algorithm 2 became {read()}")
+
+
 RANK_CHECKS = {
     f.__name__: f
     for f in (
@@ -338,9 +437,15 @@ RANK_CHECKS = {
         rank_error_translation,
         rank_die_after_barrier,
         rank_other_shape_same_count,
+        rank_ring_allreduce,
+        rank_user_algorithm_kept,
     )
 }
-SPECIFIC = [k for k in RANK_CHECKS if k not in ("rank_die_after_barrier", "rank_other_shape_same_count")]
+SPECIFIC = [
+    k
+    for k in RANK_CHECKS
+    if k not in ("rank_die_after_barrier", "rank_other_shape_same_count", "rank_user_algorithm_kept")
+]
 
 
 def _rank_main(names: list[str]) -> int:
@@ -377,6 +482,7 @@ from meshcomm_mpi.environment import launch_reason, unavailable_reason  # noqa: 
 if unavailable_reason() is not None:  # pragma: no cover - depends on the machine
     pytest.skip(f"mpi backend unavailable: {unavailable_reason()}", allow_module_level=True)
 
+from meshcomm_mpi.discover import find_library  # noqa: E402
 from meshcomm_mpi.launcher import job_command, mpiexec_command  # noqa: E402
 
 _LAUNCH_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_", "HYDRA_", "MPI4PY_")
@@ -427,6 +533,34 @@ def test_mpi_specific(n: int) -> None:
     for name in SPECIFIC:
         for r in range(n):
             assert f"RANKCHECK ok {name} rank {r} " in out, f"{name} did not pass on rank {r}:\n{out[-4000:]}"
+
+
+def test_ring_threshold_and_setting() -> None:
+    """MESHCOMM_MPI_RING_FROM: auto gives 4 KiB on 2 ranks and 64 KiB per rank on more; off and
+    a single rank never switch; a byte count is taken as given; nonsense is a ConfigError."""
+    from meshcomm.plugin import ConfigError, load_settings
+    from meshcomm_mpi.algorithms import ring_threshold
+    from meshcomm_mpi.settings import MPISettings
+
+    assert [ring_threshold(n, "auto") for n in (1, 2, 3, 4, 64)] == [None, 4096, 3 * 65536, 4 * 65536, 64 * 65536]
+    assert ring_threshold(2, "off") is None and ring_threshold(8, 1000) == 1000
+    assert load_settings(MPISettings, environ={"MESHCOMM_MPI_RING_FROM": "65536"}).ring_from == 65536
+    for bad in ("-1", "ring", "1.5"):
+        with pytest.raises(ConfigError, match="MESHCOMM_MPI_RING_FROM"):
+            load_settings(MPISettings, environ={"MESHCOMM_MPI_RING_FROM": bad})
+
+
+@pytest.mark.skipif(find_library().flavor != "openmpi", reason="an Open MPI variable")
+def test_users_algorithm_choice_is_kept() -> None:
+    """An algorithm the user set with Open MPI's own variable stays in force on every call."""
+    res = _mpirun(
+        2,
+        [sys.executable, str(HERE), "rank_user_algorithm_kept"],
+        timeout=60,
+        OMPI_MCA_coll_libnbc_iallreduce_algorithm="2",
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and out.count("RANKCHECK ok rank_user_algorithm_kept") == 2, out[-3000:]
 
 
 def test_mismatch_is_caught_beside_the_collective() -> None:

@@ -33,6 +33,7 @@ from meshcomm.plugin import (
 from mpi4py import MPI
 
 from . import survivors
+from .algorithms import AllreduceStarter, ring_threshold
 from .control import Control
 from .errors import mpi_error
 from .ops import Counts
@@ -60,6 +61,8 @@ class MPIBackend(Backend):
         label: how messages name the communicator.
         spare: a duplicate of ``comm`` the backend owns, for comparing the ranks' calls after
             a mismatch (None: the mismatch error names no calls).
+        ring_from: MESHCOMM_MPI_RING_FROM, from which size all-reduces run Open MPI's ring
+            algorithm (:mod:`meshcomm_mpi.algorithms`).
     """
 
     #: the core need not run its own cross-rank call check: a mismatched collective
@@ -89,6 +92,7 @@ class MPIBackend(Backend):
         members: list[int] | None = None,
         label: str = "the world",
         spare: Any = None,
+        ring_from: str | int = "off",
     ) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = comm
@@ -98,6 +102,10 @@ class MPIBackend(Backend):
         self._move = ops.move
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
+        self._ring_from = ring_from
+        self._iallreduce = AllreduceStarter(
+            self._size, ring_threshold(self._size, ring_from), switch=ring_from != "off"
+        )
         self._ctl = control
         self.cid = cid
         self.label = label
@@ -204,7 +212,7 @@ class MPIBackend(Backend):
         if key is None:
             return None
         self.call_key = None
-        return self.comm.Iallreduce([key, _INT64], [self._seen, _INT64], _MAX), key
+        return self._iallreduce(self.comm, [key, _INT64], [self._seen, _INT64], _MAX, 16), key
 
     def _agree(self, started: tuple[Any, np.ndarray], what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
         """Wait for the call check started with operation ``op``; if the ranks' keys differ
@@ -231,6 +239,7 @@ class MPIBackend(Backend):
                 cid=f"{self.cid}/calls",
                 members=self.members,
                 label=self.label,
+                ring_from=self._ring_from,
             )
             self._spare = None
         raise CallsDiffer(
@@ -346,9 +355,16 @@ class MPIBackend(Backend):
         self.coll_count += 1
         self.tail = None
         try:
-            send = MPI.IN_PLACE if in_place(sendbuf, recvbuf) else [sendbuf, dt]  # MPI forbids aliasing
+            send: Any
+            if not in_place(sendbuf, recvbuf):
+                send = [sendbuf, dt]
+            elif self._iallreduce.in_place:
+                send = MPI.IN_PLACE  # MPI forbids aliasing
+            else:  # MPI_IN_PLACE must be all ranks or none (meshcomm_mpi.algorithms)
+                sendbuf = sendbuf.copy()
+                send = [sendbuf, dt]
             checked = self._start_key() if self.call_key is not None else None
-            req = self.comm.Iallreduce(send, [recvbuf, dt], mop)
+            req = self._iallreduce(self.comm, send, [recvbuf, dt], mop, recvbuf.nbytes)
             if checked is None and req.Test():
                 return
         except MPI.Exception as exc:
@@ -483,6 +499,7 @@ class MPIBackend(Backend):
             members=[self.members[q] for q in members],
             label=f"split #{self._splits} of {self.label} (color={color})",
             spare=spare,
+            ring_from=self._ring_from,
         )
 
     # -- survivors continue (MPI's fault tolerance) --------------------------------------------
@@ -502,7 +519,7 @@ class MPIBackend(Backend):
         peers = old_peers.keep(old, comm.Get_rank()) if old_peers is not None else None
         control = Control(comm.Dup(), peers, spin=self._ctl.spin, answer_wait=self._ctl.answer_wait, ft=True)
         control.ctl.Set_errhandler(MPI.ERRORS_RETURN)
-        world = MPIBackend(comm, self._ops, control, timeout=self.timeout, spare=comm.Dup())
+        world = MPIBackend(comm, self._ops, control, timeout=self.timeout, spare=comm.Dup(), ring_from=self._ring_from)
         world.epoch = self.epoch + 1
         self.broken = "this world was replaced by shrink()"
         self._closed = True

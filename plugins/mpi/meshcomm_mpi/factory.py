@@ -59,7 +59,8 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     control = Control(ctl, None, spin=settings.spin_us * 1e-6, ft=fault_tolerant(settings))
     timeout = float(config.timeout)
     # start-up exchanges run under the deadline like every operation
-    start = MPIBackend(comm, OpTable([]), control, timeout=timeout)
+    ring = settings.ring_from
+    start = MPIBackend(comm, OpTable([]), control, timeout=timeout, ring_from=ring)
     ident = np.array([os.getpid(), host_key()], dtype=np.int64)
     table = np.empty(2 * size, dtype=np.int64)
     start.all_gather(ident, table)
@@ -77,6 +78,6 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
         start.all_reduce(flags, agreed, "max")
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
     spare = comm.Dup()  # for naming a mismatch (MPIBackend._agree)
-    backend = MPIBackend(comm, OpTable(numpy_sums), control, timeout=timeout, spare=spare)
+    backend = MPIBackend(comm, OpTable(numpy_sums), control, timeout=timeout, spare=spare, ring_from=ring)
     backend.coll_count = start.coll_count  # the same communicator: its sequence goes on
     return backend

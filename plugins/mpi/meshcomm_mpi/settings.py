@@ -7,10 +7,10 @@ ConfigError naming the variable and what it accepts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from meshcomm.plugin import setting
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MPISettings", "FT_ENV"]
 
@@ -61,6 +61,17 @@ class MPISettings(BaseModel):
         ge=0,
         le=10_000_000,
         allow_inf_nan=False,
+    )
+    ring_from: Literal["auto", "off"] | Annotated[int, Field(ge=0)] = setting(
+        "auto",
+        env="MESHCOMM_MPI_RING_FROM",
+        tuning=True,
+        accepts="auto, off, or a number of bytes from 0 up",
+        description=(
+            "from which array size all_sum/all_max/all_min run Open MPI's ring algorithm for the "
+            "non-blocking all-reduce instead of its default binomial tree: auto = 4 KiB on 2 ranks, "
+            "64 KiB per rank on more; off = always Open MPI's own choice (other MPIs: always theirs)"
+        ),
     )
     fault_tolerance: bool = setting(
         False,
