@@ -362,7 +362,7 @@ def rank_ring_allreduce(g: Any) -> None:
     """All-reduces from the ring threshold up run Open MPI's ring algorithm and give NumPy's
     results: every op and several dtypes, on both sides of the threshold and of 64 KiB, in
     place on some ranks only (on 4+ ranks Open MPI's own choice of algorithm would differ
-    between those ranks); the call key keeps Open MPI's own choice."""
+    between those ranks)."""
     import meshcomm as mc
     from meshcomm_mpi import algorithms
     from mpi4py import MPI
@@ -385,13 +385,11 @@ def rank_ring_allreduce(g: Any) -> None:
             mc.all_sum(np.ones(want // 4 - 1, np.float32), group=g)
         finally:
             b.comm = watched._comm
-        # per call: the call key (library's choice), then the data: ring from the threshold;
-        # below it on 4+ ranks Rabenseifner's (the library's own choice would depend on in place)
+        # the data: ring from the threshold; below it on 4+ ranks Rabenseifner's (the library's
+        # own choice would depend on in place); the call key is a persistent request made before
         below = 3 if n >= 4 else 0
-        if watched.seen != [0, 1, 0, below] or read() != 0:
-            raise AssertionError(
-                f"rank {r}: algorithm per start {watched.seen}, after {read()}; want [0, 1, 0, {below}], 0"
-            )
+        if watched.seen != [1, below] or read() != 0:
+            raise AssertionError(f"rank {r}: algorithm per start {watched.seen}, after {read()}; want [1, {below}], 0")
     edges = (algorithms.ring_threshold(n, "auto") or 4096, 65536)
     for dt in (np.float32, np.float64, np.int32, np.float16, np.complex64):
         item = np.dtype(dt).itemsize

@@ -140,6 +140,14 @@ class AllreduceStarter:
             return _RABENSEIFNER
         return _LIBRARY_CHOICE
 
+    def persistent(self, comm: Any, send: Any, recv: Any, op: Any) -> Any:
+        """``comm.Allreduce_init(send, recv, op)`` of a small array, under the library's choice
+        (a persistent operation takes its algorithm when it is made)."""
+        if _variable is None:
+            return comm.Allreduce_init(send, recv, op)
+        with _LOCK:
+            return comm.Allreduce_init(send, recv, op)
+
     def __call__(self, comm: Any, send: Any, recv: Any, op: Any, nbytes: int) -> Any:
         """``comm.Iallreduce(send, recv, op)`` under :meth:`choice` of ``nbytes``."""
         var = _variable

@@ -126,6 +126,10 @@ class MPIBackend(Backend):
         #: the call check's result, and the buffers of operations abandoned on a mismatch
         #: (MPI may still write into them: they must outlive the job)
         self._seen = np.empty(2, dtype=np.int64)
+        #: the call check as one persistent all-reduce (MPI-4), made at the first check: a
+        #: start costs less than a new Iallreduce (2 ranks: 1.0 against 1.8 µs; 4: 8.5 against 13.3)
+        self._key = np.empty(2, dtype=np.int64)
+        self._key_req: Any = None
         self._abandoned: list[tuple[Any, ...]] = []
         #: under MPI's fault tolerance (survivors.fault_tolerant): agree and shrink work
         self.survives_failures = control.ft
@@ -212,7 +216,14 @@ class MPIBackend(Backend):
         if key is None:
             return None
         self.call_key = None
-        return self._iallreduce(self.comm, [key, _INT64], [self._seen, _INT64], _MAX, 16), key
+        req = self._key_req
+        if req is None:
+            req = self._key_req = self._iallreduce.persistent(
+                self.comm, [self._key, _INT64], [self._seen, _INT64], _MAX
+            )
+        self._key[0], self._key[1] = key[0], key[1]
+        req.Start()
+        return req, key
 
     def _agree(self, started: tuple[Any, np.ndarray], what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
         """Wait for the call check started with operation ``op``; if the ranks' keys differ
@@ -564,6 +575,11 @@ class MPIBackend(Backend):
         if self._spare is not None:
             try:
                 self._spare.Free()
+            except MPI.Exception:
+                pass
+        if self._key_req is not None and self.broken is None:
+            try:
+                self._key_req.Free()
             except MPI.Exception:
                 pass
         if self.broken is None:
