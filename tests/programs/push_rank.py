@@ -23,7 +23,7 @@ from meshcomm_sockets.shm import _PUSHED
 g = mc.init(strict=True)
 r, n = g.rank(), g.size()
 shm = getattr(g.transport.path, "shm", None)
-# all_sum takes the direct path from 16 MiB (shm.DIRECT_REDUCE_MIN_BYTES; below it the slots)
+# all_sum takes the direct path from 16 MiB on any number of ranks (shm.DIRECT_REDUCE_MIN_BYTES)
 count = ((16 << 20) + 4 * 12) // 4
 digest = hashlib.sha256()
 

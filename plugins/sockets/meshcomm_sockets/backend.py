@@ -38,7 +38,7 @@ from .engine import Call, Fabric, Link, as_bytes
 from .mesh import MeshGroup
 from .paths import FRAME_BYTES, RING_MIN_BYTES, Path, TcpPath
 from .recovery import Recovery
-from .shm import DIRECT_REDUCE_MIN_BYTES
+from .shm import DIRECT_REDUCE_MIN_BYTES, DIRECT_REDUCE_MIN_BYTES_TWO
 
 __all__ = ["SocketsBackend", "RING_MIN_BYTES", "FRAME_BYTES"]
 
@@ -209,8 +209,9 @@ class SocketsBackend(MeshGroup):
         with self._op("scatter", recvbuf, root) as call:  # recvbuf: the same size on every rank
             self.path.scatter(call, sendbuf, recvbuf, root)
 
-    #: results in shared memory only pay on the direct path (shm.DIRECT_REDUCE_MIN_BYTES)
-    EMPTY_MIN_BYTES = DIRECT_REDUCE_MIN_BYTES
+    #: results in shared memory only pay on the direct path (shm.DIRECT_REDUCE_MIN_BYTES, and
+    #: from DIRECT_REDUCE_MIN_BYTES_TWO on 2 local ranks)
+    EMPTY_MIN_BYTES = min(DIRECT_REDUCE_MIN_BYTES, DIRECT_REDUCE_MIN_BYTES_TWO)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return self.path.empty(shape, dtype)

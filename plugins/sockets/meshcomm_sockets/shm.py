@@ -110,9 +110,12 @@ DIRECT_MIN_BYTES = 256 * 1024
 #: below it one wait with every rank combining everything is faster)
 SPLIT_MIN_BYTES = 128 * 1024
 #: all-reduces below this size stay on the slots (split on 3+ ranks), piece by piece, even
-#: when direct reads are possible: measured faster up to 8-16 MiB on 2, 3 and 4 ranks, and
-#: on 2 ranks with a busy process 1.7-4x faster at 1-8 MiB (docs/sockets.md)
+#: when direct reads are possible: on 3 and 4 ranks the slots measured 1.06-1.12x faster
+#: up to 12 MiB (docs/sockets.md)
 DIRECT_REDUCE_MIN_BYTES = 16 << 20
+#: the same on 2 local ranks, where the direct path halves each rank's additions: it measured
+#: 0.68-0.77x the slots' time from 4 MiB, quiet or beside a busy process (docs/sockets.md)
+DIRECT_REDUCE_MIN_BYTES_TWO = 4 << 20
 #: bytes a rank reduces per direct read (a peer's chunk is read into a buffer this size; in
 #: C, 64 KiB-256 KiB measured the same at 1 MiB and 256 KiB best from 4 MiB up)
 _DIRECT_CHUNK_BYTES = 256 * 1024
@@ -659,7 +662,8 @@ class ShmGroup:
 
     def _direct_reduce(self, nbytes: int) -> bool:
         """An all-reduce of ``nbytes`` takes the direct path (:meth:`_direct_all_reduce`)."""
-        return self.is_direct(nbytes) and nbytes >= DIRECT_REDUCE_MIN_BYTES
+        least = DIRECT_REDUCE_MIN_BYTES_TWO if self.n == 2 else DIRECT_REDUCE_MIN_BYTES
+        return self.is_direct(nbytes) and nbytes >= least
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A new array for the result of an all-reduce of this shape and dtype: in shared
