@@ -107,8 +107,9 @@ _RESULT_FD, _RESULT_ID, _PUSHED = 20, 21, 22
 DIRECT_MIN_BYTES = 256 * 1024
 #: all-reduces on three local ranks or more from this size split the reduction: each rank
 #: combines its block of every slot, then copies the others' (ShmGroup._split_all_reduce;
-#: below it one wait with every rank combining everything is faster)
-SPLIT_MIN_BYTES = 128 * 1024
+#: below it one wait with every rank combining everything is faster: at 128 KiB 0.70-0.84x
+#: the split's time on 3 and 4 ranks, docs/sockets.md)
+SPLIT_MIN_BYTES = 256 * 1024
 #: all-reduces below this size stay on the slots (split on 3+ ranks), piece by piece, even
 #: when direct reads are possible: on 3 and 4 ranks the slots measured 1.06-1.12x faster
 #: up to 12 MiB (docs/sockets.md)
