@@ -408,6 +408,30 @@ def rank_ring_allreduce(g: Any) -> None:
                 _check_equal(got, want_x, f"all_{name} {np.dtype(dt).name}[{count}], in place on even ranks", r)
 
 
+def rank_failure_after_a_collective(g: Any) -> None:
+    """A collective that completed raises for a peer's failure only when that peer failed
+    inside it; a failure after it (the peer's program raised once the collective returned
+    there) is left for the next operation, whose wait raises at once."""
+    from meshcomm_mpi.ops import Desc
+
+    b = g.transport
+    ctl = b.control
+    peer = 1 - g.rank() if g.rank() < 2 else 0
+    done = Desc(b, ("coll", "barrier"))
+    inside = {"cid": done.cid, "kind": "coll", "seq": done.seq, "phase": "raised KeyError"}
+    cases = [
+        (None, False),  # raised in its own code, outside any operation
+        (inside, True),
+        ({**inside, "seq": done.seq - 1}, False),  # an earlier collective
+        ({**inside, "kind": "send"}, False),  # a send after this collective (same count)
+        ({**inside, "cid": "world/1:0"}, False),  # another communicator
+    ]
+    for state, want in cases:
+        got = ctl._failed_inside(done, peer, {"state": state})
+        if got != want:
+            raise AssertionError(f"rank {g.rank()}: failure with state {state} judged inside={got}, want {want}")
+
+
 def rank_user_algorithm_kept(g: Any) -> None:
     """With the algorithm chosen by the user (an MCA variable), meshcomm never switches it."""
     import meshcomm as mc
@@ -436,6 +460,7 @@ RANK_CHECKS = {
         rank_die_after_barrier,
         rank_other_shape_same_count,
         rank_ring_allreduce,
+        rank_failure_after_a_collective,
         rank_user_algorithm_kept,
     )
 }

@@ -320,15 +320,38 @@ class Control:
                     self._check_exit(desc, src, msg)
 
     def check_notices(self, backend: Any, what: tuple[Any, ...]) -> None:
-        """Raise if a peer has failed or given up (its FAIL or DOWN notice is here or known).
+        """After collective ``what`` completed: raise if a peer gave up on it (its DOWN
+        notice), failed inside it (its FAIL notice names this operation), or exited before it.
 
         A collective started beside its call check can complete on a rank that resumes after
         its peers gave up on it (their requests were posted before they timed out): such a
-        rank must raise as they did, not return the result (one Iprobe when nothing is known)."""
+        rank must raise as they did, not return the result (one Iprobe when nothing is known).
+        A peer that failed *after* its part of this collective (its program raised once the
+        collective returned there) makes the next operation raise instead: this one's result
+        is whole."""
         if self.failed or self.down or self.probe():
             desc = Desc(backend, what)
-            self._drain(desc)
-            self._check_known(desc)
+            self._drain(None)  # collect; judged below against this completed operation
+            for w, msg in self.failed.items():
+                if self._failed_inside(desc, w, msg):
+                    raise self._fail_error(desc, w, msg)
+            for w, msg in self.down.items():
+                raise self._down_error(desc, w, msg)
+            for w, msg in self.exited.items():
+                self._check_exit(desc, w, msg)
+
+    @staticmethod
+    def _failed_inside(desc: Desc, w: int, msg: dict[str, Any]) -> bool:
+        """Whether the FAIL notice of world rank ``w`` places it inside operation ``desc``."""
+        if w not in desc.asked():
+            return False
+        state = msg.get("state")
+        return (
+            bool(state)
+            and state.get("kind") == desc.kind
+            and state.get("cid") == desc.cid
+            and state.get("seq") == desc.seq
+        )
 
     def _check_known(self, desc: Desc) -> None:
         """Raise at once for a peer already known to have failed, given up, or exited."""
