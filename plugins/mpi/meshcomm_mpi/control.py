@@ -345,13 +345,8 @@ class Control:
         """Whether the FAIL notice of world rank ``w`` places it inside operation ``desc``."""
         if w not in desc.asked():
             return False
-        state = msg.get("state")
-        return (
-            bool(state)
-            and state.get("kind") == desc.kind
-            and state.get("cid") == desc.cid
-            and state.get("seq") == desc.seq
-        )
+        state = msg.get("state") or {}
+        return state.get("kind") == desc.kind and state.get("cid") == desc.cid and state.get("seq") == desc.seq
 
     def _check_known(self, desc: Desc) -> None:
         """Raise at once for a peer already known to have failed, given up, or exited."""
