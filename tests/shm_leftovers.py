@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
-__all__ = ["snapshot", "remove_new"]
+__all__ = ["snapshot", "remove_new", "main"]
 
 SHM = Path("/dev/shm")
 PATTERN = re.compile(r"^(sm_segment\.|vader_segment\.|mpich_shm_)")
@@ -62,3 +63,23 @@ def remove_new(before: set[str]) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def main(argv: list[str]) -> int:
+    """``mark FILE``: note the files present now in FILE; ``remove FILE``: remove those made
+    since that nobody maps (the test scripts' last sweep, after every pytest run ended)."""
+    if len(argv) != 2 or argv[0] not in ("mark", "remove"):
+        print("usage: shm_leftovers.py mark|remove FILE", file=sys.stderr)
+        return 2
+    path = Path(argv[1])
+    if argv[0] == "mark":
+        path.write_text("".join(f"{n}\n" for n in sorted(snapshot())))
+        return 0
+    before = set(path.read_text().split()) if path.exists() else snapshot()
+    for name in remove_new(before):
+        print(f"removed /dev/shm/{name} (an MPI job's shared memory that outlived it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
