@@ -562,8 +562,13 @@ def test_ring_threshold_and_setting() -> None:
     """MESHCOMM_MPI_RING_FROM: auto gives 4 KiB on 2 ranks and 64 KiB per rank on more; off and
     a single rank never switch; a byte count is taken as given; nonsense is a ConfigError."""
     from meshcomm.plugin import ConfigError, load_settings
+
+    mpi_before = "mpi4py.MPI" in sys.modules
     from meshcomm_mpi.algorithms import ring_threshold
     from meshcomm_mpi.settings import MPISettings
+
+    # importing it must not start MPI in this process (a singleton MPI leaves /dev/shm files)
+    assert mpi_before or "mpi4py.MPI" not in sys.modules
 
     assert [ring_threshold(n, "auto") for n in (1, 2, 3, 4, 64)] == [None, 4096, 3 * 65536, 4 * 65536, 64 * 65536]
     assert ring_threshold(2, "off") is None and ring_threshold(8, 1000) == 1000

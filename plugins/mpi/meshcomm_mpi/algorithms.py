@@ -33,8 +33,6 @@ import ctypes
 import threading
 from typing import Any
 
-from mpi4py import MPI
-
 __all__ = ["AllreduceStarter", "ring_threshold"]
 
 _VARIABLE = b"coll_libnbc_iallreduce_algorithm"
@@ -72,11 +70,15 @@ class _Variable:
 
     def set(self, value: int) -> None:
         if self._write(self._handle, self._values[value]) != 0:
+            from mpi4py import MPI
+
             raise MPI.Exception(MPI.ERR_OTHER)
 
 
 def _open_variable() -> _Variable | None:
     """The variable's MPI_T handle, or None when it cannot or must not be switched."""
+    from mpi4py import MPI  # here, not at import: ring_threshold must not initialise MPI
+
     if not MPI.Get_library_version().startswith("Open MPI"):
         return None
     try:
