@@ -29,14 +29,16 @@ files=(tests/test_mpi_*.py tests/test_launch*.py tests/test_failure_*.py tests/t
        tests/test_conformance_kit.py)
 echo "== pytest (mpi backend on $("$VPY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'), $PART)"
 log=$(mktemp)
+# every pytest run's temporary directories (tmp_path) go here, removed at the end
+temps=$(mktemp -d)
 if [ "$PART" = all ]; then
   . scripts/leftovers.sh
   leftovers_mark
-  trap 'leftovers_remove; rm -f "$log"' EXIT
+  trap 'leftovers_remove; rm -rf "$log" "$temps"' EXIT
 else  # a part runs beside other jobs: scripts/test.sh removes the leftovers when all have ended
-  trap 'rm -f "$log"' EXIT
+  trap 'rm -rf "$log" "$temps"' EXIT
 fi
-pytest_() { "$VPY" -m pytest -p no:cacheprovider -q "$@"; }
+pytest_() { "$VPY" -m pytest -p no:cacheprovider -q --basetemp "$(mktemp -d "$temps/run.XXXX")" "$@"; }
 set +e
 rc=0 slurm_rc=0 exclusive_rc=0
 if [ "$PART" = all ]; then

@@ -77,11 +77,14 @@ none_ok() { if [ "$1" = 5 ] && [ "$2" -gt 0 ]; then echo 0; else echo "$1"; fi; 
 set +e
 # the tests of the machine's one Slurm test cluster: one pytest process of their own, alongside
 slurm_log=$scratch/slurm.log
-"$VPY" -m pytest -p no:cacheprovider -q -m "slurm_cluster and not exclusive" "$@" > "$slurm_log" 2>&1 &
+# each pytest run keeps its temporary directories (tmp_path) in the scratch directory, which
+# the exit trap removes (pytest's default, /tmp/pytest-of-$USER, outlives the run)
+"$VPY" -m pytest -p no:cacheprovider -q --basetemp "$scratch/tmp-slurm" -m "slurm_cluster and not exclusive" "$@" \
+  > "$slurm_log" 2>&1 &
 slurm=$!
 echo "== pytest ($WORKERS processes; the Slurm cluster's tests in one more)"
 # --durations: the slowest tests of every run, where the suite's time goes
-"$VPY" -m pytest -p no:cacheprovider -q --durations=50 -n "$WORKERS" --dist worksteal \
+"$VPY" -m pytest -p no:cacheprovider -q --basetemp "$scratch/tmp-main" --durations=50 -n "$WORKERS" --dist worksteal \
   -m "not exclusive and not slurm_cluster and not ray_cluster" "$@"
 rc=$(none_ok $? $#)
 echo "== main pytest ended at $SECONDS s"
@@ -90,7 +93,7 @@ slurm_rc=$(none_ok $? $#)
 echo "== pytest (the Slurm cluster's tests)"
 cat "$slurm_log"
 echo "== pytest (tests that need the machine to themselves, one at a time: machine-wide state, the Ray cluster)"
-"$VPY" -m pytest -p no:cacheprovider -q -m "exclusive or ray_cluster" "$@"
+"$VPY" -m pytest -p no:cacheprovider -q --basetemp "$scratch/tmp-exclusive" -m "exclusive or ray_cluster" "$@"
 exclusive_rc=$(none_ok $? $#)
 mpich_rc=0
 if [ "$MPICH" != 0 ]; then
