@@ -192,7 +192,9 @@ def _peer(name: str, min_time: float) -> System:
                 "mlx",
                 *args,
             ],
-            {},
+            # mlx.launch leaves a pid file and a hostfile per rank in $TMPDIR (shell mktemp):
+            # in the job's own directory they go when the job does
+            {"TMPDIR": str(out.parent)},
         )
 
     return System(name, command)
