@@ -123,12 +123,12 @@ class AllreduceStarter:
 
     Args:
         size: ranks of the communicator.
-        ring_from: bytes from which ring runs (:func:`ring_threshold`).
-        switch: False for MESHCOMM_MPI_RING_FROM=off (the variable is not opened for it).
+        ring_from: bytes from which ring runs (:func:`ring_threshold`; None, for
+            MESHCOMM_MPI_RING_FROM=off or one rank: the variable is not opened for it).
     """
 
-    def __init__(self, size: int, ring_from: int | None, switch: bool = True) -> None:
-        on = switch and size > 1 and _shared_variable() is not None
+    def __init__(self, size: int, ring_from: int | None) -> None:
+        on = ring_from is not None and size > 1 and _shared_variable() is not None
         #: MPI_IN_PLACE is safe when some ranks of a call pass it and others do not
         self.in_place = on or size == 1
         self.ring_from = ring_from if on else None

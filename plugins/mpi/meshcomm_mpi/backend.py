@@ -103,9 +103,7 @@ class MPIBackend(Backend):
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._ring_from = ring_from
-        self._iallreduce = AllreduceStarter(
-            self._size, ring_threshold(self._size, ring_from), switch=ring_from != "off"
-        )
+        self._iallreduce = AllreduceStarter(self._size, ring_threshold(self._size, ring_from))
         self._ctl = control
         self.cid = cid
         self.label = label

@@ -332,13 +332,7 @@ class Control:
         if self.failed or self.down or self.probe():
             desc = Desc(backend, what)
             self._drain(None)  # collect; judged below against this completed operation
-            for w, msg in self.failed.items():
-                if self._failed_inside(desc, w, msg):
-                    raise self._fail_error(desc, w, msg)
-            for w, msg in self.down.items():
-                raise self._down_error(desc, w, msg)
-            for w, msg in self.exited.items():
-                self._check_exit(desc, w, msg)
+            self._check_known(desc, completed=True)
 
     @staticmethod
     def _failed_inside(desc: Desc, w: int, msg: dict[str, Any]) -> bool:
@@ -348,10 +342,12 @@ class Control:
         state = msg.get("state") or {}
         return state.get("kind") == desc.kind and state.get("cid") == desc.cid and state.get("seq") == desc.seq
 
-    def _check_known(self, desc: Desc) -> None:
-        """Raise at once for a peer already known to have failed, given up, or exited."""
+    def _check_known(self, desc: Desc, completed: bool = False) -> None:
+        """Raise at once for a peer already known to have failed, given up, or exited; after
+        a ``completed`` operation, a failure counts only if it happened inside it."""
         for w, msg in self.failed.items():
-            raise self._fail_error(desc, w, msg)
+            if not completed or self._failed_inside(desc, w, msg):
+                raise self._fail_error(desc, w, msg)
         for w, msg in self.down.items():
             raise self._down_error(desc, w, msg)
         for w, msg in self.exited.items():
