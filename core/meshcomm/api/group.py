@@ -347,18 +347,24 @@ class Group:
         """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_sum, x, out=out, async_op=async_op)
+        if out is None and not async_op:
+            return self._reduce_now("sum", x)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise maximum over ranks."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_max, x, out=out, async_op=async_op)
+        if out is None and not async_op:
+            return self._reduce_now("max", x)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise minimum over ranks."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_min, x, out=out, async_op=async_op)
+        if out is None and not async_op:
+            return self._reduce_now("min", x)
         return self._all_reduce("min", x, out, async_op)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
@@ -390,6 +396,58 @@ class Group:
             return o
 
         return self._submit(name, run, async_op, a)
+
+    def _reduce_now(self, op: str, x: Any) -> np.ndarray:
+        """A blocking all-reduce into a new result: what :meth:`_all_reduce`, :meth:`_submit`
+        and :meth:`_execute` do for it, in one frame and without the closure (the latency path
+        of small calls). A closed group or queued asynchronous operations take those."""
+        a = x if type(x) is np.ndarray and x.dtype in _MOVABLE else as_array(x)
+        world = self._world
+        worker = world.worker
+        if self._closed or world.closed or (worker._thread is not None and worker.pending()):
+            return self._all_reduce(op, a, None, False)  # raises, or waits for its turn
+        name = _ALL_NAMES[op]
+        ticket = self._guard.enter(name, self._who)
+        n = self._calls = self._calls + 1
+        b = self._b
+        b.user_op = name
+        b.user_no = n
+        ok = False
+        try:
+            observer = _observer.active
+            if observer is None:
+                res = self._reduced(name, a, op)
+            else:
+                res = observer.call(self, name, lambda: self._reduced(name, a, op), a, -1, n)
+            ok = True
+            return res
+        except CallsDiffer as exc:
+            raise self._calls_differ(exc) from None
+        except (DistributedError, ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise self._unexpected(name, exc) from exc
+        finally:
+            if self._piped:
+                self._moves.call_key = None
+            self._guard.leave(ticket, name, self._who, ok)
+
+    def _reduced(self, name: str, a: np.ndarray, op: str) -> np.ndarray:
+        """``a`` checked across ranks as the core checks ``name`` (see :meth:`_check`) and
+        all-reduced into a new array (the backend's own kind of array from
+        :attr:`Backend.EMPTY_MIN_BYTES`)."""
+        moves = self._moves
+        if not self._plain_reduce:
+            self._check(name, a.shape, a.dtype, 0, "all_reduce")
+        elif self._keyed:
+            moves.shape_key = 0 if a.ndim == 1 else SHAPE_KEYS[a.shape]
+        res = moves.empty(a.shape, a.dtype) if a.nbytes >= moves.EMPTY_MIN_BYTES else np.empty(a.shape, a.dtype)
+        if a.size:
+            if a.flags.c_contiguous:
+                moves.all_reduce(a if a.ndim == 1 else a.reshape(-1), res if res.ndim == 1 else res.reshape(-1), op)
+            else:
+                moves.all_reduce(np.ascontiguousarray(a).reshape(-1), res.reshape(-1), op)
+        return res
 
     def all_reduce_init(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> Persistent:
         """A persistent all-reduce (``op`` "sum", "max" or "min") of ``x``: checked and set up
@@ -940,19 +998,29 @@ class Group:
             result = run() if _observer.active is None else _observer.active.call(self, op, run, payload, arg, n)
             ok = True
             return result
-        except CallsDiffer as exc:  # every rank raises it at this call: compare what each called
-            if self._in_flight is None:
-                raise
-            op_, shape, dtype, arg_, reduction = self._in_flight
-            raise _debug.name_mismatch(b, exc, self._where(), op_, shape, dtype, arg_, reduction=reduction) from None
+        except CallsDiffer as exc:
+            raise self._calls_differ(exc) from None
         except (DistributedError, ValueError, TypeError):
             raise
         except Exception as exc:
-            raise DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}") from exc
+            raise self._unexpected(op, exc) from exc
         finally:
             if self._piped:  # a key no collective carried (an argument error) must not reach the next call
                 self._moves.call_key = None
             self._guard.leave(ticket, op, self._who, ok)
+
+    def _calls_differ(self, exc: CallsDiffer) -> DistributedError:
+        """What to raise when the backend found that the ranks' calls differ (every rank
+        raises it at this call): the comparison of what each called, when the core's key
+        went with the data, else the backend's own error."""
+        if self._in_flight is None:
+            return exc
+        op, shape, dtype, arg, reduction = self._in_flight
+        return _debug.name_mismatch(self._b, exc, self._where(), op, shape, dtype, arg, reduction=reduction)
+
+    def _unexpected(self, op: str, exc: Exception) -> DistributedError:
+        """An exception no layer expected, as a DistributedError naming the rank."""
+        return DistributedError(f"{self._who}: {op} failed: {type(exc).__name__}: {exc}")
 
 
 def world_ident(root: str, backend: Backend) -> str:
