@@ -315,6 +315,27 @@ def test_failure(backend: str, kind: str) -> None:
         survivors, want_rc = (), 9
     problems += _survivor_problems(job, survivors, kind, backend, large)
     problems += _exit_and_leftovers(job, want_rc)
+    if kind == "threads":
+        problems += _guard_problems(job, compiled=True)
+    assert not problems, "\n".join(problems) + "\n" + job.show()
+
+
+def _guard_problems(job: Job, compiled: bool) -> list[str]:
+    """Every rank ran the one-thread guard MESHCOMM_COMPILED picks (its ``GUARD`` line)."""
+    want = "GUARD " + ("compiled" if compiled else "python")
+    return [f"rank {r} printed {job.lines(r)[:1]}; want {want!r}" for r in range(job.n) if want not in job.lines(r)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_threads_on_the_pure_python_call_path(backend: str) -> None:
+    """With MESHCOMM_COMPILED=0 every rank runs the pure-Python guard, which refuses a second
+    thread as the compiled one does (test_failure's ``threads`` jobs run that one): every
+    rank raises, none returns a wrong sum."""
+    job = run_job(backend, "threads", settings={"MESHCOMM_COMPILED": "0"})
+    problems = _guard_problems(job, compiled=False)
+    problems += _timely_and_no_result(job, "RESULT WRONG")
+    problems += _survivor_problems(job, (0, 1, 2), "threads", backend)
+    problems += _exit_and_leftovers(job, EXIT["threads"])
     assert not problems, "\n".join(problems) + "\n" + job.show()
 
 

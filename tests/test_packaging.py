@@ -55,7 +55,7 @@ def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -
     names = sorted(p.name for p in dist.iterdir())
     for d in ("meshcomm", "meshcomm_sockets", "meshcomm_mpi", "meshcomm_gloo"):
         assert f"{d}-0.1.0.tar.gz" in names, names
-    for d in ("meshcomm", "meshcomm_mpi", "meshcomm_gloo"):
+    for d in ("meshcomm_mpi", "meshcomm_gloo"):
         assert f"{d}-0.1.0-py3-none-any.whl" in names, names
     for wheel in dist.glob("*.whl"):
         with zipfile.ZipFile(wheel) as z:
@@ -64,18 +64,25 @@ def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -
         requires = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
         assert not any("@" in ln for ln in requires), f"{wheel.name} has a direct reference: {requires}"
         assert str(ROOT) not in text, f"{wheel.name} records this checkout's path"
-    # the sockets backend's wheel is a binary one an index accepts for this machine
-    # (manylinux, not linux_x86_64), carrying the compiled shared-memory loop
+    # the core's and the sockets backend's wheels are binary ones an index accepts for this
+    # machine (manylinux, not linux_x86_64), carrying the compiled call path and shared-memory
+    # loop; their sdists carry the C sources
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    (sockets,) = [n for n in names if n.startswith("meshcomm_sockets-0.1.0-") and n.endswith(".whl")]
-    assert sockets.startswith(f"meshcomm_sockets-0.1.0-{tag}-{tag}-manylinux") and "x86_64" in sockets, sockets
-    with zipfile.ZipFile(dist / sockets) as z:
-        assert any(n.startswith("meshcomm_sockets/_shm.") and n.endswith(".so") for n in z.namelist()), z.namelist()
-    with tarfile.open(dist / "meshcomm_sockets-0.1.0.tar.gz") as t:
-        assert "meshcomm_sockets-0.1.0/meshcomm_sockets/_shm.c" in t.getnames(), t.getnames()
-    with zipfile.ZipFile(dist / "meshcomm-0.1.0-py3-none-any.whl") as z:
+    wheels = {}
+    for d, module, source in (
+        ("meshcomm", "meshcomm/api/_callpath", "core/meshcomm/api/_callpath.c"),
+        ("meshcomm_sockets", "meshcomm_sockets/_shm", "meshcomm_sockets/_shm.c"),
+    ):
+        (wheel,) = [n for n in names if n.startswith(f"{d}-0.1.0-") and n.endswith(".whl")]
+        assert wheel.startswith(f"{d}-0.1.0-{tag}-{tag}-manylinux") and "x86_64" in wheel, wheel
+        with zipfile.ZipFile(dist / wheel) as z:
+            assert any(n.startswith(module + ".") and n.endswith(".so") for n in z.namelist()), z.namelist()
+        with tarfile.open(dist / f"{d}-0.1.0.tar.gz") as t:
+            assert f"{d}-0.1.0/{source}" in t.getnames(), t.getnames()
+        wheels[d] = wheel
+    with zipfile.ZipFile(dist / wheels["meshcomm"]) as z:
         text = z.read("meshcomm-0.1.0.dist-info/METADATA").decode()
-    assert "Requires-Dist: meshcomm-sockets<0.2,>=0.1.0; extra == 'sockets'" in text, text
+    assert "Requires-Dist: meshcomm-sockets<0.2,>=0.1.0; extra == 'sockets'" in text.replace('"', "'"), text
 
 
 def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_path: Path) -> None:
@@ -95,7 +102,7 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
         CC="false",
     )
     info = _run([str(venv / "bin" / "meshcomm"), "info"], tmp_path).stdout
-    assert "sockets" in info and "compiled loop" in info, info
+    assert "sockets" in info and "compiled loop" in info and "; compiled call path)" in info, info
     work = tmp_path / "work"
     work.mkdir()
     (work / "prog.py").write_text(PROG)
@@ -116,10 +123,20 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
             assert compiled == ["sockets 0 True", "sockets 1 True"], res.stdout
 
 
-def test_the_sdist_builds_without_a_compiler_into_the_pure_python_loop(dist: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "d, modules, compiled",
+    [
+        ("meshcomm", ("meshcomm/api/guard.py", "meshcomm/cli.py"), "meshcomm/api/_callpath."),
+        ("meshcomm_sockets", ("meshcomm_sockets/shm.py", "meshcomm_sockets/plugin.py"), "meshcomm_sockets/_shm."),
+    ],
+)
+def test_the_sdist_builds_without_a_compiler_into_pure_python(
+    dist: Path, tmp_path: Path, d: str, modules: tuple[str, ...], compiled: str
+) -> None:
     """Where no wheel fits, pip builds the sdist: with no C compiler the build goes on and the
-    wheel has every module but the compiled loop (the backend then runs the pure-Python one)."""
-    sdist = dist / "meshcomm_sockets-0.1.0.tar.gz"
+    wheel has every module but the compiled one (the core then runs its pure-Python call
+    path, the sockets backend its pure-Python loop)."""
+    sdist = dist / f"{d}-0.1.0.tar.gz"
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     _run(
         [*pip_wheel, "-w", str(tmp_path), str(sdist)],
@@ -127,8 +144,8 @@ def test_the_sdist_builds_without_a_compiler_into_the_pure_python_loop(dist: Pat
         CC="false",
         PIP_DISABLE_PIP_VERSION_CHECK="1",
     )
-    (wheel,) = tmp_path.glob("meshcomm_sockets-0.1.0-*.whl")
+    (wheel,) = tmp_path.glob(f"{d}-0.1.0-*.whl")
     with zipfile.ZipFile(wheel) as z:
         files = z.namelist()
-    assert "meshcomm_sockets/shm.py" in files and "meshcomm_sockets/plugin.py" in files, files
-    assert not any("_shm." in n and n.endswith(".so") for n in files), files
+    assert all(m in files for m in modules), files
+    assert not any(n.startswith(compiled) and n.endswith(".so") for n in files), files

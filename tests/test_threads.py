@@ -1,5 +1,9 @@
 """A world runs one operation at a time: a second thread entering it fails at once, and the
-operation in flight fails too (its result may have been paired with the other thread's call)."""
+operation in flight fails too (its result may have been paired with the other thread's call).
+
+Every test runs on both guards: the compiled one (``meshcomm.api._callpath``, what a world
+runs by default) and the pure-Python one (``MESHCOMM_COMPILED=0``, and where no compiled one
+is installed)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,26 @@ import threading
 import meshcomm as mc
 import numpy as np
 import pytest
+from meshcomm.api.guard import WorldGuard, compiled_guard, new_guard
 from meshcomm.testing.threaded import make_threaded_groups
 
 
-def test_second_thread_is_refused_and_the_call_in_flight_discarded():
-    g0, g1 = make_threaded_groups(2, timeout=10)
+@pytest.fixture(params=[True, False], ids=["compiled", "python"])
+def compiled(request: pytest.FixtureRequest) -> bool:
+    """Which guard the test's worlds run; the checkout's install must have the compiled one
+    (scripts/setup.sh builds it, as the wheel carries it)."""
+    if request.param:
+        assert compiled_guard() is not None, "no compiled call path in this install: run scripts/setup.sh"
+    return bool(request.param)
+
+
+def test_the_setting_picks_the_guard():
+    assert type(new_guard(True)) is compiled_guard()
+    assert type(new_guard(False)) is WorldGuard
+
+
+def test_second_thread_is_refused_and_the_call_in_flight_discarded(compiled):
+    g0, g1 = make_threaded_groups(2, timeout=10, compiled=compiled)
     inside = threading.Event()
     outcome = {}
 
@@ -40,8 +59,8 @@ def test_second_thread_is_refused_and_the_call_in_flight_discarded():
     assert "is discarded" in str(err) and "thread 'MainThread' called all_sum" in str(err)
 
 
-def test_world_is_usable_again_after_a_refusal():
-    g0, g1 = make_threaded_groups(2, timeout=10)
+def test_world_is_usable_again_after_a_refusal(compiled):
+    g0, g1 = make_threaded_groups(2, timeout=10, compiled=compiled)
     out = {}
 
     def rank1():
@@ -55,11 +74,11 @@ def test_world_is_usable_again_after_a_refusal():
     np.testing.assert_array_equal(out[1], [2, 2])
 
 
-def test_two_threads_per_rank_never_return_wrong_sums():
+def test_two_threads_per_rank_never_return_wrong_sums(compiled):
     """Both ranks run two threads that each call all_sum with their own values many times:
     every call either returns the exact sum of that thread's values or raises. (The call
     check is off so that only the guard stands between the threads' messages.)"""
-    groups = make_threaded_groups(2, timeout=5, check_calls=False)
+    groups = make_threaded_groups(2, timeout=5, check_calls=False, compiled=compiled)
     wrong, errors, right = [], [], []
     lock = threading.Lock()
 
@@ -84,13 +103,11 @@ def test_two_threads_per_rank_never_return_wrong_sums():
     assert errors, "the threads never overlapped: the test did not test anything"
 
 
-def test_the_guard_discards_exactly_the_operations_in_flight_when_another_thread_intruded():
+def test_the_guard_discards_exactly_the_operations_in_flight_when_another_thread_intruded(compiled):
     """The guard's bookkeeping alone (no ranks): tickets issued before an intrusion and
     still in flight raise when they end well; one issued after it, or one that failed
     anyway, does not; once idle, any thread may enter."""
-    from meshcomm.api.guard import WorldGuard
-
-    guard = WorldGuard()
+    guard = new_guard(compiled)
     first = guard.enter("all_sum", "rank 0")
     second = guard.enter("broadcast", "rank 0")  # the same thread may queue more (async_op)
     refused = {}
@@ -119,3 +136,16 @@ def test_the_guard_discards_exactly_the_operations_in_flight_when_another_thread
     t.start()
     t.join()
     guard.leave(done["ticket"], "barrier", "rank 0", True)  # idle again: another thread is welcome
+
+
+def test_without_the_compiled_module_worlds_run_the_python_guard(monkeypatch):
+    """An installation built without a C compiler has no ``_callpath``: new worlds get the
+    pure-Python guard, whatever MESHCOMM_COMPILED says, and ``meshcomm info`` says so."""
+    import sys
+
+    from meshcomm.cli import _call_path
+
+    monkeypatch.setitem(sys.modules, "meshcomm.api._callpath", None)  # import raises ImportError
+    assert compiled_guard() is None
+    assert type(new_guard(True)) is WorldGuard
+    assert _call_path() == "pure-Python call path: this installation has no compiled one"

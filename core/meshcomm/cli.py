@@ -20,7 +20,7 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([vars(i) | {} for i in infos], indent=2))
         return 0
-    print(f"meshcomm {__version__} (numpy {numpy.__version__}, python {sys.version.split()[0]})")
+    print(f"meshcomm {__version__} (numpy {numpy.__version__}, python {sys.version.split()[0]}; {_call_path()})")
     print(f"{'backend':<10} {'distribution':<18} {'version':<9} {'available':<9} {'configured':<10} note")
     for i in infos:
         note = i.reason if not i.available else i.description
@@ -29,6 +29,21 @@ def _info(args: argparse.Namespace) -> int:
             f"{'yes' if i.available else 'no':<9} {'yes' if i.configured else 'no':<10} {note}"
         )
     return 0
+
+
+def _call_path() -> str:
+    """Which call path a world started here runs: the compiled one (installed and not turned
+    off by MESHCOMM_COMPILED) or the pure-Python one, and why."""
+    from .api.guard import compiled_guard
+    from .runtime.config import Config
+
+    if compiled_guard() is None:
+        return "pure-Python call path: this installation has no compiled one"
+    try:
+        on = Config.load().compiled
+    except Exception:  # an unrelated setting is wrong: init() names it; here the default applies
+        on = True
+    return "compiled call path" if on else "pure-Python call path (MESHCOMM_COMPILED=0)"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,7 +14,8 @@ them are the kinds ``gather_scatter`` (rank 1 calls gather, the others scatter),
 ``gather_root`` (rank 1 gathers to itself, the others to rank 0), ``a2a_shape`` (rank 1's
 all_to_all has twice the rows) and ``reduce_op`` (rank 1 reduces with max, the others sum).
 
-Printed lines (the test reads them): ``READY`` after the barrier; ``RESULT ok`` or
+Printed lines (the test reads them): ``GUARD compiled`` or ``GUARD python`` (the world's
+one-thread guard) and ``READY`` after the barrier; ``RESULT ok`` or
 ``RESULT WRONG got=... want=...`` whenever an operation returns; ``ERROR Class peer=P:
 message`` for each meshcomm error caught (the error then propagates: exit status 1). ``--marker`` is only
 there so the test can find every process of the job with ``pgrep -f``.
@@ -166,6 +167,8 @@ def main() -> None:
     kind = args.kind
     g = mc.init(strict=True)
     g.barrier()
+    # which one-thread guard this rank's world runs (MESHCOMM_COMPILED picks it)
+    print("GUARD", "compiled" if type(g._guard).__module__.endswith("._callpath") else "python", flush=True)
     print("READY", flush=True)
     try:
         run(kind, g.rank(), g.size(), args.op, args.root)

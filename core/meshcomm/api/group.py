@@ -30,7 +30,7 @@ from . import debug as _debug
 from . import objects
 from . import observer as _observer
 from .frameworks import MappedWork, result_type, to_numpy
-from .guard import Ticket, WorldGuard
+from .guard import Guard, Ticket, new_guard
 from .objects import ObjectSeal
 from .persistent import Persistent
 from .work import Work, WorldWorker
@@ -81,8 +81,8 @@ class _World:
     """What a world shares with every group split from it: the one-thread guard, the
     worker thread of asynchronous operations, and whether the world was closed."""
 
-    def __init__(self, name: str, guard: WorldGuard | None) -> None:
-        self.guard = guard if guard is not None else WorldGuard()
+    def __init__(self, name: str, guard: Guard | None) -> None:
+        self.guard = guard if guard is not None else new_guard()
         self.worker = WorldWorker(name)
         self.closed = False
         self.lock = threading.Lock()
@@ -104,7 +104,7 @@ class Group:
         debug: bool = False,
         label: str = "world",
         check_calls: bool = True,
-        guard: WorldGuard | None = None,
+        guard: Guard | None = None,
         max_object_bytes: int | None = None,
         _world: _World | None = None,
         _ident: str = "world",

@@ -18,13 +18,28 @@ from __future__ import annotations
 
 import threading
 from _thread import get_ident
+from typing import Protocol
 
 from ..protocol.errors import DistributedError
 
-__all__ = ["WorldGuard", "Ticket"]
+__all__ = ["Guard", "WorldGuard", "Ticket", "compiled_guard", "new_guard"]
 
 #: an operation in flight, as :meth:`WorldGuard.enter` numbers it (1, 2, ... per world)
 Ticket = int
+
+
+class Guard(Protocol):
+    """What a world's guard does: :class:`WorldGuard` in Python, or its compiled twin
+    (``meshcomm.api._callpath.Guard``, the same bookkeeping and messages)."""
+
+    def enter(self, op: str, who: str) -> Ticket:
+        """Register ``op`` as in flight; raise DistributedError if another thread's are."""
+        ...
+
+    def leave(self, ticket: Ticket, op: str, who: str, ok: bool) -> None:
+        """``op`` (``ticket``) ended; raise DistributedError if another thread intruded while
+        it was in flight and ``ok``."""
+        ...
 
 
 def _thread_name(ident: int) -> str:
@@ -62,18 +77,11 @@ class WorldGuard:
         if not self._inflight:  # the common case: nothing in flight
             self._owner, self._first_op = me, op
         elif self._owner != me:
-            name, holder, running = _thread_name(me), _thread_name(self._owner), self._first_op
             if self._marked < self._issued:
-                self._marked, self._intruder = self._issued, f"thread {name!r} called {op}"
+                self._marked, self._intruder = self._issued, _intrusion(me, op)
+            holder, running = self._owner, self._first_op
             mutex.release()
-            raise DistributedError(
-                f"{who}: {op} was called from thread {name!r} while thread {holder!r} is inside {running} "
-                "on the same world. A world (and the groups split from it) runs one operation at a "
-                "time: ranks pair calls by their order, and two threads' calls could be paired "
-                f"differently on other ranks and mix their data, so {running} fails too. Make the "
-                "calls from one thread, or serialise them with one lock, taken in the same order on "
-                "every rank."
-            )
+            raise _refusal(op, who, me, holder, running)
         self._inflight += 1
         self._issued = ticket = self._issued + 1
         mutex.release()
@@ -89,9 +97,47 @@ class WorldGuard:
         issuer = self._owner  # the thread that issued it (async operations end on the worker)
         mutex.release()
         if intruder and ok:
-            raise DistributedError(
-                f"{who}: the result of {op} (thread {_thread_name(issuer)!r}) is discarded: "
-                f"{intruder} on the same world while it ran, so other ranks may have paired "
-                "a different call with it. Make every call on a world from one thread, or serialise "
-                "the threads' calls with one lock taken in the same order on every rank."
-            )
+            raise _discarded(who, op, issuer, intruder)
+
+
+def _intrusion(ident: int, op: str) -> str:
+    """What intruding thread ``ident`` did, as a discarded result names it."""
+    return f"thread {_thread_name(ident)!r} called {op}"
+
+
+def _refusal(op: str, who: str, ident: int, holder: int, running: str) -> DistributedError:
+    """The error of thread ``ident`` refused ``op`` while thread ``holder`` is inside ``running``."""
+    name, holder_name = _thread_name(ident), _thread_name(holder)
+    return DistributedError(
+        f"{who}: {op} was called from thread {name!r} while thread {holder_name!r} is inside {running} "
+        "on the same world. A world (and the groups split from it) runs one operation at a "
+        "time: ranks pair calls by their order, and two threads' calls could be paired "
+        f"differently on other ranks and mix their data, so {running} fails too. Make the "
+        "calls from one thread, or serialise them with one lock, taken in the same order on "
+        "every rank."
+    )
+
+
+def _discarded(who: str, op: str, issuer: int, intruder: str) -> DistributedError:
+    """The error of ``op`` (issued by thread ``issuer``) ending well after ``intruder``."""
+    return DistributedError(
+        f"{who}: the result of {op} (thread {_thread_name(issuer)!r}) is discarded: "
+        f"{intruder} on the same world while it ran, so other ranks may have paired "
+        "a different call with it. Make every call on a world from one thread, or serialise "
+        "the threads' calls with one lock taken in the same order on every rank."
+    )
+
+
+def compiled_guard() -> type[Guard] | None:
+    """The compiled guard class of this installation, or None (a build without a C compiler)."""
+    try:
+        from ._callpath import Guard as Compiled
+    except ImportError:
+        return None
+    return Compiled
+
+
+def new_guard(compiled: bool = True) -> Guard:
+    """A guard for a new world: the compiled one when ``compiled`` and installed, else :class:`WorldGuard`."""
+    cls = compiled_guard() if compiled else None
+    return cls() if cls is not None else WorldGuard()

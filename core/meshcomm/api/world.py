@@ -11,6 +11,7 @@ from ..protocol.memory import keep_freed_memory
 from ..runtime import exits
 from ..runtime.registry import BackendInfo, get_registry
 from .group import Group, world_ident
+from .guard import new_guard
 
 if TYPE_CHECKING:
     from ..runtime.config import Config
@@ -67,6 +68,7 @@ def init(strict: bool = False, backend: str | None = None, *, config: Config | N
             debug=config.debug,
             check_calls=config.check_calls,
             max_object_bytes=config.max_object_bytes,
+            guard=new_guard(config.compiled),
             _ident=world_ident(f"{started}/world{_started}", transport),
         )
         if started != "single":

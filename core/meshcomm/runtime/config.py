@@ -238,6 +238,15 @@ class Config(Settings):
         description="keep freed blocks up to 1 GiB in the process so result arrays do not page-fault",
     )
 
+    compiled: bool = setting(
+        True,
+        env="MESHCOMM_COMPILED",
+        tuning=True,
+        accepts="1/0, true/false, yes/no, on/off",
+        description="run the core's compiled call path (the one-thread guard) when this installation "
+        "has it (meshcomm info says; 0: the pure-Python one, which behaves the same)",
+    )
+
     trace: Path | None = setting(
         None,
         env="MESHCOMM_TRACE",

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..api.group import Group
+from ..api.guard import new_guard
 from ..protocol.backend import Backend
 from ..protocol.errors import CommTimeoutError, DistributedError
 
@@ -73,12 +74,20 @@ class ThreadedBackend(Backend):
 
 
 def make_threaded_groups(
-    n: int, *, timeout: float = 30.0, debug: bool = False, check_calls: bool = True
+    n: int, *, timeout: float = 30.0, debug: bool = False, check_calls: bool = True, compiled: bool = True
 ) -> list[Group]:
-    """``n`` groups, one per rank, of one in-process job."""
+    """``n`` groups, one per rank, of one in-process job (``compiled``: their worlds' guards
+    are the compiled ones when installed, as ``MESHCOMM_COMPILED`` picks for ``init``)."""
     fabric = _Fabric(n)
     return [
-        Group(ThreadedBackend(fabric, r, timeout), "threaded", debug=debug, check_calls=check_calls) for r in range(n)
+        Group(
+            ThreadedBackend(fabric, r, timeout),
+            "threaded",
+            debug=debug,
+            check_calls=check_calls,
+            guard=new_guard(compiled),
+        )
+        for r in range(n)
     ]
 
 
