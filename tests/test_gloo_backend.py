@@ -102,10 +102,13 @@ def _all_ok(res: list[tuple[int, str, str]]) -> None:
 # -- the contract ----------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_contract(n: int) -> None:
-    res = finish(start(n, ["-m", "meshcomm.testing.contract", "--backend", "gloo", "--more"]), timeout=150)
+    """The contract on the compiled call path, and on 3 ranks on the pure-Python one."""
+    path = "pure-Python" if n == 3 else "compiled"
+    setting = {"MESHCOMM_COMPILED": "0" if n == 3 else "1"}
+    res = finish(start(n, ["-m", "meshcomm.testing.contract", "--backend", "gloo", "--more"], setting), timeout=150)
     _all_ok(res)
     for r, (_, out, _) in enumerate(res):
-        assert f"rank {r}/{n} on gloo: 20 passed, 0 failed" in out
+        assert f"rank {r}/{n} on gloo: 20 passed, 0 failed ({path} call path)" in out
 
 
 def test_contract_over_filestore(tmp_path: Path) -> None:

@@ -21,9 +21,12 @@ def _lines(out: str) -> list[dict]:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_contract_on_real_processes(n):
-    res = launch(n, "-m", "meshcomm.testing.contract", "--more", timeout=400)
+    """The contract on the compiled call path, and on 3 ranks on the pure-Python one."""
+    path = "pure-Python" if n == 3 else "compiled"
+    env = {"MESHCOMM_COMPILED": "0" if n == 3 else "1"}
+    res = launch(n, "-m", "meshcomm.testing.contract", "--more", timeout=400, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.count("on sockets: 20 passed, 0 failed") == n
+    assert res.stdout.count(f"on sockets: 20 passed, 0 failed ({path} call path)") == n, res.stdout[-3000:]
 
 
 def test_many_chunks_and_seven_ranks(tmp_path):

@@ -2,6 +2,13 @@
  *
  * Guard: the one-thread guard of a world, the same bookkeeping as the pure-Python
  * meshcomm.api.guard.WorldGuard (its docstrings are the contract), run on every operation.
+ *
+ * Lane: a group's blocking all_sum/all_max/all_min into a new result, the same steps as the
+ * pure-Python Group._reduce_now (its docstring is the contract) in one C call: the guard,
+ * the call numbering, the observer's progress record, the call check or shape key, the
+ * result array and the hand-off to the backend's all_reduce. Anything it does not handle
+ * itself (another array type, a closed group, queued asynchronous operations, an observer
+ * that must run the operation itself) goes to Group._reduce_now before anything happened.
  * Its state is only read and written while this code holds the GIL and calls no Python, so
  * no lock is needed (this module does not declare free-threading support: a free-threaded
  * interpreter runs it with the GIL). The messages of the rare paths (a refused thread, a
@@ -10,6 +17,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "pythread.h"
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* 0 and 1 as new references on every supported Python (3.10 has no Py_GetConstant) */
+static PyObject *zero_obj, *one_obj;
+static PyObject *_PyLong_GetZero_compat(void) { return zero_obj; }
+static PyObject *_PyLong_GetOne_compat(void) { return one_obj; }
 
 typedef struct {
     PyObject_HEAD
@@ -145,12 +160,521 @@ static PyTypeObject GuardType = {
     .tp_methods = Guard_methods,
 };
 
+/* ---------------------------------------------------------------------------------------- */
+/* Lane                                                                                     */
+
+/* set once by setup(): what every lane needs from NumPy and the core */
+static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
+static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
+    *s_current, *s_check, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
+    *s_reduce_now, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
+static PyObject *NAMES[3], *OPS[3];
+
+/* the progress record's per-operation fields (meshcomm.trace.progress: _STATE_AT, _NOW, _STATE, _SEQ) */
+enum { STATE_AT = 12, TIME_AT = 16, OP_AT = 24, OP_LEN = 24, GROUP_AT = 48, GROUP_LEN = 64, SEQ_AT = 112,
+       PEER_AT = 120, RECORD_END = 124, SLOT_SEQ = 64, RUNNING = 1, FINISHED = 2, FAILED = 3 };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *group, *world, *worker, *b, *moves, *who;
+    Guard *guard;
+    PyObject *observers; /* the module meshcomm.api.observer (its ``active``) */
+    int plain, keyed, piped;
+    PyObject *rec;        /* the observer the records below came from, or NULL */
+    PyObject *records[3]; /* per op: its lane_record (a tuple, or None), NULL until asked */
+} Lane;
+
+static double wall_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Write ``n`` bytes at ``at`` of the writable buffer ``mm`` (-1 on an error). */
+static int write_record(PyObject *mm, Py_ssize_t at, const void *data, Py_ssize_t n) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0)
+        return -1;
+    int rc = 0;
+    if (at + n > view.len) {
+        PyErr_SetString(PyExc_ValueError, "the progress record is shorter than its layout");
+        rc = -1;
+    } else {
+        memcpy((char *)view.buf + at, data, (size_t)n);
+    }
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+/* The progress record's begin: state, time, op, group, sequence, peer -1, and the group's slot. */
+static int record_begin(PyObject *record, double now, long long seq) {
+    PyObject *mm = PyTuple_GET_ITEM(record, 1);
+    if (mm == Py_None)
+        return 0;
+    PyObject *op_b = PyTuple_GET_ITEM(record, 2), *group_b = PyTuple_GET_ITEM(record, 3);
+    long long slot = PyLong_AsLongLong(PyTuple_GET_ITEM(record, 4));
+    if (slot == -1 && PyErr_Occurred())
+        return -1;
+    char head[RECORD_END - STATE_AT];
+    int32_t state = RUNNING, peer = -1;
+    int64_t seq64 = seq;
+    memset(head, 0, sizeof head);
+    memcpy(head, &state, 4);
+    memcpy(head + (TIME_AT - STATE_AT), &now, 8);
+    memcpy(head + (OP_AT - STATE_AT), PyBytes_AS_STRING(op_b), (size_t)Py_MIN(PyBytes_GET_SIZE(op_b), OP_LEN));
+    memcpy(head + (GROUP_AT - STATE_AT), PyBytes_AS_STRING(group_b),
+           (size_t)Py_MIN(PyBytes_GET_SIZE(group_b), GROUP_LEN));
+    memcpy(head + (SEQ_AT - STATE_AT), &seq64, 8);
+    memcpy(head + (PEER_AT - STATE_AT), &peer, 4);
+    if (write_record(mm, STATE_AT, head, sizeof head) < 0)
+        return -1;
+    return slot ? write_record(mm, slot + SLOT_SEQ, &seq64, 8) : 0;
+}
+
+static int record_end(PyObject *record, int ok) {
+    PyObject *mm = PyTuple_GET_ITEM(record, 1);
+    if (mm == Py_None)
+        return 0;
+    char tail[12];
+    int32_t state = ok ? FINISHED : FAILED;
+    double now = wall_now();
+    memcpy(tail, &state, 4);
+    memcpy(tail + 4, &now, 8);
+    return write_record(mm, STATE_AT, tail, sizeof tail);
+}
+
+/* The record of op ``k`` from the active observer: a tuple (see Recorder.lane_record), Py_None
+ * when the observer must run the operation itself, NULL on an error (borrowed). */
+static PyObject *lane_record(Lane *self, PyObject *active, int k) {
+    if (self->rec != active) {
+        for (int i = 0; i < 3; i++)
+            Py_CLEAR(self->records[i]);
+        Py_INCREF(active);
+        Py_XSETREF(self->rec, active);
+    }
+    if (self->records[k] == NULL) {
+        PyObject *r = PyObject_CallMethodObjArgs(active, s_lane_record, self->group, NAMES[k], NULL);
+        if (r == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return NULL;
+            PyErr_Clear(); /* an observer without lane_record runs every operation itself */
+            r = Py_NewRef(Py_None);
+        } else if (r != Py_None && (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 5 ||
+                                    !PyTuple_Check(PyTuple_GET_ITEM(r, 0)) ||
+                                    (PyTuple_GET_ITEM(r, 1) != Py_None &&
+                                     (!PyBytes_Check(PyTuple_GET_ITEM(r, 2)) || !PyBytes_Check(PyTuple_GET_ITEM(r, 3)))))) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_TypeError, "lane_record must return None or (current, buffer, op, group, slot)");
+            return NULL;
+        }
+        self->records[k] = r;
+    }
+    return self->records[k];
+}
+
+/* Group._reduce_now(OPS[k], x): the Python path. */
+static PyObject *slow(Lane *self, int k, PyObject *x) {
+    return PyObject_CallMethodObjArgs(self->group, s_reduce_now, OPS[k], x, NULL);
+}
+
+/* The all-reduce proper, as Group._reduced does it (a new reference, or NULL). */
+static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nbytes, PyObject *dtype) {
+    PyObject *shape = PyObject_GetAttr(x, s_shape);
+    if (shape == NULL)
+        return NULL;
+    PyObject *res = NULL, *send = NULL, *recv = NULL, *r;
+    if (!self->plain) {
+        r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, _PyLong_GetZero_compat(),
+                                       s_all_reduce_kind, NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    } else if (self->keyed) {
+        PyObject *key = ndim == 1 ? Py_NewRef(_PyLong_GetZero_compat()) : PyObject_GetItem(shape_keys, shape);
+        if (key == NULL)
+            goto done;
+        int rc = PyObject_SetAttr(self->moves, s_shape_key, key);
+        Py_DECREF(key);
+        if (rc < 0)
+            goto done;
+    }
+    PyObject *min_bytes = PyObject_GetAttr(self->moves, s_min_bytes);
+    if (min_bytes == NULL)
+        goto done;
+    Py_ssize_t least = PyLong_AsSsize_t(min_bytes);
+    Py_DECREF(min_bytes);
+    if (least == -1 && PyErr_Occurred())
+        goto done;
+    if (nbytes >= least)
+        res = PyObject_CallMethodObjArgs(self->moves, s_empty, shape, dtype, NULL);
+    else
+        res = PyObject_CallFunctionObjArgs(np_empty, shape, dtype, NULL);
+    if (res == NULL)
+        goto done;
+    if (ndim == 1) {
+        send = Py_NewRef(x);
+        recv = Py_NewRef(res);
+    } else {
+        send = PyObject_CallMethodObjArgs(x, s_reshape, minus_one, NULL);
+        recv = send ? PyObject_CallMethodObjArgs(res, s_reshape, minus_one, NULL) : NULL;
+        if (recv == NULL) {
+            Py_CLEAR(res);
+            goto done;
+        }
+    }
+    r = PyObject_CallMethodObjArgs(self->moves, s_all_reduce, send, recv, OPS[k], NULL);
+    if (r == NULL)
+        Py_CLEAR(res);
+    else
+        Py_DECREF(r);
+done:
+    Py_XDECREF(send);
+    Py_XDECREF(recv);
+    Py_DECREF(shape);
+    return res;
+}
+
+/* The error the operation raised, as Group._reduce_now maps it (the error stays set). */
+static void map_error(Lane *self, int k) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *mapped = NULL;
+    int from_none = 0;
+    if (value == NULL || !PyObject_TypeCheck(value, (PyTypeObject *)PyExc_Exception)) {
+        /* KeyboardInterrupt, SystemExit: as they are */
+    } else if (PyObject_IsInstance(value, calls_differ) == 1) {
+        mapped = PyObject_CallMethodObjArgs(self->group, s_calls_differ, value, NULL);
+        from_none = 1;
+    } else if (PyObject_IsInstance(value, kept_errors) != 1) {
+        mapped = PyObject_CallMethodObjArgs(self->group, s_unexpected, NAMES[k], value, NULL);
+    }
+    if (PyErr_Occurred()) { /* a helper failed: its error replaces the operation's */
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        Py_XDECREF(mapped);
+        return;
+    }
+    if (mapped == NULL || mapped == value) {
+        Py_XDECREF(mapped);
+        if (mapped == value && from_none && value != NULL) { /* raise exc from None */
+            PyException_SetCause(value, NULL);
+        }
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    /* raise mapped from exc (from None for CallsDiffer) */
+    PyException_SetContext(mapped, Py_NewRef(value));
+    if (from_none) {
+        PyException_SetCause(mapped, NULL); /* also sets __suppress_context__ */
+    } else {
+        PyException_SetCause(mapped, Py_NewRef(value));
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_SetObject((PyObject *)Py_TYPE(mapped), mapped);
+    Py_DECREF(mapped);
+}
+
+static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "run(x, k) takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *x = args[0];
+    long k = PyLong_AsLong(args[1]);
+    if (k < 0 || k > 2) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "run: k must be 0 (sum), 1 (max) or 2 (min), got %ld", k);
+        return NULL;
+    }
+    if ((PyObject *)Py_TYPE(x) != ndarray_type)
+        return slow(self, (int)k, x);
+    /* a supported dtype, C-contiguous, not empty: else the Python path */
+    PyObject *dtype = PyObject_GetAttr(x, s_dtype);
+    if (dtype == NULL)
+        return NULL;
+    int known = PySet_Contains(movable, dtype);
+    if (known < 0) {
+        Py_DECREF(dtype);
+        return NULL;
+    }
+    Py_buffer view;
+    if (!known || PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_DECREF(dtype);
+        return slow(self, (int)k, x);
+    }
+    int ndim = view.ndim;
+    Py_ssize_t nbytes = view.len;
+    PyBuffer_Release(&view);
+    if (nbytes == 0 || ndim == 0) {
+        Py_DECREF(dtype);
+        return slow(self, (int)k, x);
+    }
+    /* a closed group or world, queued asynchronous operations: the Python path (it raises or waits) */
+    PyObject *flag = PyObject_GetAttr(self->group, s_closed);
+    int closed = flag ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    if (closed == 0) {
+        flag = PyObject_GetAttr(self->world, s_world_closed);
+        closed = flag ? PyObject_IsTrue(flag) : -1;
+        Py_XDECREF(flag);
+    }
+    if (closed == 0) {
+        PyObject *thread = PyObject_GetAttr(self->worker, s_thread);
+        if (thread == NULL) {
+            closed = -1;
+        } else if (thread != Py_None) {
+            PyObject *pending = PyObject_CallMethodNoArgs(self->worker, s_pending);
+            closed = pending ? PyObject_IsTrue(pending) : -1;
+            Py_XDECREF(pending);
+        }
+        Py_XDECREF(thread);
+    }
+    PyObject *record = NULL, *active = NULL;
+    if (closed == 0) {
+        active = PyObject_GetAttr(self->observers, s_active);
+        if (active == NULL) {
+            closed = -1;
+        } else if (active != Py_None) {
+            record = lane_record(self, active, (int)k);
+            if (record == NULL)
+                closed = -1;
+            else if (record == Py_None)
+                closed = 1; /* the observer runs the operation itself */
+        }
+    }
+    if (closed != 0) {
+        Py_DECREF(dtype);
+        Py_XDECREF(active);
+        return closed < 0 ? NULL : slow(self, (int)k, x);
+    }
+    /* held for the call: another thread's refused call may replace the lane's records */
+    record = active == Py_None ? NULL : Py_NewRef(record);
+
+    /* the guard (its compiled enter), the call's number */
+    PyObject *enter_args[2] = {NAMES[k], self->who};
+    PyObject *ticket_obj = Guard_enter(self->guard, enter_args, 2);
+    if (ticket_obj == NULL) {
+        Py_DECREF(dtype);
+        Py_DECREF(active);
+        Py_XDECREF(record);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int ok = 0;
+    PyObject *calls = PyObject_GetAttr(self->group, s_calls), *n = NULL;
+    if (calls != NULL) {
+        n = PyNumber_Add(calls, _PyLong_GetOne_compat());
+        Py_DECREF(calls);
+    }
+    if (n == NULL || PyObject_SetAttr(self->group, s_calls, n) < 0 ||
+        PyObject_SetAttr(self->b, s_user_op, NAMES[k]) < 0 || PyObject_SetAttr(self->b, s_user_no, n) < 0)
+        goto leave;
+    /* the observer's record around the operation, as Recorder.call keeps it */
+    if (record != NULL) {
+        long long seq = PyLong_AsLongLong(n);
+        double t0 = wall_now();
+        PyObject *prefix = PyTuple_GET_ITEM(record, 0), *current = NULL;
+        PyObject *t0_obj = PyFloat_FromDouble(t0);
+        if (t0_obj != NULL) {
+            PyObject *tail = PyTuple_Pack(4, n, NAMES[k], minus_one, t0_obj);
+            if (tail != NULL) {
+                current = PySequence_Concat(prefix, tail);
+                Py_DECREF(tail);
+            }
+            Py_DECREF(t0_obj);
+        }
+        if (current == NULL)
+            goto leave;
+        int rc = PyObject_SetAttr(active, s_current, current);
+        Py_DECREF(current);
+        if (rc < 0 || record_begin(record, t0, seq) < 0)
+            goto leave;
+    }
+    result = reduced(self, (int)k, x, ndim, nbytes, dtype);
+    ok = result != NULL;
+    if (record != NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (record_end(record, ok) < 0 || PyObject_SetAttr(active, s_current, Py_None) < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_CLEAR(result);
+            ok = 0;
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    if (!ok)
+        map_error(self, (int)k);
+leave:
+    Py_XDECREF(n);
+    Py_DECREF(dtype);
+    Py_DECREF(active);
+    Py_XDECREF(record);
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int failed = 0;
+        if (self->piped && PyObject_SetAttr(self->moves, s_call_key, Py_None) < 0)
+            failed = 1;
+        if (!failed) {
+            PyObject *leave_args[4] = {ticket_obj, NAMES[k], self->who, ok ? Py_True : Py_False};
+            PyObject *r = Guard_leave(self->guard, leave_args, 4);
+            if (r == NULL)
+                failed = 1;
+            else
+                Py_DECREF(r);
+        }
+        Py_DECREF(ticket_obj);
+        if (failed) { /* the guard's (or the key's) error replaces the operation's, as a finally does */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_CLEAR(result);
+        } else if (type != NULL) {
+            PyErr_Restore(type, value, tb);
+            Py_CLEAR(result);
+        }
+    }
+    return result;
+}
+
+static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"group", "guard", "world", "worker", "backend", "moves", "who", "observers", "plain",
+                            "keyed", "piped", NULL};
+    PyObject *group, *guard, *world, *worker, *b, *moves, *who, *observers;
+    int plain, keyed, piped;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OOOOUOppp", names, &group, &GuardType, &guard, &world, &worker,
+                                     &b, &moves, &who, &observers, &plain, &keyed, &piped))
+        return NULL;
+    if (ndarray_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "meshcomm.api._callpath.setup() was not called");
+        return NULL;
+    }
+    Lane *self = (Lane *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->group = Py_NewRef(group);
+    self->guard = (Guard *)Py_NewRef(guard);
+    self->world = Py_NewRef(world);
+    self->worker = Py_NewRef(worker);
+    self->b = Py_NewRef(b);
+    self->moves = Py_NewRef(moves);
+    self->who = Py_NewRef(who);
+    self->observers = Py_NewRef(observers);
+    self->plain = plain;
+    self->keyed = keyed;
+    self->piped = piped;
+    return (PyObject *)self;
+}
+
+static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
+    Py_VISIT(self->group);
+    Py_VISIT(self->guard);
+    Py_VISIT(self->world);
+    Py_VISIT(self->worker);
+    Py_VISIT(self->b);
+    Py_VISIT(self->moves);
+    Py_VISIT(self->who);
+    Py_VISIT(self->observers);
+    Py_VISIT(self->rec);
+    for (int i = 0; i < 3; i++)
+        Py_VISIT(self->records[i]);
+    return 0;
+}
+
+static int Lane_clear(Lane *self) {
+    Py_CLEAR(self->group);
+    Py_CLEAR(self->guard);
+    Py_CLEAR(self->world);
+    Py_CLEAR(self->worker);
+    Py_CLEAR(self->b);
+    Py_CLEAR(self->moves);
+    Py_CLEAR(self->who);
+    Py_CLEAR(self->observers);
+    Py_CLEAR(self->rec);
+    for (int i = 0; i < 3; i++)
+        Py_CLEAR(self->records[i]);
+    return 0;
+}
+
+static void Lane_dealloc(Lane *self) {
+    PyObject_GC_UnTrack(self);
+    Lane_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Lane_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Lane_run, METH_FASTCALL,
+     "run(x, k): the blocking all-reduce of x into a new result, op k (0 sum, 1 max, 2 min)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshcomm.api._callpath.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A group's blocking all_sum/all_max/all_min, compiled (see Group._reduce_now).",
+    .tp_new = Lane_new,
+    .tp_dealloc = (destructor)Lane_dealloc,
+    .tp_traverse = (traverseproc)Lane_traverse,
+    .tp_clear = (inquiry)Lane_clear,
+    .tp_methods = Lane_methods,
+};
+
+static PyObject *setup(PyObject *module, PyObject *args) {
+    PyObject *nd, *empty, *mov, *keys, *differ, *kept;
+    if (!PyArg_ParseTuple(args, "OOOOOO:setup", &nd, &empty, &mov, &keys, &differ, &kept))
+        return NULL;
+    Py_XSETREF(ndarray_type, Py_NewRef(nd));
+    Py_XSETREF(np_empty, Py_NewRef(empty));
+    Py_XSETREF(movable, Py_NewRef(mov));
+    Py_XSETREF(shape_keys, Py_NewRef(keys));
+    Py_XSETREF(calls_differ, Py_NewRef(differ));
+    Py_XSETREF(kept_errors, Py_NewRef(kept));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"setup", setup, METH_VARARGS,
+     "setup(ndarray, empty, movable, shape_keys, CallsDiffer, kept_errors): what every Lane needs, once."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int intern_all(void) {
+#define INTERN(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) \
+        return -1;
+    INTERN(s_closed, "_closed") INTERN(s_world_closed, "closed") INTERN(s_thread, "_thread") INTERN(s_pending, "pending") INTERN(s_calls, "_calls")
+    INTERN(s_user_op, "user_op") INTERN(s_user_no, "user_no") INTERN(s_active, "active")
+    INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check")
+    INTERN(s_all_reduce, "all_reduce") INTERN(s_shape_key, "shape_key") INTERN(s_empty, "empty")
+    INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
+    INTERN(s_reduce_now, "_reduce_now") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
+    INTERN(s_dtype, "dtype") INTERN(s_shape, "shape") INTERN(s_all_reduce_kind, "all_reduce")
+    INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
+    INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")
+#undef INTERN
+    if ((minus_one = PyLong_FromLong(-1)) == NULL || (zero_obj = PyLong_FromLong(0)) == NULL ||
+        (one_obj = PyLong_FromLong(1)) == NULL)
+        return -1;
+    return 0;
+}
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "meshcomm.api._callpath", "The compiled parts of meshcomm's call path.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "meshcomm.api._callpath", "The compiled parts of meshcomm's call path.", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__callpath(void) {
-    if (PyType_Ready(&GuardType) < 0)
+    if (PyType_Ready(&GuardType) < 0 || PyType_Ready(&LaneType) < 0 || intern_all() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -158,6 +682,12 @@ PyMODINIT_FUNC PyInit__callpath(void) {
     Py_INCREF(&GuardType);
     if (PyModule_AddObject(m, "Guard", (PyObject *)&GuardType) < 0) {
         Py_DECREF(&GuardType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LaneType);
+    if (PyModule_AddObject(m, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(&LaneType);
         Py_DECREF(m);
         return NULL;
     }

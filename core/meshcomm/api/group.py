@@ -30,7 +30,7 @@ from . import debug as _debug
 from . import objects
 from . import observer as _observer
 from .frameworks import MappedWork, result_type, to_numpy
-from .guard import Guard, Ticket, new_guard
+from .guard import Guard, Ticket, compiled_path, new_guard
 from .objects import ObjectSeal
 from .persistent import Persistent
 from .work import Work, WorldWorker
@@ -43,6 +43,8 @@ T = TypeVar("T")
 _MOVABLE = frozenset(BASE_SUPPORTED)
 #: the operation name of each reduction's all-reduce
 _ALL_NAMES = {op: f"all_{op}" for op in REDUCTIONS}
+#: the compiled call path (None: pure Python); its lanes run Group._reduce_now's steps
+_compiled = compiled_path()
 
 #: the object collectives' size limit when neither the config nor the group sets one
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
@@ -60,6 +62,10 @@ def as_array(x: Any, what: str = "x") -> np.ndarray:
         raise ValueError(f"{what} is an object array (ragged list or Python objects); pass numbers")
     check_dtype(a.dtype, what=what)
     return a
+
+
+if _compiled is not None:
+    _compiled.setup(np.ndarray, np.empty, _MOVABLE, SHAPE_KEYS, CallsDiffer, (DistributedError, ValueError, TypeError))
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -149,6 +155,23 @@ class Group:
         self._calls = 0
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
+        #: the compiled run of :meth:`_reduce_now` (x, 0 sum / 1 max / 2 min) when the world
+        #: runs the compiled guard (MESHCOMM_COMPILED), else None
+        self._lane: Callable[[Any, int], np.ndarray] | None = None
+        if _compiled is not None and type(self._guard) is _compiled.Guard:
+            self._lane = _compiled.Lane(
+                self,
+                self._guard,
+                self._world,
+                self._world.worker,
+                self._b,
+                self._moves,
+                self._who,
+                _observer,
+                self._plain_reduce,
+                self._keyed,
+                self._piped,
+            ).run
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -348,7 +371,8 @@ class Group:
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_sum, x, out=out, async_op=async_op)
         if out is None and not async_op:
-            return self._reduce_now("sum", x)
+            lane = self._lane
+            return self._reduce_now("sum", x) if lane is None else lane(x, 0)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
@@ -356,7 +380,8 @@ class Group:
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_max, x, out=out, async_op=async_op)
         if out is None and not async_op:
-            return self._reduce_now("max", x)
+            lane = self._lane
+            return self._reduce_now("max", x) if lane is None else lane(x, 1)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
@@ -364,7 +389,8 @@ class Group:
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_min, x, out=out, async_op=async_op)
         if out is None and not async_op:
-            return self._reduce_now("min", x)
+            lane = self._lane
+            return self._reduce_now("min", x) if lane is None else lane(x, 2)
         return self._all_reduce("min", x, out, async_op)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:

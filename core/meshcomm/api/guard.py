@@ -16,13 +16,15 @@ refused until they have all ended.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from _thread import get_ident
+from types import ModuleType
 from typing import Protocol
 
 from ..protocol.errors import DistributedError
 
-__all__ = ["Guard", "WorldGuard", "Ticket", "compiled_guard", "new_guard"]
+__all__ = ["Guard", "WorldGuard", "Ticket", "compiled_path", "compiled_guard", "new_guard"]
 
 #: an operation in flight, as :meth:`WorldGuard.enter` numbers it (1, 2, ... per world)
 Ticket = int
@@ -128,13 +130,19 @@ def _discarded(who: str, op: str, issuer: int, intruder: str) -> DistributedErro
     )
 
 
-def compiled_guard() -> type[Guard] | None:
-    """The compiled guard class of this installation, or None (a build without a C compiler)."""
+def compiled_path() -> ModuleType | None:
+    """This installation's compiled call path (``meshcomm.api._callpath``), or None (a build
+    without a C compiler)."""
     try:
-        from ._callpath import Guard as Compiled
+        return importlib.import_module("meshcomm.api._callpath")
     except ImportError:
         return None
-    return Compiled
+
+
+def compiled_guard() -> type[Guard] | None:
+    """The compiled guard class of this installation, or None (a build without a C compiler)."""
+    path = compiled_path()
+    return None if path is None else path.Guard
 
 
 def new_guard(compiled: bool = True) -> Guard:

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(JSON_MARK + json.dumps(report), flush=True)
     print(
-        f"rank {g.rank()}/{g.size()} on {g.backend}: {len(checks) - len(failures)} passed, {len(failures)} failed",
+        f"rank {g.rank()}/{g.size()} on {g.backend}: {len(checks) - len(failures)} passed, {len(failures)} failed "
+        f"({'compiled' if g._lane is not None else 'pure-Python'} call path)",
         flush=True,
     )
     if all(r["status"] != "not run" for r in results.values()):

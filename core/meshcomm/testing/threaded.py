@@ -92,13 +92,20 @@ def make_threaded_groups(
 
 
 def run_threaded(
-    n: int, fn: Callable[[Group], T], *, timeout: float = 30.0, debug: bool = False, check_calls: bool = True
+    n: int,
+    fn: Callable[[Group], T],
+    *,
+    timeout: float = 30.0,
+    debug: bool = False,
+    check_calls: bool = True,
+    compiled: bool = True,
 ) -> list[T]:
-    """Run ``fn(group)`` on ``n`` threads, one per rank; return results in rank order.
+    """Run ``fn(group)`` on ``n`` threads, one per rank; return results in rank order
+    (``compiled``: as for :func:`make_threaded_groups`).
 
     The first exception raised by any rank is re-raised here (after all threads end).
     """
-    groups = make_threaded_groups(n, timeout=timeout, debug=debug, check_calls=check_calls)
+    groups = make_threaded_groups(n, timeout=timeout, debug=debug, check_calls=check_calls, compiled=compiled)
     results: list[Any] = [None] * n
     errors: list[tuple[int, BaseException]] = []
 

@@ -2,7 +2,8 @@
 trace, a per-operation summary with an optional PNG, and the stall inspector.
 
 * :mod:`.recorder` records every operation when ``MESHCOMM_TRACE`` or the stall
-  inspector is on (the core's only hook: ``Group._execute``);
+  inspector is on (the core's only hook: the observer slot, :mod:`meshcomm.api.observer`,
+  which the groups' operations run through);
 * :mod:`.progress` and :mod:`.stall`: what each rank is doing, and the warning a stalled
   rank logs about the ranks that have not joined;
 * :mod:`.chrome` merges the ranks' files into one trace-event JSON file;

@@ -122,6 +122,18 @@ class ProgressWriter:
         known = self._known[(op, group)] = (op.encode()[:24], group_b, slot or 0)
         return known
 
+    def lane_fields(self, op: str, group: str) -> tuple[mmap.mmap, bytes, bytes, int]:
+        """What a compiled call path writes for ``op`` on ``group`` instead of calling
+        :meth:`begin` and :meth:`end`: this record's buffer, the encoded names and the group's
+        slot (0: none). It writes the fields of ``_NOW`` at ``_STATE_AT``, the slot's sequence
+        (``_SEQ`` at slot + 64) and, at the end, ``_STATE`` (tests/test_trace.py compares
+        its bytes with these methods')."""
+        known = self._known.get((op, group))
+        if known is None:
+            known = self._learn(op, group)
+        op_b, group_b, slot = known
+        return self._mm, op_b, group_b, slot
+
     def end(self, ok: bool, now: float) -> None:
         """The operation begun last ended (``ok``: it returned)."""
         _STATE.pack_into(self._mm, _STATE_AT, FINISHED if ok else FAILED, now)

@@ -1,9 +1,11 @@
 """The per-rank recorder: every operation's name, group, sequence, bytes, dtype, start and end.
 
-``Group._execute`` runs each operation through the observer slot (:mod:`meshcomm.api.observer`)
+The groups run each operation through the observer slot (:mod:`meshcomm.api.observer`)
 when it is set, handing over what the operation's method already holds: the
 :data:`Payload` this rank passes and the peer (send, recv) or color (split).
-:meth:`Recorder.call` notes the start, runs the operation, notes the end. :func:`start` sets it up from the
+:meth:`Recorder.call` notes the start, runs the operation, notes the end; the compiled call
+path keeps the same record itself for a blocking all-reduce (:meth:`Recorder.lane_record`)
+unless events are traced. :func:`start` sets it up from the
 world's settings:
 
 * ``MESHCOMM_TRACE=DIR``: events go into a bounded ring (``MESHCOMM_TRACE_EVENTS``; the
@@ -137,7 +139,7 @@ class Recorder:
     ) -> T:
         """Run ``run()`` (operation ``op`` on ``group``) and record it; ``payload`` is what this
         rank passes, ``arg`` the peer of ``send``/``recv`` or the color of ``split``, ``seq``
-        the call's number (the group counts: see :meth:`meshcomm.Group._execute`)."""
+        the call's number (the group counts them)."""
         entry = self._last
         if entry[0]() is not group:
             entry = self._last = self._entry(group)
@@ -164,6 +166,20 @@ class Recorder:
         if op == "split":
             self._add(result, f"{st.name}/{seq}.{arg}")  # type: ignore[arg-type]
         return result
+
+    def lane_record(self, group: Group, op: str) -> tuple[tuple[str, int, int, int], Any, bytes, bytes, int] | None:
+        """What a compiled call path keeps around ``op`` on ``group`` instead of calling
+        :meth:`call` (see :mod:`meshcomm.api.observer`): the first four fields of
+        :attr:`current` (the call path adds the sequence, ``op``, the peer -1 and the start
+        time) and the progress record's :meth:`~ProgressWriter.lane_fields` (None, b"", b"",
+        0 without one). None while tracing: the events go into the ring from here."""
+        if self.ring is not None:
+            return None
+        st = self._entry(group)[1]
+        prefix = (st.name, st.rank, self.world_rank, st.size)
+        if self.progress is None:
+            return prefix, None, b"", b"", 0
+        return (prefix, *self.progress.lane_fields(op, st.name))
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         """This rank's file content: who it is, its groups, and the events in the ring."""
