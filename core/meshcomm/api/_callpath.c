@@ -226,9 +226,20 @@ static int record_begin(PyObject *record, double now, long long seq) {
            (size_t)Py_MIN(PyBytes_GET_SIZE(group_b), GROUP_LEN));
     memcpy(head + (SEQ_AT - STATE_AT), &seq64, 8);
     memcpy(head + (PEER_AT - STATE_AT), &peer, 4);
-    if (write_record(mm, STATE_AT, head, sizeof head) < 0)
+    Py_buffer view;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0)
         return -1;
-    return slot ? write_record(mm, slot + SLOT_SEQ, &seq64, 8) : 0;
+    int rc = 0;
+    if (RECORD_END > view.len || (slot && slot + SLOT_SEQ + 8 > view.len)) {
+        PyErr_SetString(PyExc_ValueError, "the progress record is shorter than its layout");
+        rc = -1;
+    } else {
+        memcpy((char *)view.buf + STATE_AT, head, sizeof head);
+        if (slot)
+            memcpy((char *)view.buf + slot + SLOT_SEQ, &seq64, 8);
+    }
+    PyBuffer_Release(&view);
+    return rc;
 }
 
 static int record_end(PyObject *record, int ok) {
@@ -480,18 +491,19 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
     if (record != NULL) {
         long long seq = PyLong_AsLongLong(n);
         double t0 = wall_now();
-        PyObject *prefix = PyTuple_GET_ITEM(record, 0), *current = NULL;
-        PyObject *t0_obj = PyFloat_FromDouble(t0);
-        if (t0_obj != NULL) {
-            PyObject *tail = PyTuple_Pack(4, n, NAMES[k], minus_one, t0_obj);
-            if (tail != NULL) {
-                current = PySequence_Concat(prefix, tail);
-                Py_DECREF(tail);
-            }
-            Py_DECREF(t0_obj);
-        }
-        if (current == NULL)
+        PyObject *prefix = PyTuple_GET_ITEM(record, 0);
+        Py_ssize_t np = PyTuple_GET_SIZE(prefix);
+        PyObject *t0_obj = PyFloat_FromDouble(t0), *current = t0_obj ? PyTuple_New(np + 4) : NULL;
+        if (current == NULL) {
+            Py_XDECREF(t0_obj);
             goto leave;
+        }
+        for (Py_ssize_t i = 0; i < np; i++)
+            PyTuple_SET_ITEM(current, i, Py_NewRef(PyTuple_GET_ITEM(prefix, i)));
+        PyTuple_SET_ITEM(current, np, Py_NewRef(n));
+        PyTuple_SET_ITEM(current, np + 1, Py_NewRef(NAMES[k]));
+        PyTuple_SET_ITEM(current, np + 2, Py_NewRef(minus_one));
+        PyTuple_SET_ITEM(current, np + 3, t0_obj);
         int rc = PyObject_SetAttr(active, s_current, current);
         Py_DECREF(current);
         if (rc < 0 || record_begin(record, t0, seq) < 0)

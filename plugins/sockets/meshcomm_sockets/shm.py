@@ -306,6 +306,8 @@ class ShmGroup:
         self.native: Any = None
         #: dtype -> element kind the C channel sums in the one-piece all_sum (empty: NumPy sums)
         self.native_sums: dict[np.dtype, int] = {}
+        #: dtype -> (its kind in native_sums, its wire code): what quick_sum looks up per call
+        self._sum_codes: dict[np.dtype, tuple[int, int]] = {}
         #: (parity, dtype) -> each local rank's whole slot of that parity viewed as dtype
         self._slots: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         #: (parity, dtype, count) -> those slots cut to count elements (the one-piece all-reduce)
@@ -369,6 +371,7 @@ class ShmGroup:
             return False
         self.native = Channel(self.map, self.n, self.me, _LINE, self.piece)
         self.native_sums = dict(_NATIVE_SUMS)
+        self._sum_codes = {dt: (kind, dtype_code(dt)) for dt, kind in _NATIVE_SUMS.items()}
         return True
 
     def connect_fifos(self) -> None:
@@ -418,6 +421,7 @@ class ShmGroup:
         if self.native is not None:
             self.native.release()  # its hold on the map, before closing it
             self.native = None
+            self._sum_codes = {}
         if hasattr(self, "results"):
             self.results.close()
             self.peer_results.close()
@@ -736,14 +740,14 @@ class ShmGroup:
         :class:`Call`) is made only if the C call leaves work to Python (peers to wake, a
         sleep, a mismatch). False when it does not apply: nothing was published, take
         :meth:`all_reduce`."""
-        nat = self.native
-        kind = self.native_sums.get(sendbuf.dtype) if nat is not None else None
+        codes = self._sum_codes.get(sendbuf.dtype)  # empty without the compiled channel
         nbytes = sendbuf.nbytes
-        if kind is None or nbytes > self.piece or (nbytes >= SPLIT_MIN_BYTES and self.n > 2):
+        if codes is None or nbytes > self.piece or (nbytes >= SPLIT_MIN_BYTES and self.n > 2):
             return False
+        kind, dcode = codes
+        nat = self.native
         fab = self.fabric
         fab.check()
-        dcode = dtype_code(sendbuf.dtype)
         total = call.total if call is not None else wire.call_total(sendbuf.size, key) if key else sendbuf.size
         prev = self.seq
         seq = prev % SEQ_WRAP + 1
