@@ -1,5 +1,5 @@
 """The compiled call path (``meshcomm.api._callpath.Lane``: a group's blocking all_sum,
-all_max and all_min into a new result) does what the pure-Python one (``Group._reduce_now``,
+all_max and all_min into a new result) does what the pure-Python one (``Group._all_reduce``,
 ``MESHCOMM_COMPILED=0``, and where no compiled one is installed) does: the same results, the
 same errors with the same messages and causes, the same call numbers, the same record for
 the stall inspector. Every case runs on both, on an in-process job of 2 ranks, and the two

@@ -4,11 +4,11 @@
  * meshcomm.api.guard.WorldGuard (its docstrings are the contract), run on every operation.
  *
  * Lane: a group's blocking all_sum/all_max/all_min into a new result, the same steps as the
- * pure-Python Group._reduce_now (its docstring is the contract) in one C call: the guard,
+ * pure-Python Group._all_reduce, _submit and _execute take for it, in one C call: the guard,
  * the call numbering, the observer's progress record, the call check or shape key, the
  * result array and the hand-off to the backend's all_reduce. Anything it does not handle
  * itself (another array type, a closed group, queued asynchronous operations, an observer
- * that must run the operation itself) goes to Group._reduce_now before anything happened.
+ * that must run the operation itself) goes to Group._all_reduce before anything happened.
  * Its state is only read and written while this code holds the GIL and calls no Python, so
  * no lock is needed (this module does not declare free-threading support: a free-threaded
  * interpreter runs it with the GIL). The messages of the rare paths (a refused thread, a
@@ -167,7 +167,7 @@ static PyTypeObject GuardType = {
 static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
     *s_current, *s_check, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
-    *s_reduce_now, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
+    *s_all_reduce_py, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
 static PyObject *NAMES[3], *OPS[3];
 
 /* the progress record's per-operation fields (meshcomm.trace.progress: _STATE_AT, _NOW, _STATE, _SEQ) */
@@ -283,12 +283,12 @@ static PyObject *lane_record(Lane *self, PyObject *active, int k) {
     return self->records[k];
 }
 
-/* Group._reduce_now(OPS[k], x): the Python path. */
+/* Group._all_reduce(OPS[k], x, None, False): the Python path. */
 static PyObject *slow(Lane *self, int k, PyObject *x) {
-    return PyObject_CallMethodObjArgs(self->group, s_reduce_now, OPS[k], x, NULL);
+    return PyObject_CallMethodObjArgs(self->group, s_all_reduce_py, OPS[k], x, Py_None, Py_False, NULL);
 }
 
-/* The all-reduce proper, as Group._reduced does it (a new reference, or NULL). */
+/* The all-reduce proper, as the run of Group._all_reduce does it (a new reference, or NULL). */
 static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nbytes, PyObject *dtype) {
     PyObject *shape = PyObject_GetAttr(x, s_shape);
     if (shape == NULL)
@@ -345,7 +345,7 @@ done:
     return res;
 }
 
-/* The error the operation raised, as Group._reduce_now maps it (the error stays set). */
+/* The error the operation raised, as Group._execute maps it (the error stays set). */
 static void map_error(Lane *self, int k) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -634,7 +634,7 @@ static PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshcomm.api._callpath.Lane",
     .tp_basicsize = sizeof(Lane),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A group's blocking all_sum/all_max/all_min, compiled (see Group._reduce_now).",
+    .tp_doc = "A group's blocking all_sum/all_max/all_min into a new result, compiled (see Group._all_reduce).",
     .tp_new = Lane_new,
     .tp_dealloc = (destructor)Lane_dealloc,
     .tp_traverse = (traverseproc)Lane_traverse,
@@ -670,7 +670,7 @@ static int intern_all(void) {
     INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check")
     INTERN(s_all_reduce, "all_reduce") INTERN(s_shape_key, "shape_key") INTERN(s_empty, "empty")
     INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
-    INTERN(s_reduce_now, "_reduce_now") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
+    INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
     INTERN(s_dtype, "dtype") INTERN(s_shape, "shape") INTERN(s_all_reduce_kind, "all_reduce")
     INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
     INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")

@@ -43,7 +43,7 @@ T = TypeVar("T")
 _MOVABLE = frozenset(BASE_SUPPORTED)
 #: the operation name of each reduction's all-reduce
 _ALL_NAMES = {op: f"all_{op}" for op in REDUCTIONS}
-#: the compiled call path (None: pure Python); its lanes run Group._reduce_now's steps
+#: the compiled call path (None: pure Python); its lanes run a blocking all-reduce's steps
 _compiled = compiled_path()
 
 #: the object collectives' size limit when neither the config nor the group sets one
@@ -155,7 +155,8 @@ class Group:
         self._calls = 0
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
-        #: the compiled run of :meth:`_reduce_now` (x, 0 sum / 1 max / 2 min) when the world
+        #: the compiled blocking all-reduce into a new result (x, 0 sum / 1 max / 2 min: what
+        #: :meth:`_all_reduce`, :meth:`_submit` and :meth:`_execute` do for it) when the world
         #: runs the compiled guard (MESHCOMM_COMPILED), else None
         self._lane: Callable[[Any, int], np.ndarray] | None = None
         if _compiled is not None and type(self._guard) is _compiled.Guard:
@@ -372,7 +373,7 @@ class Group:
             return self._foreign(back, self.all_sum, x, out=out, async_op=async_op)
         if out is None and not async_op:
             lane = self._lane
-            return self._reduce_now("sum", x) if lane is None else lane(x, 0)
+            return self._all_reduce("sum", x, None, False) if lane is None else lane(x, 0)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
@@ -381,7 +382,7 @@ class Group:
             return self._foreign(back, self.all_max, x, out=out, async_op=async_op)
         if out is None and not async_op:
             lane = self._lane
-            return self._reduce_now("max", x) if lane is None else lane(x, 1)
+            return self._all_reduce("max", x, None, False) if lane is None else lane(x, 1)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
@@ -390,7 +391,7 @@ class Group:
             return self._foreign(back, self.all_min, x, out=out, async_op=async_op)
         if out is None and not async_op:
             lane = self._lane
-            return self._reduce_now("min", x) if lane is None else lane(x, 2)
+            return self._all_reduce("min", x, None, False) if lane is None else lane(x, 2)
         return self._all_reduce("min", x, out, async_op)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:
@@ -422,58 +423,6 @@ class Group:
             return o
 
         return self._submit(name, run, async_op, a)
-
-    def _reduce_now(self, op: str, x: Any) -> np.ndarray:
-        """A blocking all-reduce into a new result: what :meth:`_all_reduce`, :meth:`_submit`
-        and :meth:`_execute` do for it, in one frame and without the closure (the latency path
-        of small calls). A closed group or queued asynchronous operations take those."""
-        a = x if type(x) is np.ndarray and x.dtype in _MOVABLE else as_array(x)
-        world = self._world
-        worker = world.worker
-        if self._closed or world.closed or (worker._thread is not None and worker.pending()):
-            return self._all_reduce(op, a, None, False)  # raises, or waits for its turn
-        name = _ALL_NAMES[op]
-        ticket = self._guard.enter(name, self._who)
-        n = self._calls = self._calls + 1
-        b = self._b
-        b.user_op = name
-        b.user_no = n
-        ok = False
-        try:
-            observer = _observer.active
-            if observer is None:
-                res = self._reduced(name, a, op)
-            else:
-                res = observer.call(self, name, lambda: self._reduced(name, a, op), a, -1, n)
-            ok = True
-            return res
-        except CallsDiffer as exc:
-            raise self._calls_differ(exc) from None
-        except (DistributedError, ValueError, TypeError):
-            raise
-        except Exception as exc:
-            raise self._unexpected(name, exc) from exc
-        finally:
-            if self._piped:
-                self._moves.call_key = None
-            self._guard.leave(ticket, name, self._who, ok)
-
-    def _reduced(self, name: str, a: np.ndarray, op: str) -> np.ndarray:
-        """``a`` checked across ranks as the core checks ``name`` (see :meth:`_check`) and
-        all-reduced into a new array (the backend's own kind of array from
-        :attr:`Backend.EMPTY_MIN_BYTES`)."""
-        moves = self._moves
-        if not self._plain_reduce:
-            self._check(name, a.shape, a.dtype, 0, "all_reduce")
-        elif self._keyed:
-            moves.shape_key = 0 if a.ndim == 1 else SHAPE_KEYS[a.shape]
-        res = moves.empty(a.shape, a.dtype) if a.nbytes >= moves.EMPTY_MIN_BYTES else np.empty(a.shape, a.dtype)
-        if a.size:
-            if a.flags.c_contiguous:
-                moves.all_reduce(a if a.ndim == 1 else a.reshape(-1), res if res.ndim == 1 else res.reshape(-1), op)
-            else:
-                moves.all_reduce(np.ascontiguousarray(a).reshape(-1), res.reshape(-1), op)
-        return res
 
     def all_reduce_init(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> Persistent:
         """A persistent all-reduce (``op`` "sum", "max" or "min") of ``x``: checked and set up
