@@ -55,9 +55,8 @@ def test_contract_checks_catch_a_wrong_backend() -> None:
             if recvbuf.dtype.kind in "iuf" and recvbuf.size > 3:
                 recvbuf[3] += 1
 
-    groups = make_threaded_groups(2)
-    for g in groups:
-        g._b = g._moves = OffByOne(g._b._fabric, g.rank())  # type: ignore[attr-defined]
+    # groups over the wrong backend, on the fabric of a threaded job
+    groups = [mc.Group(OffByOne(g._b._fabric, g.rank()), "threaded") for g in make_threaded_groups(2)]  # type: ignore[attr-defined]
     import threading
 
     out: list = [None, None]

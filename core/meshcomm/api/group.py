@@ -157,7 +157,8 @@ class Group:
         self._received: dict[int, int] = {}
         #: the compiled blocking all-reduce into a new result (x, 0 sum / 1 max / 2 min: what
         #: :meth:`_all_reduce`, :meth:`_submit` and :meth:`_execute` do for it) when the world
-        #: runs the compiled guard (MESHCOMM_COMPILED), else None
+        #: runs the compiled guard (MESHCOMM_COMPILED), else None. It holds this group's
+        #: backend, world and worker: they are fixed for the group's life.
         self._lane: Callable[[Any, int], np.ndarray] | None = None
         if _compiled is not None and type(self._guard) is _compiled.Guard:
             self._lane = _compiled.Lane(
