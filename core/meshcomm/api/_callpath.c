@@ -6,7 +6,8 @@
  * Lane: a group's blocking all_sum/all_max/all_min into a new result, the same steps as the
  * pure-Python Group._all_reduce, _submit and _execute take for it, in one C call: the guard,
  * the call numbering, the observer's progress record, the call check or shape key, the
- * result array and the hand-off to the backend's all_reduce. Anything it does not handle
+ * result array and the hand-off to the backend (its sum_now for a sum, when it has one, else its
+ * all_reduce). Anything it does not handle
  * itself (another array type, a closed group, queued asynchronous operations, an observer
  * that must run the operation itself) goes to Group._all_reduce before anything happened.
  * Its state is only read and written while this code holds the GIL and calls no Python, so
@@ -167,7 +168,7 @@ static PyTypeObject GuardType = {
 static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
     *s_current, *s_check, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
-    *s_all_reduce_py, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
+    *s_all_reduce_py, *s_sum_now, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
 static PyObject *NAMES[3], *OPS[3];
 
 /* the progress record's per-operation fields (meshcomm.trace.progress: _STATE_AT, _NOW, _STATE, _SEQ) */
@@ -331,6 +332,27 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
         if (recv == NULL) {
             Py_CLEAR(res);
             goto done;
+        }
+    }
+    if (k == 0) { /* a sum: the backend's own shorter way first (Backend.sum_now), when it has one */
+        PyObject *now = PyObject_GetAttr(self->moves, s_sum_now);
+        if (now == NULL) {
+            Py_CLEAR(res);
+            goto done;
+        }
+        if (now != Py_None) {
+            PyObject *now_args[2] = {send, recv};
+            r = PyObject_Vectorcall(now, now_args, 2, NULL);
+            Py_DECREF(now);
+            int taken = r == NULL ? -1 : PyObject_IsTrue(r);
+            Py_XDECREF(r);
+            if (taken != 0) {
+                if (taken < 0)
+                    Py_CLEAR(res);
+                goto done;
+            }
+        } else {
+            Py_DECREF(now);
         }
     }
     r = PyObject_CallMethodObjArgs(self->moves, s_all_reduce, send, recv, OPS[k], NULL);
@@ -670,7 +692,7 @@ static int intern_all(void) {
     INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check")
     INTERN(s_all_reduce, "all_reduce") INTERN(s_shape_key, "shape_key") INTERN(s_empty, "empty")
     INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
-    INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
+    INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_sum_now, "sum_now") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
     INTERN(s_dtype, "dtype") INTERN(s_shape, "shape") INTERN(s_all_reduce_kind, "all_reduce")
     INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
     INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")

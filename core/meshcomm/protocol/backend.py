@@ -196,6 +196,14 @@ class Backend(abc.ABC):
     #: backend whose :meth:`empty` only matters from some larger size raises it
     EMPTY_MIN_BYTES = 256 * 1024
 
+    #: An entry the core's compiled call path calls before :meth:`all_reduce` for a blocking
+    #: ``all_sum`` into a new result (shape key set, result made): ``sum_now(sendbuf,
+    #: recvbuf)`` returns True when it did that sum, False when it does not apply and has sent
+    #: nothing (the core then calls ``all_reduce``). For a transport whose small sums have a
+    #: shorter way than its general all_reduce (the sockets backend: one call into its compiled
+    #: shared-memory step). None: always ``all_reduce``.
+    sum_now: Callable[[np.ndarray, np.ndarray], bool] | None = None
+
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A new array for the result of an ``all_reduce`` that the core returns to the
         caller (its receive buffer, flattened); the core calls it for results of at least

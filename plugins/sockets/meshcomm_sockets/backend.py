@@ -99,7 +99,8 @@ class SocketsBackend(MeshGroup):
         self._owner = owner
         self._rank = members.index(fabric.rank)
         self._seq_start = seq_start & wire.SEQ_MASK
-        self._seq = self._seq_start
+        #: the number of this group's last collective (every rank numbers them alike)
+        self.call_seq = self._seq_start
         self._sent: defaultdict[int, int] = defaultdict(lambda: self._seq_start)
         self._received: defaultdict[int, int] = defaultdict(lambda: self._seq_start)
         self._splits = 0
@@ -128,7 +129,7 @@ class SocketsBackend(MeshGroup):
 
     def _new_call(self, code: int, buf: np.ndarray, arg: int = 0) -> Call:
         """The next collective's call: operation ``code`` on ``buf``."""
-        self._seq = seq = (self._seq + 1) & wire.SEQ_MASK  # wire.next_seq, inline: the latency path
+        self.call_seq = seq = (self.call_seq + 1) & wire.SEQ_MASK  # wire.next_seq, inline: the latency path
         key = self.shape_key  # the core's, for this collective (0 for 1-D arrays)
         total = wire.call_total(buf.size, key) if key else buf.size
         return Call(self.gid, seq, code, dtype_code(buf.dtype), total, self.label, arg, self)
@@ -174,11 +175,8 @@ class SocketsBackend(MeshGroup):
             self.path.all_reduce(call, sendbuf, recvbuf, op)
             return
         quick = self.path.quick_sum
-        if quick is not None and op == "sum":
-            seq = (self._seq + 1) & wire.SEQ_MASK  # as in _new_call; taken only if quick_sum applies
-            if quick(sendbuf, recvbuf, self.gid, seq, self, self.shape_key):
-                self._seq = seq
-                return
+        if quick is not None and op == "sum" and quick(self, sendbuf, recvbuf):
+            return
         self._call = call = self._new_call(_ALL_CODES[op], sendbuf)
         try:
             self.path.all_reduce(call, sendbuf, recvbuf, op)

@@ -37,8 +37,10 @@ __all__ = ["Path", "TcpPath", "LocalPath", "HostsPath", "RING_MIN_BYTES", "FRAME
 RING_MIN_BYTES = 256 * 1024
 #: largest frame of a plain transfer (the header's size field is 32 bits)
 FRAME_BYTES = 1 << 26
-#: ``ShmGroup.quick_sum``: (sendbuf, recvbuf, group id, call number, backend, shape key) -> done
-QuickSum = Callable[[np.ndarray, np.ndarray, int, int, Any, int], bool]
+#: ``ShmGroup.quick_sum``: (backend, sendbuf, recvbuf) -> done
+QuickSum = Callable[[Any, np.ndarray, np.ndarray], bool]
+#: the backend's ``sum_now`` (``Backend.sum_now``): (sendbuf, recvbuf) -> done
+SumNow = Callable[[np.ndarray, np.ndarray], bool]
 
 
 class Path(Protocol):
@@ -48,6 +50,8 @@ class Path(Protocol):
     name: str
     #: the all_sum of a small call without a :class:`Call` object, or None on paths without one
     quick_sum: QuickSum | None
+    #: that all_sum bound to the path's group: its backend's ``sum_now``
+    sum_now: SumNow | None
 
     def all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
     def reduce_scatter(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None: ...
@@ -66,6 +70,7 @@ class TcpPath:
 
     name = "tcp"
     quick_sum: QuickSum | None = None
+    sum_now: SumNow | None = None
 
     def __init__(self, group: MeshGroup) -> None:
         self.group = group
@@ -206,6 +211,7 @@ class LocalPath(TcpPath):
         # only with the C channel (attached before the path is made): without it every
         # small all_sum would ask quick_sum twice for nothing (3-4 % of a pure-Python call)
         self.quick_sum = shm.quick_sum if shm.native is not None else None
+        self.sum_now = functools.partial(shm.quick_sum, group) if shm.native is not None else None
 
     def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.shm.is_direct(sendbuf.nbytes):

@@ -335,6 +335,7 @@ def _world(
                 direct=settings.direct,
                 native=settings.native,
             )
+            world.sum_now = world.path.sum_now  # the core's compiled call path calls it first
         except DistributedError:
             if recovery is None or recovery.epoch == 0:
                 raise  # at start-up the error is the answer

@@ -688,7 +688,7 @@ class ShmGroup:
                 self._split_all_reduce(call, sendbuf, recvbuf, f)
                 return
             # the latency path: one wait, every rank combines every slot
-            if op == "sum" and self.quick_sum(sendbuf, recvbuf, call.group, call.seq, call.owner, 0, call):
+            if op == "sum" and self.quick_sum(call.owner, sendbuf, recvbuf, call):
                 return
             self._slots_reduce(call, sendbuf, recvbuf, f, self.seq & 1, publish=True)
             return
@@ -723,37 +723,35 @@ class ShmGroup:
         for v in views[2:]:
             f(recvbuf, v, out=recvbuf)
 
-    def quick_sum(
-        self,
-        sendbuf: np.ndarray,
-        recvbuf: np.ndarray,
-        group_id: int,
-        cseq: int,
-        owner: Any,
-        key: int = 0,
-        call: Call | None = None,
-    ) -> bool:
-        """The all_sum numbered ``cseq`` in group ``group_id`` (of backend ``owner``, the core's shape
-        ``key``; ``call``'s own total when it is given) when it is one piece
-        of a dtype the compiled channel sums (:attr:`native_sums`): publish, spin, compare
-        and sum in one C call. The latency path of a small call: ``call`` (its
-        :class:`Call`) is made only if the C call leaves work to Python (peers to wake, a
-        sleep, a mismatch). False when it does not apply: nothing was published, take
-        :meth:`all_reduce`."""
+    def quick_sum(self, owner: Any, sendbuf: np.ndarray, recvbuf: np.ndarray, call: Call | None = None) -> bool:
+        """One piece of a dtype the compiled channel sums (:attr:`native_sums`): publish, spin,
+        compare and sum in one C call. ``call``: the collective it is part of (a sum_scatter or
+        a hierarchical sum runs through here too); None: a plain all_sum of backend ``owner``
+        numbered as its next collective (its ``call_seq`` + 1, taken when this returns True,
+        as its ``_new_call`` would), never inside another of its collectives. The latency path
+        of a small call: a :class:`Call` is made only if the C call leaves work to Python
+        (peers to wake, a sleep, a mismatch). False when it does not apply: nothing was
+        published, take :meth:`all_reduce`. ``partial(quick_sum, owner)`` is the backend's
+        ``sum_now`` (the entry of the core's compiled call path)."""
         codes = self._sum_codes.get(sendbuf.dtype)  # empty without the compiled channel
         nbytes = sendbuf.nbytes
         if codes is None or nbytes > self.piece or (nbytes >= SPLIT_MIN_BYTES and self.n > 2):
             return False
         kind, dcode = codes
+        if call is None:
+            cseq = (owner.call_seq + 1) & wire.SEQ_MASK
+            key = owner.shape_key
+            total = wire.call_total(sendbuf.size, key) if key else sendbuf.size
+            code, arg = _ALL_SUM, 0
+        else:
+            # published as the call it is part of: every check compares descriptors with that
+            # call's op and argument
+            cseq, total, code, arg = call.seq, call.total, call.op, call.arg
         nat = self.native
         fab = self.fabric
         fab.check()
-        total = call.total if call is not None else wire.call_total(sendbuf.size, key) if key else sendbuf.size
         prev = self.seq
         seq = prev % SEQ_WRAP + 1
-        # published as the call it is part of (a sum_scatter or hierarchical sum runs through
-        # here too): every check compares descriptors with that call's op and argument
-        code, arg = (call.op, call.arg) if call is not None else (_ALL_SUM, 0)
         status = nat.all_sum(
             sendbuf,
             recvbuf,
@@ -771,21 +769,24 @@ class ShmGroup:
         )
         self.prev, self.seq = prev, seq
         if status == 0:
+            if call is None:
+                owner.call_seq = cseq
             return True
-        if call is None:
-            call = Call(group_id, cseq, _ALL_SUM, dcode, total, owner.label, 0, owner)
+        mine = call if call is not None else Call(owner.gid, cseq, _ALL_SUM, dcode, total, owner.label, 0, owner)
         try:
             if status == 1:
-                self._wake_sleepers(call)
-                self._wait(call)
+                self._wake_sleepers(mine)
+                self._wait(mine)
             else:
                 if status == 2:
-                    self._sleep(call)
-                self._check(call)  # raises a mismatch
+                    self._sleep(mine)
+                self._check(mine)  # raises a mismatch
         except DistributedError as exc:
             fab.fail(exc)
             raise
-        self._slots_reduce(call, sendbuf, recvbuf, np.add, prev & 1, publish=False)
+        self._slots_reduce(mine, sendbuf, recvbuf, np.add, prev & 1, publish=False)
+        if call is None:
+            owner.call_seq = cseq
         return True
 
     def _split_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc) -> None:
