@@ -378,6 +378,33 @@ enum { STREAM_MIN_BYTES = 8 << 20 };
 /* above this many bytes the sum runs with the GIL released */
 enum { SUM_NOGIL_BYTES = 32 * 1024 };
 
+/* The one-piece all_sum proper (see all_sum below): publish src (len bytes), and unless a
+ * peer sleeps, spin, compare the descriptors and sum every local rank's slot into out.
+ * Returns the status of all_sum. */
+static int sum_piece(Channel *self, const void *src, void *out, Py_ssize_t len, int64_t kind, int64_t d,
+                     const int64_t *desc, int64_t seq, int64_t prev, int64_t budget, int yielding)
+{
+    put(self, src, len, d, desc, seq, prev);
+    int status = sleepers(self, seq, prev) != 0 ? 1 : 0;
+    if (status == 0) {
+        if (!wait_past(self, prev, budget, yielding))
+            status = 2;
+        else if (!same_call(self, d, desc))
+            status = 3;
+    }
+    if (status == 0) {
+        Py_ssize_t count = len / KINDS[kind].item;
+        if (len > SUM_NOGIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            sum_slots(self, prev & 1, out, count, KINDS[kind].add);
+            Py_END_ALLOW_THREADS
+        } else {
+            sum_slots(self, prev & 1, out, count, KINDS[kind].add);
+        }
+    }
+    return status;
+}
+
 /* all_sum(src, out, kind, d, op, dtype, total, cseq, arg, seq, prev, budget_ns, yielding) -> status
  * The one-piece all_sum in one call: publish src as piece seq (as publish does), and unless
  * a peer sleeps, spin (as spin does), compare the descriptors (as matches does) and write
@@ -418,24 +445,7 @@ static PyObject *Channel_all_sum(Channel *self, PyObject *const *args, Py_ssize_
                      src.len, out.len, KINDS[kind].item, self->piece);
         goto done;
     }
-    put(self, src.buf, src.len, d, v + 2, seq, prev);
-    int status = sleepers(self, seq, prev) != 0 ? 1 : 0;
-    if (status == 0) {
-        if (!wait_past(self, prev, budget, yielding))
-            status = 2;
-        else if (!same_call(self, d, v + 2))
-            status = 3;
-    }
-    if (status == 0) {
-        Py_ssize_t count = src.len / KINDS[kind].item;
-        if (src.len > SUM_NOGIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            sum_slots(self, prev & 1, out.buf, count, KINDS[kind].add);
-            Py_END_ALLOW_THREADS
-        } else {
-            sum_slots(self, prev & 1, out.buf, count, KINDS[kind].add);
-        }
-    }
+    int status = sum_piece(self, src.buf, out.buf, src.len, kind, d, v + 2, seq, prev, budget, yielding);
     result = PyLong_FromLong(status);
 done:
     PyBuffer_Release(&out);
@@ -628,6 +638,201 @@ static PyTypeObject ChannelType = {
     .tp_methods = Channel_methods,
 };
 
+/* ---------------------------------------------------------------------------------------- */
+/* QuickSum: ShmGroup.quick_sum of a plain all_sum of one backend, in C                      */
+
+typedef struct {
+    PyObject_HEAD
+    Channel *channel;
+    PyObject *group;  /* the ShmGroup: seq, prev, and quick_rest for what is left to Python */
+    PyObject *owner;  /* the backend: call_seq, shape_key */
+    PyObject *fabric; /* check(), spin_ns, yielding */
+    PyObject *codes;  /* dtype -> (kind, wire code) of the dtypes the channel sums */
+    int64_t split_min, seq_mask, seq_wrap, count_mask, shape_shift, op, desc_at[2];
+} QuickSum;
+
+static PyObject *s_dtype, *s_check, *s_call_seq, *s_shape_key, *s_seq, *s_prev, *s_spin_ns, *s_yielding,
+    *s_quick_rest;
+
+static int QuickSum_init(QuickSum *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"channel", "group", "owner", "fabric", "codes", "split_min", "seq_mask", "seq_wrap",
+                            "count_mask", "shape_shift", "op", "desc_at0", "desc_at1", NULL};
+    PyObject *channel, *group, *owner, *fabric, *codes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOOO!LLLLLLLL", names, &ChannelType, &channel, &group, &owner,
+                                     &fabric, &PyDict_Type, &codes, &self->split_min, &self->seq_mask,
+                                     &self->seq_wrap, &self->count_mask, &self->shape_shift, &self->op,
+                                     &self->desc_at[0], &self->desc_at[1]))
+        return -1;
+    if (self->seq_wrap < 1) {
+        PyErr_SetString(PyExc_ValueError, "QuickSum: seq_wrap must be positive");
+        return -1;
+    }
+    for (int k = 0; k < 2; k++)
+        if (check_word((Channel *)channel, "QuickSum", self->desc_at[k]) < 0)
+            return -1;
+    Py_XSETREF(self->channel, (Channel *)Py_NewRef(channel));
+    Py_XSETREF(self->group, Py_NewRef(group));
+    Py_XSETREF(self->owner, Py_NewRef(owner));
+    Py_XSETREF(self->fabric, Py_NewRef(fabric));
+    Py_XSETREF(self->codes, Py_NewRef(codes));
+    return 0;
+}
+
+/* An int attribute of obj (-1 with the error set when it is missing or not an int). */
+static int get_int(PyObject *obj, PyObject *name, int64_t *v)
+{
+    PyObject *o = PyObject_GetAttr(obj, name);
+    if (o == NULL)
+        return -1;
+    *v = PyLong_AsLongLong(o);
+    Py_DECREF(o);
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_int(PyObject *obj, PyObject *name, int64_t v)
+{
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* run(sendbuf, recvbuf) -> bool: what ShmGroup.quick_sum(owner, sendbuf, recvbuf) does (its
+ * docstring is the contract), the steps up to the C call's status here; a status that
+ * leaves work to Python goes to ShmGroup.quick_rest. */
+static PyObject *QuickSum_run(QuickSum *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "run takes 2 arguments (sendbuf, recvbuf)");
+        return NULL;
+    }
+    Channel *ch = self->channel;
+    if (!ch->held) /* released with the segment: not this way */
+        Py_RETURN_FALSE;
+    PyObject *dtype = PyObject_GetAttr(args[0], s_dtype);
+    if (dtype == NULL)
+        return NULL;
+    PyObject *codes = PyDict_GetItemWithError(self->codes, dtype);
+    Py_DECREF(dtype);
+    if (codes == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    int64_t kind, dcode;
+    if (!PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 2 ||
+        (kind = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, 0))) < 1 || kind >= NKINDS ||
+        ((dcode = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, 1))) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "QuickSum: codes must map a dtype to (kind, wire code)");
+        return NULL;
+    }
+    Py_buffer src, out;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (src.len > ch->piece || (src.len >= self->split_min && ch->n > 2)) {
+        PyBuffer_Release(&src);
+        Py_RETURN_FALSE;
+    }
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL, *r;
+    int64_t call_seq, key, prev, budget;
+    if (out.len != src.len || src.len % KINDS[kind].item) {
+        PyErr_Format(PyExc_ValueError, "QuickSum: %zd bytes in, %zd out, %zd-byte elements", src.len, out.len,
+                     KINDS[kind].item);
+        goto done;
+    }
+    r = PyObject_CallMethodNoArgs(self->fabric, s_check); /* raises once the job failed */
+    if (r == NULL)
+        goto done;
+    Py_DECREF(r);
+    if (get_int(self->owner, s_call_seq, &call_seq) < 0 || get_int(self->owner, s_shape_key, &key) < 0 ||
+        get_int(self->group, s_seq, &prev) < 0 || get_int(self->fabric, s_spin_ns, &budget) < 0)
+        goto done;
+    PyObject *y = PyObject_GetAttr(self->fabric, s_yielding);
+    int yielding = y == NULL ? -1 : PyObject_IsTrue(y);
+    Py_XDECREF(y);
+    if (yielding < 0)
+        goto done;
+    int64_t cseq = (call_seq + 1) & self->seq_mask;
+    int64_t count = src.len / KINDS[kind].item;
+    int64_t total = key && count <= self->count_mask ? (count | (key << self->shape_shift)) : count;
+    int64_t seq = prev % self->seq_wrap + 1;
+    int64_t desc[DESC] = {self->op, dcode, total, cseq, 0};
+    int status = sum_piece(ch, src.buf, out.buf, src.len, kind, self->desc_at[prev & 1], desc, seq, prev, budget,
+                           yielding);
+    if (set_int(self->group, s_prev, prev) < 0 || set_int(self->group, s_seq, seq) < 0)
+        goto done;
+    if (status == 0) {
+        if (set_int(self->owner, s_call_seq, cseq) == 0)
+            result = Py_NewRef(Py_True);
+        goto done;
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&src);
+    /* peers to wake, a sleep, a mismatch: as quick_sum goes on after its C call */
+    return PyObject_CallMethod(self->group, "quick_rest", "OOOOiLLLL", self->owner, Py_None, args[0], args[1], status,
+                               (long long)prev, (long long)cseq, (long long)dcode, (long long)total);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static int QuickSum_traverse(QuickSum *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->channel);
+    Py_VISIT(self->group);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->fabric);
+    Py_VISIT(self->codes);
+    return 0;
+}
+
+static int QuickSum_clear(QuickSum *self)
+{
+    Py_CLEAR(self->channel);
+    Py_CLEAR(self->group);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->fabric);
+    Py_CLEAR(self->codes);
+    return 0;
+}
+
+static void QuickSum_dealloc(QuickSum *self)
+{
+    PyObject_GC_UnTrack(self);
+    QuickSum_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef QuickSum_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))QuickSum_run, METH_FASTCALL,
+     "run(sendbuf, recvbuf) -> bool: ShmGroup.quick_sum(owner, sendbuf, recvbuf), in C"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject QuickSumType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshcomm_sockets._shm.QuickSum",
+    .tp_doc = "QuickSum(channel, group, owner, fabric, codes, split_min, seq_mask, seq_wrap, count_mask, "
+              "shape_shift, op, desc_at0, desc_at1): a backend's small all_sum through its channel",
+    .tp_basicsize = sizeof(QuickSum),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)QuickSum_init,
+    .tp_dealloc = (destructor)QuickSum_dealloc,
+    .tp_traverse = (traverseproc)QuickSum_traverse,
+    .tp_clear = (inquiry)QuickSum_clear,
+    .tp_methods = QuickSum_methods,
+};
+
 static struct PyModuleDef module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "_shm",
@@ -637,14 +842,27 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__shm(void)
 {
-    if (PyType_Ready(&ChannelType) < 0)
+    if (PyType_Ready(&ChannelType) < 0 || PyType_Ready(&QuickSumType) < 0)
         return NULL;
+#define INTERN(var, text)                                 \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) \
+        return NULL;
+    INTERN(s_dtype, "dtype") INTERN(s_check, "check") INTERN(s_call_seq, "call_seq") INTERN(s_shape_key, "shape_key")
+    INTERN(s_seq, "seq") INTERN(s_prev, "prev") INTERN(s_spin_ns, "spin_ns") INTERN(s_yielding, "yielding")
+    INTERN(s_quick_rest, "quick_rest")
+#undef INTERN
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     Py_INCREF(&ChannelType);
     if (PyModule_AddObject(m, "Channel", (PyObject *)&ChannelType) < 0) {
         Py_DECREF(&ChannelType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&QuickSumType);
+    if (PyModule_AddObject(m, "QuickSum", (PyObject *)&QuickSumType) < 0) {
+        Py_DECREF(&QuickSumType);
         Py_DECREF(m);
         return NULL;
     }

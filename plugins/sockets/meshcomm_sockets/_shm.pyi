@@ -27,3 +27,22 @@ class Channel:
         self, out: Any, own: Any, kind: int, where: Any, chunk: int, copies: Any = ...
     ) -> tuple[int, int] | None: ...
     def release(self) -> None: ...
+
+class QuickSum:
+    def __init__(
+        self,
+        channel: Channel,
+        group: Any,
+        owner: Any,
+        fabric: Any,
+        codes: dict[Any, tuple[int, int]],
+        split_min: int,
+        seq_mask: int,
+        seq_wrap: int,
+        count_mask: int,
+        shape_shift: int,
+        op: int,
+        desc_at0: int,
+        desc_at1: int,
+    ) -> None: ...
+    def run(self, sendbuf: Any, recvbuf: Any) -> bool: ...

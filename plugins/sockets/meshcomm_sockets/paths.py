@@ -211,7 +211,7 @@ class LocalPath(TcpPath):
         # only with the C channel (attached before the path is made): without it every
         # small all_sum would ask quick_sum twice for nothing (3-4 % of a pure-Python call)
         self.quick_sum = shm.quick_sum if shm.native is not None else None
-        self.sum_now = functools.partial(shm.quick_sum, group) if shm.native is not None else None
+        self.sum_now = shm.sum_entry(group)
 
     def all_to_all(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.shm.is_direct(sendbuf.nbytes):

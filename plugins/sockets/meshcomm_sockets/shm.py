@@ -772,6 +772,24 @@ class ShmGroup:
             if call is None:
                 owner.call_seq = cseq
             return True
+        return self.quick_rest(owner, call, sendbuf, recvbuf, status, prev, cseq, dcode, total)
+
+    def quick_rest(
+        self,
+        owner: Any,
+        call: Call | None,
+        sendbuf: np.ndarray,
+        recvbuf: np.ndarray,
+        status: int,
+        prev: int,
+        cseq: int,
+        dcode: int,
+        total: int,
+    ) -> bool:
+        """What :meth:`quick_sum` does after a C call that left work to Python (``status``
+        1: peers to wake, 2: sleep, 3: a mismatch; the piece after ``prev`` is published, as
+        call ``cseq`` of ``dcode`` and ``total``): then the sum in Python. Returns True."""
+        fab = self.fabric
         mine = call if call is not None else Call(owner.gid, cseq, _ALL_SUM, dcode, total, owner.label, 0, owner)
         try:
             if status == 1:
@@ -788,6 +806,29 @@ class ShmGroup:
         if call is None:
             owner.call_seq = cseq
         return True
+
+    def sum_entry(self, owner: Any) -> Callable[[np.ndarray, np.ndarray], bool] | None:
+        """``quick_sum(owner, sendbuf, recvbuf)`` for backend ``owner``'s own small all_sums
+        (its ``sum_now``): in C (``_shm.QuickSum``) when the channel is attached; None without it."""
+        if self.native is None:
+            return None
+        from ._shm import QuickSum
+
+        return QuickSum(
+            self.native,
+            self,
+            owner,
+            self.fabric,
+            self._sum_codes,
+            SPLIT_MIN_BYTES,
+            wire.SEQ_MASK,
+            SEQ_WRAP,
+            wire.COUNT_MASK,
+            wire.SHAPE_SHIFT,
+            _ALL_SUM,
+            _DESC_AT[0],
+            _DESC_AT[1],
+        ).run
 
     def _split_all_reduce(self, call: Call, sendbuf: np.ndarray, recvbuf: np.ndarray, f: np.ufunc) -> None:
         """One piece in two waits: every rank copies its input into its slot; each combines
