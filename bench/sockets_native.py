@@ -5,7 +5,8 @@
 Between two jobs on a shared virtual machine the same call can differ by 1.5x (where the
 ranks land), which hides a 20 % change; so one job alternates blocks of ``--calls``
 blocking ``all_sum`` calls in three modes: the C loop with its one-call sum (publish,
-wait, compare and sum in C: the default for float32/64 and 32/64-bit integers), the C
+wait, compare and sum in C, and the steps around it: the default for float32/64 and
+32/64-bit integers), the C
 loop with NumPy summing the slots, and the pure-Python loop (the protocol is the same, so
 switching between blocks is safe: every rank switches after the same barrier),
 ``--blocks`` blocks per size, and rank 0 prints the median per-call time of each.
@@ -48,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 2
-    native, sums = shm.native, shm.native_sums
-    modes = {"C sum": (native, sums), "C loop, NumPy sum": (native, {}), "Python": (None, {})}
+    backend = g.transport
+    # (the channel, the dtypes it sums, their codes for quick_sum, the backend's compiled entry)
+    native, sums, codes, entry = shm.native, shm.native_sums, shm._sum_codes, backend.sum_now
+    modes = {
+        "C sum": (native, sums, codes, entry),
+        "C loop, NumPy sum": (native, {}, {}, None),
+        "Python": (None, {}, {}, None),
+    }
     for size in (int(s) for s in args.sizes.split(",")):
         x = np.ones(max(1, size // 4), np.float32)
         for _ in range(200):
@@ -57,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {m: [] for m in modes}
         for b in range(args.blocks):
             mode = list(modes)[b % len(modes)]
-            shm.native, shm.native_sums = modes[mode]
+            shm.native, shm.native_sums, shm._sum_codes, backend.sum_now = modes[mode]
             times[mode].append(_time_block(g, x, args.calls))
-        shm.native, shm.native_sums = native, sums
+        shm.native, shm.native_sums, shm._sum_codes, backend.sum_now = native, sums, codes, entry
         if g.rank() == 0:
             med = {m: statistics.median(t) * 1e6 for m, t in times.items()}
             print(

@@ -23,6 +23,8 @@ print("FROM", mc.__file__)
 print("RESULT", g.backend, g.rank(), got.tolist(), flush=True)
 # the sockets backend attaches its compiled loop to the shared memory of the two local ranks
 print("COMPILED", g.backend, g.rank(), "meshcomm_sockets._shm" in sys.modules, flush=True)
+# the world runs the core's compiled call path from the wheel
+print("CALLPATH", g.backend, g.rank(), g._lane is not None, flush=True)
 """
 
 
@@ -121,6 +123,8 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
         if backend == "sockets":
             compiled = sorted(ln.split("COMPILED ", 1)[1] for ln in res.stdout.splitlines() if "COMPILED " in ln)
             assert compiled == ["sockets 0 True", "sockets 1 True"], res.stdout
+        lanes = sorted(ln.split("CALLPATH ", 1)[1] for ln in res.stdout.splitlines() if "CALLPATH " in ln)
+        assert lanes == [f"{backend} 0 True", f"{backend} 1 True"], res.stdout
 
 
 @pytest.mark.parametrize(
