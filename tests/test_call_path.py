@@ -49,6 +49,7 @@ def _job(fn: Any, compiled: bool, **kw: Any) -> list[Any]:
     """``fn(group)`` on 2 threaded ranks whose worlds run the ``compiled`` path: per-rank outcomes."""
     groups = make_threaded_groups(2, timeout=10, compiled=compiled, **kw)
     assert (groups[0]._lane is not None) == compiled
+    assert (groups[0]._starter != groups[0]._start_persistent) == compiled  # persistent starts too
     out: list[Any] = [None, None]
 
     def body(r: int) -> None:
@@ -293,3 +294,53 @@ def test_a_tracing_recorder_gets_every_event_on_both_paths(tmp_path: Any) -> Non
         events.append([(e[0], e[1], e[2], e[3], e[4], str(e[5]), e[8]) for e in rec.ring])
     want = [("world", 1, "all_sum", -1, 12, "float32", True), ("world", 2, "all_min", -1, 40, "int64", True)]
     assert events[0] == events[1] == want
+
+
+@pytest.mark.parametrize("op", list(REDUCE))
+@pytest.mark.parametrize("dtype", [np.float32, np.int64], ids=str)
+def test_persistent_starts_give_the_same_results_and_numbers_on_both_paths(op: str, dtype: type) -> None:
+    def body(g: Group) -> Any:
+        x = np.zeros(5, dtype)
+        got = []
+        with g.all_reduce_init(x, op) as p:
+            for step in range(3):
+                x[...] = np.arange(5) * (g.rank() + 1) + step
+                got.append(_outcome(p))
+        return got, g._calls, g._b.user_op
+
+    compiled, python = _both(body)
+    assert compiled == python
+    got, calls, user_op = compiled[0]
+    assert (calls, user_op) == (3, "all_reduce_init")
+    for step, outcome in enumerate(got):
+        a, b = np.arange(5) + step, np.arange(5) * 2 + step
+        assert outcome[3] == REDUCE[op](a, b).astype(dtype).tobytes()
+
+
+def test_persistent_start_errors_are_the_same_on_both_paths() -> None:
+    def body(g: Group) -> Any:
+        mismatch = g.all_reduce_init(np.ones(3 + g.rank()))  # the ranks' shapes differ
+        first = _outcome(mismatch)
+        broken = g.all_reduce_init(np.ones(2))
+
+        def fails() -> None:
+            raise RuntimeError("the start broke")
+
+        broken._start = fails
+        second = _outcome(broken)
+        g.barrier()
+        g.close()
+        third = _outcome(broken)
+        return first, second, third
+
+    compiled, python = _both(body, check_calls=True)
+    assert compiled == python
+    first, second, third = compiled[0]
+    assert first[:2] == ("error", "CollectiveMismatchError"), first
+    assert second[:4] == (
+        "error",
+        "DistributedError",
+        "[threaded] rank 0: all_reduce_init failed: RuntimeError: the start broke",
+        "RuntimeError",
+    )
+    assert third[1] == "DistributedError" and "after it was closed" in third[2], third

@@ -2,18 +2,20 @@
  *
  * Guard: the one-thread guard of a world, the same bookkeeping as the pure-Python
  * meshcomm.api.guard.WorldGuard (its docstrings are the contract), run on every operation.
- *
- * Lane: a group's blocking all_sum/all_max/all_min into a new result, the same steps as the
- * pure-Python Group._all_reduce, _submit and _execute take for it, in one C call: the guard,
- * the call numbering, the observer's progress record, the call check or shape key, the
- * result array and the hand-off to the backend (its sum_now for a sum, when it has one, else its
- * all_reduce). Anything it does not handle
- * itself (another array type, a closed group, queued asynchronous operations, an observer
- * that must run the operation itself) goes to Group._all_reduce before anything happened.
  * Its state is only read and written while this code holds the GIL and calls no Python, so
  * no lock is needed (this module does not declare free-threading support: a free-threaded
  * interpreter runs it with the GIL). The messages of the rare paths (a refused thread, a
  * discarded result) come from the Python module's helpers, so both guards say the same.
+ *
+ * Lane: a group's blocking all_sum/all_max/all_min into a new result (run) and a start of a
+ * persistent all-reduce (start), the steps the pure-Python Group._all_reduce (or
+ * _start_persistent), _submit and _execute take, in one C call: the guard, the call's
+ * number, the observer's record, the call check or shape key, the result array and the
+ * hand-off to the backend (its sum_now for a sum, when it has one, else its all_reduce; a
+ * persistent start's check and start through Group._persistent_run). What it does not
+ * handle itself (another array type, a closed group, queued asynchronous operations, an
+ * observer that must run the operation itself) goes to the Python path before anything
+ * happened.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -168,8 +170,9 @@ static PyTypeObject GuardType = {
 static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
     *s_current, *s_check, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
-    *s_all_reduce_py, *s_sum_now, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
-static PyObject *NAMES[3], *OPS[3];
+    *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
+/* the operations' names (3: a persistent all-reduce's start) and the reductions' ops */
+static PyObject *NAMES[4], *OPS[3];
 
 /* the progress record's per-operation fields (meshcomm.trace.progress: _STATE_AT, _NOW, _STATE, _SEQ) */
 enum { STATE_AT = 12, TIME_AT = 16, OP_AT = 24, OP_LEN = 24, GROUP_AT = 48, GROUP_LEN = 64, SEQ_AT = 112,
@@ -182,7 +185,7 @@ typedef struct {
     PyObject *observers; /* the module meshcomm.api.observer (its ``active``) */
     int plain, keyed, piped;
     PyObject *rec;        /* the observer the records below came from, or NULL */
-    PyObject *records[3]; /* per op: its lane_record (a tuple, or None), NULL until asked */
+    PyObject *records[4]; /* per operation: its lane_record (a tuple, or None), NULL until asked */
 } Lane;
 
 static double wall_now(void) {
@@ -259,7 +262,7 @@ static int record_end(PyObject *record, int ok) {
  * when the observer must run the operation itself, NULL on an error (borrowed). */
 static PyObject *lane_record(Lane *self, PyObject *active, int k) {
     if (self->rec != active) {
-        for (int i = 0; i < 3; i++)
+        for (int i = 0; i < 4; i++)
             Py_CLEAR(self->records[i]);
         Py_INCREF(active);
         Py_XSETREF(self->rec, active);
@@ -413,43 +416,15 @@ static void map_error(Lane *self, int k) {
     Py_DECREF(mapped);
 }
 
-static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "run(x, k) takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *x = args[0];
-    long k = PyLong_AsLong(args[1]);
-    if (k < 0 || k > 2) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "run: k must be 0 (sum), 1 (max) or 2 (min), got %ld", k);
-        return NULL;
-    }
-    if ((PyObject *)Py_TYPE(x) != ndarray_type)
-        return slow(self, (int)k, x);
-    /* a supported dtype, C-contiguous, not empty: else the Python path */
-    PyObject *dtype = PyObject_GetAttr(x, s_dtype);
-    if (dtype == NULL)
-        return NULL;
-    int known = PySet_Contains(movable, dtype);
-    if (known < 0) {
-        Py_DECREF(dtype);
-        return NULL;
-    }
-    Py_buffer view;
-    if (!known || PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        Py_DECREF(dtype);
-        return slow(self, (int)k, x);
-    }
-    int ndim = view.ndim;
-    Py_ssize_t nbytes = view.len;
-    PyBuffer_Release(&view);
-    if (nbytes == 0 || ndim == 0) {
-        Py_DECREF(dtype);
-        return slow(self, (int)k, x);
-    }
-    /* a closed group or world, queued asynchronous operations: the Python path (it raises or waits) */
+/* What one operation of the lane runs between the guard's enter and leave (a new
+ * reference, or NULL with the error set). */
+typedef PyObject *(*lane_body)(Lane *self, int k, void *ctx);
+
+/* Operation NAMES[k] as the group's _submit and _execute run it: refused to the Python path
+ * (``slow``, called before anything happened) when the group or world is closed, asynchronous
+ * operations are queued, or the observer runs operations itself; else the guard, the call's
+ * number, the observer's record around ``body``, the error mapping, the guard's leave. */
+static PyObject *lane_call(Lane *self, int k, lane_body body, void *ctx, PyObject *(*slow_path)(Lane *, void *)) {
     PyObject *flag = PyObject_GetAttr(self->group, s_closed);
     int closed = flag ? PyObject_IsTrue(flag) : -1;
     Py_XDECREF(flag);
@@ -475,7 +450,7 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
         if (active == NULL) {
             closed = -1;
         } else if (active != Py_None) {
-            record = lane_record(self, active, (int)k);
+            record = lane_record(self, active, k);
             if (record == NULL)
                 closed = -1;
             else if (record == Py_None)
@@ -483,9 +458,8 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     if (closed != 0) {
-        Py_DECREF(dtype);
         Py_XDECREF(active);
-        return closed < 0 ? NULL : slow(self, (int)k, x);
+        return closed < 0 ? NULL : slow_path(self, ctx);
     }
     /* held for the call: another thread's refused call may replace the lane's records */
     record = active == Py_None ? NULL : Py_NewRef(record);
@@ -494,7 +468,6 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *enter_args[2] = {NAMES[k], self->who};
     PyObject *ticket_obj = Guard_enter(self->guard, enter_args, 2);
     if (ticket_obj == NULL) {
-        Py_DECREF(dtype);
         Py_DECREF(active);
         Py_XDECREF(record);
         return NULL;
@@ -531,7 +504,7 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
         if (rc < 0 || record_begin(record, t0, seq) < 0)
             goto leave;
     }
-    result = reduced(self, (int)k, x, ndim, nbytes, dtype);
+    result = body(self, k, ctx);
     ok = result != NULL;
     if (record != NULL) {
         PyObject *type, *value, *tb;
@@ -547,10 +520,9 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     if (!ok)
-        map_error(self, (int)k);
+        map_error(self, k);
 leave:
     Py_XDECREF(n);
-    Py_DECREF(dtype);
     Py_DECREF(active);
     Py_XDECREF(record);
     {
@@ -579,6 +551,81 @@ leave:
         }
     }
     return result;
+}
+
+/* run(x, k): what an all-reduce's lane_call needs of x */
+typedef struct {
+    PyObject *x, *dtype;
+    int ndim, k;
+    Py_ssize_t nbytes;
+} Reduction;
+
+static PyObject *reduction_body(Lane *self, int k, void *ctx) {
+    Reduction *r = (Reduction *)ctx;
+    return reduced(self, k, r->x, r->ndim, r->nbytes, r->dtype);
+}
+
+static PyObject *reduction_slow(Lane *self, void *ctx) {
+    Reduction *r = (Reduction *)ctx;
+    return slow(self, r->k, r->x);
+}
+
+static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "run(x, k) takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *x = args[0];
+    long k = PyLong_AsLong(args[1]);
+    if (k < 0 || k > 2) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "run: k must be 0 (sum), 1 (max) or 2 (min), got %ld", k);
+        return NULL;
+    }
+    if ((PyObject *)Py_TYPE(x) != ndarray_type)
+        return slow(self, (int)k, x);
+    /* a supported dtype, C-contiguous, not empty: else the Python path */
+    PyObject *dtype = PyObject_GetAttr(x, s_dtype);
+    if (dtype == NULL)
+        return NULL;
+    int known = PySet_Contains(movable, dtype);
+    if (known < 0) {
+        Py_DECREF(dtype);
+        return NULL;
+    }
+    Py_buffer view;
+    if (!known || PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_DECREF(dtype);
+        return slow(self, (int)k, x);
+    }
+    Reduction r = {x, dtype, view.ndim, (int)k, view.len};
+    PyBuffer_Release(&view);
+    PyObject *result;
+    if (r.nbytes == 0 || r.ndim == 0) {
+        result = slow(self, (int)k, x);
+    } else {
+        result = lane_call(self, (int)k, reduction_body, &r, reduction_slow);
+    }
+    Py_DECREF(dtype);
+    return result;
+}
+
+/* start(p): one start of the persistent all-reduce p (Group._start_persistent, compiled) */
+static PyObject *persistent_body(Lane *self, int k, void *ctx) {
+    return PyObject_CallMethodObjArgs(self->group, s_persistent_run, (PyObject *)ctx, NULL);
+}
+
+static PyObject *persistent_slow(Lane *self, void *ctx) {
+    return PyObject_CallMethodObjArgs(self->group, s_start_persistent, (PyObject *)ctx, NULL);
+}
+
+static PyObject *Lane_start(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "start(p) takes 1 argument (%zd given)", nargs);
+        return NULL;
+    }
+    return lane_call(self, 3, persistent_body, args[0], persistent_slow);
 }
 
 static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -620,7 +667,7 @@ static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
     Py_VISIT(self->who);
     Py_VISIT(self->observers);
     Py_VISIT(self->rec);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         Py_VISIT(self->records[i]);
     return 0;
 }
@@ -635,7 +682,7 @@ static int Lane_clear(Lane *self) {
     Py_CLEAR(self->who);
     Py_CLEAR(self->observers);
     Py_CLEAR(self->rec);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         Py_CLEAR(self->records[i]);
     return 0;
 }
@@ -649,6 +696,8 @@ static void Lane_dealloc(Lane *self) {
 static PyMethodDef Lane_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Lane_run, METH_FASTCALL,
      "run(x, k): the blocking all-reduce of x into a new result, op k (0 sum, 1 max, 2 min)."},
+    {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL,
+     "start(p): one start of the persistent all-reduce p (what Group._start_persistent does)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -692,9 +741,11 @@ static int intern_all(void) {
     INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check")
     INTERN(s_all_reduce, "all_reduce") INTERN(s_shape_key, "shape_key") INTERN(s_empty, "empty")
     INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
-    INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_sum_now, "sum_now") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
+    INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_sum_now, "sum_now")
+    INTERN(s_persistent_run, "_persistent_run") INTERN(s_start_persistent, "_start_persistent") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
     INTERN(s_dtype, "dtype") INTERN(s_shape, "shape") INTERN(s_all_reduce_kind, "all_reduce")
     INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
+    INTERN(NAMES[3], "all_reduce_init")
     INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")
 #undef INTERN
     if ((minus_one = PyLong_FromLong(-1)) == NULL || (zero_obj = PyLong_FromLong(0)) == NULL ||

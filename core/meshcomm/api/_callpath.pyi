@@ -1,3 +1,7 @@
+from typing import Any
+
+import numpy as np
+
 from .guard import Ticket
 
 class Guard:
@@ -5,3 +9,27 @@ class Guard:
 
     def enter(self, op: str, who: str) -> Ticket: ...
     def leave(self, ticket: Ticket, op: str, who: str, ok: bool) -> None: ...
+
+class Lane:
+    """A group's blocking all_sum/all_max/all_min and persistent starts, compiled."""
+
+    def __init__(
+        self,
+        group: Any,
+        guard: Guard,
+        world: Any,
+        worker: Any,
+        backend: Any,
+        moves: Any,
+        who: str,
+        observers: Any,
+        plain: bool,
+        keyed: bool,
+        piped: bool,
+    ) -> None: ...
+    def run(self, x: Any, k: int) -> np.ndarray: ...
+    def start(self, p: Any) -> np.ndarray: ...
+
+def setup(
+    ndarray: type, empty: Any, movable: Any, shape_keys: Any, calls_differ: type, kept: tuple[type, ...]
+) -> None: ...

@@ -160,8 +160,10 @@ class Group:
         #: runs the compiled guard (MESHCOMM_COMPILED), else None. It holds this group's
         #: backend, world and worker: they are fixed for the group's life.
         self._lane: Callable[[Any, int], np.ndarray] | None = None
+        #: how a persistent all-reduce of this group starts: the lane's start, or _start_persistent
+        self._starter: Callable[[Persistent], np.ndarray] = self._start_persistent
         if _compiled is not None and type(self._guard) is _compiled.Guard:
-            self._lane = _compiled.Lane(
+            lane = _compiled.Lane(
                 self,
                 self._guard,
                 self._world,
@@ -173,7 +175,8 @@ class Group:
                 self._plain_reduce,
                 self._keyed,
                 self._piped,
-            ).run
+            )
+            self._lane, self._starter = lane.run, lane.start
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -450,24 +453,24 @@ class Group:
         if o is None:
             o = np.empty(x.shape, x.dtype)
         if x.size == 0:
-            return Persistent(self._start_persistent, self._who, op, x, o, lambda: None)
+            return Persistent(self._starter, self._who, op, x, o, lambda: None)
         start = self._moves.all_reduce_init(_flat(x), o.reshape(-1), op)
-        return Persistent(self._start_persistent, self._who, op, x, o, start)
+        return Persistent(self._starter, self._who, op, x, o, start)
 
     def _start_persistent(self, p: Persistent) -> np.ndarray:
         """One start of ``p``, as a collective of this group (guard, numbering, call check)."""
-        x, op = p.x, p.op
+        return self._submit("all_reduce_init", lambda: self._persistent_run(p), False, p.x)
+
+    def _persistent_run(self, p: Persistent) -> np.ndarray:
+        """What a start of ``p`` runs inside its guard and numbering (here or in the compiled
+        lane): the call check, then the backend's start; returns ``p.out``."""
         # a backend that does not override all_reduce_init runs its all_reduce, which is
         # the method whose in-band check counts
         method = "all_reduce_init" if self._overrides("all_reduce_init") else "all_reduce"
-        start, out = p._start, p.out
-
-        def run() -> np.ndarray:
-            self._check("all_reduce_init", x.shape, x.dtype, 0, method, reduction=op)
-            start()
-            return out
-
-        return self._submit("all_reduce_init", run, False, x)
+        x = p.x
+        self._check("all_reduce_init", x.shape, x.dtype, 0, method, reduction=p.op)
+        p._start()
+        return p.out
 
     def reduce(
         self, x: Any, root: int = 0, *, op: str = "sum", out: np.ndarray | None = None, async_op: bool = False
