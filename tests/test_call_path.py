@@ -47,21 +47,13 @@ def _outcome(fn: Any) -> Any:
 
 def _job(fn: Any, compiled: bool, **kw: Any) -> list[Any]:
     """``fn(group)`` on 2 threaded ranks whose worlds run the ``compiled`` path: per-rank outcomes."""
-    groups = make_threaded_groups(2, timeout=10, compiled=compiled, **kw)
-    assert (groups[0]._lane is not None) == compiled
-    assert (groups[0]._starter != groups[0]._start_persistent) == compiled  # persistent starts too
-    out: list[Any] = [None, None]
 
-    def body(r: int) -> None:
-        out[r] = fn(groups[r])
+    def rank(g: Group) -> Any:
+        assert (g._lane is not None) == compiled
+        assert (g._starter != g._start_persistent) == compiled  # persistent starts too
+        return fn(g)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
-    return out
+    return run_threaded(2, rank, timeout=10, compiled=compiled, **kw)
 
 
 def _both(fn: Any, **kw: Any) -> list[list[Any]]:

@@ -24,10 +24,8 @@
 #include <string.h>
 #include <time.h>
 
-/* 0 and 1 as new references on every supported Python (3.10 has no Py_GetConstant) */
+/* the ints 0 and 1, made once (3.10 has no Py_GetConstant) */
 static PyObject *zero_obj, *one_obj;
-static PyObject *_PyLong_GetZero_compat(void) { return zero_obj; }
-static PyObject *_PyLong_GetOne_compat(void) { return one_obj; }
 
 typedef struct {
     PyObject_HEAD
@@ -170,7 +168,7 @@ static PyTypeObject GuardType = {
 static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
     *s_current, *s_check, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
-    *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *s_all_reduce_kind, *minus_one;
+    *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *minus_one;
 /* the operations' names (3: a persistent all-reduce's start) and the reductions' ops */
 static PyObject *NAMES[4], *OPS[3];
 
@@ -194,17 +192,21 @@ static double wall_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Write ``n`` bytes at ``at`` of the writable buffer ``mm`` (-1 on an error). */
-static int write_record(PyObject *mm, Py_ssize_t at, const void *data, Py_ssize_t n) {
+/* Write ``n`` bytes of ``data`` at ``at`` and ``n2`` bytes of ``data2`` at ``at2`` (none when
+ * ``n2`` is 0) into the writable buffer ``mm``, in one hold of it (-1 on an error). */
+static int write_record(PyObject *mm, Py_ssize_t at, const void *data, Py_ssize_t n, Py_ssize_t at2,
+                        const void *data2, Py_ssize_t n2) {
     Py_buffer view;
     if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0)
         return -1;
     int rc = 0;
-    if (at + n > view.len) {
+    if (at + n > view.len || at2 + n2 > view.len) {
         PyErr_SetString(PyExc_ValueError, "the progress record is shorter than its layout");
         rc = -1;
     } else {
         memcpy((char *)view.buf + at, data, (size_t)n);
+        if (n2)
+            memcpy((char *)view.buf + at2, data2, (size_t)n2);
     }
     PyBuffer_Release(&view);
     return rc;
@@ -230,20 +232,8 @@ static int record_begin(PyObject *record, double now, long long seq) {
            (size_t)Py_MIN(PyBytes_GET_SIZE(group_b), GROUP_LEN));
     memcpy(head + (SEQ_AT - STATE_AT), &seq64, 8);
     memcpy(head + (PEER_AT - STATE_AT), &peer, 4);
-    Py_buffer view;
-    if (PyObject_GetBuffer(mm, &view, PyBUF_WRITABLE) < 0)
-        return -1;
-    int rc = 0;
-    if (RECORD_END > view.len || (slot && slot + SLOT_SEQ + 8 > view.len)) {
-        PyErr_SetString(PyExc_ValueError, "the progress record is shorter than its layout");
-        rc = -1;
-    } else {
-        memcpy((char *)view.buf + STATE_AT, head, sizeof head);
-        if (slot)
-            memcpy((char *)view.buf + slot + SLOT_SEQ, &seq64, 8);
-    }
-    PyBuffer_Release(&view);
-    return rc;
+    /* the group's slot gets the sequence too (slot 0: the group has none) */
+    return write_record(mm, STATE_AT, head, sizeof head, slot ? slot + SLOT_SEQ : 0, &seq64, slot ? 8 : 0);
 }
 
 static int record_end(PyObject *record, int ok) {
@@ -255,7 +245,7 @@ static int record_end(PyObject *record, int ok) {
     double now = wall_now();
     memcpy(tail, &state, 4);
     memcpy(tail + 4, &now, 8);
-    return write_record(mm, STATE_AT, tail, sizeof tail);
+    return write_record(mm, STATE_AT, tail, sizeof tail, 0, NULL, 0);
 }
 
 /* The record of op ``k`` from the active observer: a tuple (see Recorder.lane_record), Py_None
@@ -299,13 +289,13 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
         return NULL;
     PyObject *res = NULL, *send = NULL, *recv = NULL, *r;
     if (!self->plain) {
-        r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, _PyLong_GetZero_compat(),
-                                       s_all_reduce_kind, NULL);
+        r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj,
+                                       s_all_reduce, NULL); /* the check's method: all_reduce */
         if (r == NULL)
             goto done;
         Py_DECREF(r);
     } else if (self->keyed) {
-        PyObject *key = ndim == 1 ? Py_NewRef(_PyLong_GetZero_compat()) : PyObject_GetItem(shape_keys, shape);
+        PyObject *key = ndim == 1 ? Py_NewRef(zero_obj) : PyObject_GetItem(shape_keys, shape);
         if (key == NULL)
             goto done;
         int rc = PyObject_SetAttr(self->moves, s_shape_key, key);
@@ -476,7 +466,7 @@ static PyObject *lane_call(Lane *self, int k, lane_body body, void *ctx, PyObjec
     int ok = 0;
     PyObject *calls = PyObject_GetAttr(self->group, s_calls), *n = NULL;
     if (calls != NULL) {
-        n = PyNumber_Add(calls, _PyLong_GetOne_compat());
+        n = PyNumber_Add(calls, one_obj);
         Py_DECREF(calls);
     }
     if (n == NULL || PyObject_SetAttr(self->group, s_calls, n) < 0 ||
@@ -743,7 +733,7 @@ static int intern_all(void) {
     INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
     INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_sum_now, "sum_now")
     INTERN(s_persistent_run, "_persistent_run") INTERN(s_start_persistent, "_start_persistent") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
-    INTERN(s_dtype, "dtype") INTERN(s_shape, "shape") INTERN(s_all_reduce_kind, "all_reduce")
+    INTERN(s_dtype, "dtype") INTERN(s_shape, "shape")
     INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
     INTERN(NAMES[3], "all_reduce_init")
     INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from . import world as _world
 from .group import Group
 from .persistent import Persistent
 from .world import default_group
@@ -46,29 +45,17 @@ def _g(group: Group | None) -> Group:
 
 def all_sum(x: Any, *, group: Group | None = None, out: Out = None, async_op: bool = False) -> Any:
     """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
-    if group is None:  # _g inlined: the latency path of small calls
-        group = _world._default
-        if group is None:
-            group = default_group()
-    return group.all_sum(x, out=out, async_op=async_op)
+    return _g(group).all_sum(x, out=out, async_op=async_op)
 
 
 def all_max(x: Any, *, group: Group | None = None, out: Out = None, async_op: bool = False) -> Any:
     """Element-wise maximum over ranks."""
-    if group is None:  # _g inlined: the latency path of small calls
-        group = _world._default
-        if group is None:
-            group = default_group()
-    return group.all_max(x, out=out, async_op=async_op)
+    return _g(group).all_max(x, out=out, async_op=async_op)
 
 
 def all_min(x: Any, *, group: Group | None = None, out: Out = None, async_op: bool = False) -> Any:
     """Element-wise minimum over ranks."""
-    if group is None:  # _g inlined: the latency path of small calls
-        group = _world._default
-        if group is None:
-            group = default_group()
-    return group.all_min(x, out=out, async_op=async_op)
+    return _g(group).all_min(x, out=out, async_op=async_op)
 
 
 def all_reduce_init(x: np.ndarray, op: str = "sum", *, group: Group | None = None, out: Out = None) -> Persistent:

@@ -651,8 +651,7 @@ typedef struct {
     int64_t split_min, seq_mask, seq_wrap, count_mask, shape_shift, op, desc_at[2];
 } QuickSum;
 
-static PyObject *s_dtype, *s_check, *s_call_seq, *s_shape_key, *s_seq, *s_prev, *s_spin_ns, *s_yielding,
-    *s_quick_rest;
+static PyObject *s_dtype, *s_check, *s_call_seq, *s_shape_key, *s_seq, *s_prev, *s_spin_ns, *s_yielding;
 
 static int QuickSum_init(QuickSum *self, PyObject *args, PyObject *kw)
 {
@@ -849,7 +848,6 @@ PyMODINIT_FUNC PyInit__shm(void)
         return NULL;
     INTERN(s_dtype, "dtype") INTERN(s_check, "check") INTERN(s_call_seq, "call_seq") INTERN(s_shape_key, "shape_key")
     INTERN(s_seq, "seq") INTERN(s_prev, "prev") INTERN(s_spin_ns, "spin_ns") INTERN(s_yielding, "yielding")
-    INTERN(s_quick_rest, "quick_rest")
 #undef INTERN
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
