@@ -3,10 +3,10 @@
 # wheels and sdists into DIR (default dist/), exactly what would be uploaded to a package
 # index. Install from there as a user of an index would:
 #   pip install --find-links dist "meshcomm[sockets]"
-# meshcomm (its call path) and meshcomm-sockets (its shared-memory loop) have a C extension:
-# their wheels are this machine's binary ones, compiled here and tagged manylinux by
-# auditwheel (the other platforms' come from cibuildwheel: pyproject.toml and
-# plugins/sockets/pyproject.toml). Needs hatchling, setuptools and
+# meshcomm (its call path), meshcomm-sockets (its shared-memory loop) and meshcomm-mpi (its
+# small all_sum) have a C extension: their wheels are this machine's binary ones, compiled
+# here and tagged manylinux by auditwheel (the other platforms' come from cibuildwheel: the
+# pyproject.toml of each). Needs hatchling, setuptools and
 # auditwheel (in .venv after scripts/setup.sh) and a C compiler; PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +20,7 @@ fail() {
   echo "$2" >&2
   exit 1
 }
-for d in plugins/mpi plugins/gloo; do
-  log=$(cd "$d" && "$PY" -m hatchling build -d "$OUT" 2>&1) || fail "$d" "$log"
-done
+log=$(cd plugins/gloo && "$PY" -m hatchling build -d "$OUT" 2>&1) || fail plugins/gloo "$log"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 
@@ -50,7 +48,9 @@ $log"
   log=$(PATH="$(dirname "$PY"):$PATH" "$PY" -m auditwheel repair --wheel-dir "$OUT" "$wheel" 2>&1) ||
     fail "$name (auditwheel)" "$log"
 }
-# the core (its compiled call path) and meshcomm-sockets (its compiled shared-memory loop)
+# the core (its compiled call path), meshcomm-sockets (its compiled shared-memory loop) and
+# meshcomm-mpi (its compiled small all_sum)
 binary meshcomm meshcomm/api/_callpath pyproject.toml setup.py README.md core
 binary meshcomm-sockets meshcomm_sockets/_shm plugins/sockets
+binary meshcomm-mpi meshcomm_mpi/_planned plugins/mpi
 ls "$OUT"

@@ -19,9 +19,10 @@ VPY=$VENV/bin/python
 STAMP=$VENV/.meshcomm-setup-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# the core's compiled call path is built at install: its C source is in the stamp
+# the core's compiled call path and the mpi plugin's compiled small all_sum are built at
+# install: their C sources are in the stamp
 want=$(cat scripts/setup-mpich.sh scripts/uv-install.py pyproject.toml setup.py core/meshcomm/api/_callpath.c \
-  plugins/mpi/pyproject.toml | sha256sum | cut -d' ' -f1)
+  plugins/mpi/pyproject.toml plugins/mpi/setup.py plugins/mpi/meshcomm_mpi/_planned.c | sha256sum | cut -d' ' -f1)
 if [ ! -x "$VPY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   [ -x "$VPY" ] || "$PY" -m venv "$VENV"
   echo "*" > "$VENV/.gitignore"  # git ignores the whole venv (as Python >= 3.13's venv does)

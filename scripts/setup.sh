@@ -11,10 +11,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 STAMP=.venv/.meshcomm-setup-stamp
-# the core's compiled call path and the sockets plugin's compiled loop are built at install:
-# their C sources are in the stamp
+# the core's compiled call path, the sockets plugin's compiled loop and the mpi plugin's
+# compiled small all_sum are built at install: their C sources are in the stamp
 want=$(cat scripts/setup.sh scripts/uv-install.py pyproject.toml setup.py core/meshcomm/api/_callpath.c \
-  plugins/*/pyproject.toml plugins/sockets/setup.py plugins/sockets/meshcomm_sockets/_shm.c | sha256sum | cut -d' ' -f1)
+  plugins/*/pyproject.toml plugins/sockets/setup.py plugins/sockets/meshcomm_sockets/_shm.c \
+  plugins/mpi/setup.py plugins/mpi/meshcomm_mpi/_planned.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -24,7 +25,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # time. Modules are compiled to bytecode when first imported, not here (compiling all of
 # torch's would take longer than installing it).
 # torch pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
-# The core's compiled call path and the sockets plugin's compiled loop are built here from
+# The core's compiled call path and the plugins' compiled parts are built here from
 # source, as their wheels are built (needs a C compiler: scripts/ci-system-deps.sh); the
 # editable install keeps them beside the sources (*.so, ignored by git).
 "$VPY" scripts/uv-install.py --python "$VPY" "torch==2.13.0" \

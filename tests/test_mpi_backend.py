@@ -446,6 +446,62 @@ def rank_user_algorithm_kept(g: Any) -> None:
         raise AssertionError(f"rank {g.rank()}: the user's algorithm 2 became {read()}")
 
 
+def rank_small_sums_in_c_and_in_python(g: Any) -> None:
+    """A small all_sum runs as a start of its persistent operation, in C from the core's
+    compiled call path (``sum_now``) where the extension is built, in Python from the
+    backend's ``all_reduce`` otherwise: both give NumPy's sum for every dtype and size up to
+    PLANNED_MAX, share one plan per (dtype, op, count), and count the call once; larger calls,
+    and calls with no plan yet, are not the C entry's (it returns False, having done nothing)."""
+    import importlib.util
+
+    import meshcomm as mc
+    from meshcomm_mpi.backend import PLANNED_MAX, PLANS_MAX
+
+    g = g.split(0)  # a communicator of its own: no plans made by earlier checks (PLANS_MAX)
+    b, r, n = g.transport, g.rank(), g.size()
+    built = importlib.util.find_spec("meshcomm_mpi._planned") is not None
+    if built != (b.sum_now is not None):
+        raise AssertionError(f"rank {r}: extension built={built} but sum_now={b.sum_now}")
+    for dt in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint16, np.float16, np.complex64):
+        for count in (1, 5, PLANNED_MAX // np.dtype(dt).itemsize):
+            xs = [((np.arange(count) * 7 + q) % 50).astype(dt) for q in range(n)]
+            want = _fold(np.add, xs)
+            before = b.coll_count
+            _check_equal(mc.all_sum(xs[r], group=g), want, f"all_sum {dt.__name__}[{count}]", r)
+            out = np.empty_like(xs[r])
+            b.all_reduce(xs[r], out, "sum")
+            _check_equal(out, want, f"the backend's Python all_reduce {dt.__name__}[{count}]", r)
+            if b.coll_count != before + 2:
+                raise AssertionError(f"rank {r}: two calls counted as {b.coll_count - before}")
+            if b._plans.get((np.dtype(dt), "sum", count)) is None:
+                raise AssertionError(f"rank {r}: no plan for {dt.__name__}[{count}]")
+    if b.sum_now is not None:
+        big = np.ones(PLANNED_MAX // 4 + 1, np.float32)
+        before = b.coll_count
+        if b.sum_now(big, np.empty_like(big)) or b.coll_count != before:
+            raise AssertionError(f"rank {r}: the C entry took a call above PLANNED_MAX")
+        x = np.full(3, r + 1.0, np.float32)
+        out = np.empty_like(x)
+        if b.sum_now(x, out) or b.coll_count != before:  # no plan yet: the Python path makes it
+            raise AssertionError(f"rank {r}: the C entry took a call it has no plan for")
+        mc.all_sum(x, group=g)
+        if not b.sum_now(x, out):
+            raise AssertionError(f"rank {r}: the C entry refused a planned all_sum")
+        _check_equal(out, np.full(3, n * (n + 1) / 2, np.float32), "sum_now", r)
+    # past PLANS_MAX shapes, further ones run as plain Iallreduce, with the same results
+    extra = [c for c in range(6, 6 + PLANS_MAX) if (np.dtype(np.float32), "sum", c) not in b._plans]
+    for count in extra:
+        _check_equal(
+            mc.all_sum(np.full(count, r, np.float32), group=g),
+            np.full(count, n * (n - 1) / 2, np.float32),
+            f"all_sum float32[{count}]",
+            r,
+        )
+    made = [p for p in b._plans.values() if p is not None]
+    if len(made) != PLANS_MAX or b._plans[np.dtype(np.float32), "sum", extra[-1]] is not None:
+        raise AssertionError(f"rank {r}: {len(made)} plans made (PLANS_MAX={PLANS_MAX})")
+
+
 RANK_CHECKS = {
     f.__name__: f
     for f in (
@@ -462,6 +518,7 @@ RANK_CHECKS = {
         rank_ring_allreduce,
         rank_failure_after_a_collective,
         rank_user_algorithm_kept,
+        rank_small_sums_in_c_and_in_python,
     )
 }
 SPECIFIC = [

@@ -25,6 +25,8 @@ print("RESULT", g.backend, g.rank(), got.tolist(), flush=True)
 print("COMPILED", g.backend, g.rank(), "meshcomm_sockets._shm" in sys.modules, flush=True)
 # the world runs the core's compiled call path from the wheel
 print("CALLPATH", g.backend, g.rank(), g._lane is not None, flush=True)
+# the mpi backend runs its small all_sum in C from its wheel
+print("PLANNED", g.backend, g.rank(), getattr(g._moves, "sum_now", None) is not None, flush=True)
 """
 
 
@@ -57,8 +59,7 @@ def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -
     names = sorted(p.name for p in dist.iterdir())
     for d in ("meshcomm", "meshcomm_sockets", "meshcomm_mpi", "meshcomm_gloo"):
         assert f"{d}-0.1.0.tar.gz" in names, names
-    for d in ("meshcomm_mpi", "meshcomm_gloo"):
-        assert f"{d}-0.1.0-py3-none-any.whl" in names, names
+    assert "meshcomm_gloo-0.1.0-py3-none-any.whl" in names, names
     for wheel in dist.glob("*.whl"):
         with zipfile.ZipFile(wheel) as z:
             meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -66,14 +67,15 @@ def test_four_wheels_and_sdists_with_requirements_an_index_accepts(dist: Path) -
         requires = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
         assert not any("@" in ln for ln in requires), f"{wheel.name} has a direct reference: {requires}"
         assert str(ROOT) not in text, f"{wheel.name} records this checkout's path"
-    # the core's and the sockets backend's wheels are binary ones an index accepts for this
-    # machine (manylinux, not linux_x86_64), carrying the compiled call path and shared-memory
-    # loop; their sdists carry the C sources
+    # the core's, the sockets backend's and the mpi backend's wheels are binary ones an index
+    # accepts for this machine (manylinux, not linux_x86_64), carrying the compiled call path,
+    # shared-memory loop and small all_sum; their sdists carry the C sources
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     wheels = {}
     for d, module, source in (
         ("meshcomm", "meshcomm/api/_callpath", "core/meshcomm/api/_callpath.c"),
         ("meshcomm_sockets", "meshcomm_sockets/_shm", "meshcomm_sockets/_shm.c"),
+        ("meshcomm_mpi", "meshcomm_mpi/_planned", "meshcomm_mpi/_planned.c"),
     ):
         (wheel,) = [n for n in names if n.startswith(f"{d}-0.1.0-") and n.endswith(".whl")]
         assert wheel.startswith(f"{d}-0.1.0-{tag}-{tag}-manylinux") and "x86_64" in wheel, wheel
@@ -105,6 +107,7 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
     )
     info = _run([str(venv / "bin" / "meshcomm"), "info"], tmp_path).stdout
     assert "sockets" in info and "compiled loop" in info and "; compiled call path)" in info, info
+    assert "compiled small all_sum" in info, info
     work = tmp_path / "work"
     work.mkdir()
     (work / "prog.py").write_text(PROG)
@@ -125,6 +128,9 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
             assert compiled == ["sockets 0 True", "sockets 1 True"], res.stdout
         lanes = sorted(ln.split("CALLPATH ", 1)[1] for ln in res.stdout.splitlines() if "CALLPATH " in ln)
         assert lanes == [f"{backend} 0 True", f"{backend} 1 True"], res.stdout
+        if backend == "mpi":
+            planned = sorted(ln.split("PLANNED ", 1)[1] for ln in res.stdout.splitlines() if "PLANNED " in ln)
+            assert planned == ["mpi 0 True", "mpi 1 True"], res.stdout
 
 
 @pytest.mark.parametrize(
@@ -132,6 +138,7 @@ def test_a_user_installs_from_the_files_and_runs_every_backend(dist: Path, tmp_p
     [
         ("meshcomm", ("meshcomm/api/guard.py", "meshcomm/cli.py"), "meshcomm/api/_callpath."),
         ("meshcomm_sockets", ("meshcomm_sockets/shm.py", "meshcomm_sockets/plugin.py"), "meshcomm_sockets/_shm."),
+        ("meshcomm_mpi", ("meshcomm_mpi/backend.py", "meshcomm_mpi/compiled.py"), "meshcomm_mpi/_planned."),
     ],
 )
 def test_the_sdist_builds_without_a_compiler_into_pure_python(
@@ -139,7 +146,7 @@ def test_the_sdist_builds_without_a_compiler_into_pure_python(
 ) -> None:
     """Where no wheel fits, pip builds the sdist: with no C compiler the build goes on and the
     wheel has every module but the compiled one (the core then runs its pure-Python call
-    path, the sockets backend its pure-Python loop)."""
+    path, the sockets backend its pure-Python loop, the mpi backend its small all_sum in Python)."""
     sdist = dist / f"{d}-0.1.0.tar.gz"
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     _run(

@@ -78,6 +78,8 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
         start.all_reduce(flags, agreed, "max")
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
     spare = comm.Dup()  # for naming a mismatch (MPIBackend._agree)
-    backend = MPIBackend(comm, OpTable(numpy_sums), control, timeout=timeout, spare=spare, ring_from=ring)
+    backend = MPIBackend(
+        comm, OpTable(numpy_sums), control, timeout=timeout, spare=spare, ring_from=ring, plans=start._plans
+    )
     backend.coll_count = start.coll_count  # the same communicator: its sequence goes on
     return backend

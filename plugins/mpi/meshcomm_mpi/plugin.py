@@ -7,6 +7,7 @@ check and the factory load what they need when the core calls them.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from meshcomm.plugin import Backend, BackendRegistrar, Config, JobSpec, hookimpl
@@ -43,5 +44,11 @@ def meshcomm_register_backends(register: BackendRegistrar) -> None:
         settings=MPISettings,
         launcher=MPILauncher(),
         priority=20,
-        description="MPI through mpi4py (native collectives; start under mpiexec)",
+        description=f"MPI through mpi4py (native collectives; start under mpiexec); {which_path()} small all_sum",
     )
+
+
+def which_path() -> str:
+    """How this installation runs a small all_sum: "compiled" when the wheel's extension
+    (``meshcomm_mpi._planned``) is there, else "pure-Python" (a build without a compiler)."""
+    return "compiled" if importlib.util.find_spec("meshcomm_mpi._planned") is not None else "pure-Python"

@@ -1,0 +1,53 @@
+"""The mpi backend's compiled small all_sum (``meshcomm_mpi._planned``), when it was built.
+
+The extension reaches MPI through the functions mpi4py's own extension module calls: their
+addresses are found here with ctypes, so the extension needs no MPI headers and works with
+whichever MPI mpi4py loaded (Open MPI, MPICH, the MPI ABI).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["planned_sum"]
+
+
+def _addresses(names: tuple[str, ...]) -> list[int] | None:
+    try:
+        lib = ctypes.CDLL(MPI.__file__)  # mpi4py's extension: its MPI library's symbols resolve through it
+        found = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
+    except (OSError, AttributeError):
+        return None
+    return None if None in found else [int(a) for a in found if a is not None]
+
+
+def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarray], bool] | None:
+    """``backend``'s ``sum_now`` (Backend.sum_now): a small all_sum started and waited for in C,
+    or None without the extension (the backend's Python ``all_reduce`` does the same steps)."""
+    try:
+        from ._planned import PlannedSum
+    except ImportError:
+        return None
+    found = _addresses(("MPI_Start", "MPI_Test", "MPI_Iprobe"))
+    if found is None:
+        return None
+    control = backend.control
+    start, test, iprobe = found
+    return PlannedSum(
+        backend,
+        control,
+        start,
+        test,
+        iprobe,
+        MPI._handleof(control.ctl),
+        MPI.ANY_SOURCE,
+        MPI.ANY_TAG,
+        bool(control.oversubscribed),
+        float(control.spin),
+        max_bytes,
+    ).run
