@@ -17,11 +17,12 @@ from typing import Any
 import meshcomm as mc
 import numpy as np
 import pytest
-from meshcomm.api import observer
+from meshcomm.api import debug, observer
 from meshcomm.api.group import Group
-from meshcomm.api.guard import compiled_path
+from meshcomm.api.guard import compiled_path, new_guard
+from meshcomm.plugin import CallsDiffer
 from meshcomm.protocol.dtypes import BASE_SUPPORTED
-from meshcomm.testing.threaded import make_threaded_groups, run_threaded
+from meshcomm.testing.threaded import ThreadedBackend, _Fabric, make_threaded_groups, run_threaded
 from meshcomm.trace import progress as progress_mod
 from meshcomm.trace.progress import ProgressWriter
 from meshcomm.trace.recorder import Recorder
@@ -336,3 +337,68 @@ def test_persistent_start_errors_are_the_same_on_both_paths() -> None:
         "RuntimeError",
     )
     assert third[1] == "DistributedError" and "after it was closed" in third[2], third
+
+
+class _CarryingBackend(ThreadedBackend):
+    """A threaded rank whose backend carries the core's call check beside the data
+    (``pipelines_calls``), as mpi does: each all-reduce records the key it was given and
+    compares the ranks' keys before the data moves."""
+
+    pipelines_calls = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.keys: list[Any] = []
+
+    def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        key, self.call_key = self.call_key, None
+        self.keys.append(None if key is None else key.tolist())
+        if key is not None:
+            seen = np.empty(2, np.int64)
+            super().all_reduce(key, seen, "max")
+            if seen[0] != -seen[1]:
+                raise CallsDiffer("the carried keys differ")
+        super().all_reduce(sendbuf, recvbuf, op)
+
+
+def test_a_backend_carrying_the_call_check_gets_each_calls_key_on_both_paths() -> None:
+    """On a group whose backend carries the check, the compiled path hands the backend the
+    key Group._check makes for each call (remembered for a repeat of the same dtype and shape,
+    made anew for any other), names the call in flight on a mismatch, and clears the key after
+    every call, as the pure-Python path does."""
+    calls = [
+        ("all_sum", np.float32, (3,)),
+        ("all_sum", np.float32, (3,)),
+        ("all_sum", np.float32, (1, 3)),
+        ("all_max", np.float32, (3,)),
+        ("all_sum", np.float64, (3,)),
+        ("all_sum", np.float32, (3,)),
+        ("all_min", np.int32, (2, 2)),
+        ("all_min", np.int32, (2, 2)),
+    ]
+
+    def job(compiled: bool) -> list[Any]:
+        fabric = _Fabric(2)
+        groups = [Group(_CarryingBackend(fabric, r, 10.0), "threaded", guard=new_guard(compiled)) for r in range(2)]
+        assert all(g._piped and (g._lane is not None) == compiled for g in groups)
+
+        def rank(g: Group) -> Any:
+            got = [_outcome(lambda c=c: getattr(g, c[0])(np.ones(c[2], c[1]))) for c in calls]
+            got.append(_outcome(lambda: g.all_sum(np.ones(3 + g.rank(), np.float32))))  # shapes differ
+            return got, g._moves.keys, g._moves.call_key, g._in_flight
+
+        out: list[Any] = [None, None]
+        threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, rank(groups[r]))) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        return out
+
+    compiled, python = job(True), job(False)
+    assert compiled == python
+    got, keys, left, in_flight = compiled[0]
+    assert all(o[0] == "ok" for o in got[:-1]) and got[-1][1] == "CollectiveMismatchError", got
+    want = [debug.call_key(op, shape, np.dtype(dt)).tolist() for op, dt, shape in calls]
+    assert keys == [*want, debug.call_key("all_sum", (3,), np.dtype(np.float32)).tolist()]
+    assert left is None and in_flight == ("all_sum", (3,), np.dtype(np.float32), 0, None)

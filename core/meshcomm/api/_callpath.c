@@ -167,7 +167,7 @@ static PyTypeObject GuardType = {
 /* set once by setup(): what every lane needs from NumPy and the core */
 static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
-    *s_current, *s_check, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
+    *s_current, *s_check, *s_in_flight, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
     *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *minus_one;
 /* the operations' names (3: a persistent all-reduce's start) and the reductions' ops */
 static PyObject *NAMES[4], *OPS[3];
@@ -184,6 +184,9 @@ typedef struct {
     int plain, keyed, piped;
     PyObject *rec;        /* the observer the records below came from, or NULL */
     PyObject *records[4]; /* per operation: its lane_record (a tuple, or None), NULL until asked */
+    /* per operation, on a group whose backend carries the call check (piped): the last call's
+     * dtype and shape, and the call_key and _in_flight that Group._check set for them */
+    PyObject *key_dtype[4], *key_shape[4], *key[4], *in_flight[4];
 } Lane;
 
 static double wall_now(void) {
@@ -282,6 +285,46 @@ static PyObject *slow(Lane *self, int k, PyObject *x) {
     return PyObject_CallMethodObjArgs(self->group, s_all_reduce_py, OPS[k], x, Py_None, Py_False, NULL);
 }
 
+/* Group._check of all-reduce ``k``. On a piped group its outcome depends only on the call's
+ * dtype and shape (the backend's call_key and the group's _in_flight): a repeat of the last
+ * call sets the two remembered from it; any other call runs Group._check and, if it set a
+ * key, remembers what it set. 0, or -1 on an error. */
+static int piped_key(Lane *self, int k, PyObject *shape, PyObject *dtype) {
+    if (self->piped && self->key[k] != NULL && self->key_dtype[k] == dtype) {
+        int same = PyObject_RichCompareBool(self->key_shape[k], shape, Py_EQ);
+        if (same < 0)
+            return -1;
+        if (same) {
+            if (PyObject_SetAttr(self->moves, s_call_key, self->key[k]) < 0)
+                return -1;
+            return PyObject_SetAttr(self->group, s_in_flight, self->in_flight[k]);
+        }
+    }
+    PyObject *r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj, s_all_reduce,
+                                             NULL); /* the check's method: all_reduce */
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    if (!self->piped)
+        return 0;
+    PyObject *key = PyObject_GetAttr(self->moves, s_call_key);
+    PyObject *flight = key ? PyObject_GetAttr(self->group, s_in_flight) : NULL;
+    if (flight == NULL) {
+        Py_XDECREF(key);
+        return -1;
+    }
+    if (key == Py_None) { /* the check ran apart from the data (Group._check): nothing to remember */
+        Py_DECREF(key);
+        Py_DECREF(flight);
+        return 0;
+    }
+    Py_XSETREF(self->key[k], key);
+    Py_XSETREF(self->in_flight[k], flight);
+    Py_XSETREF(self->key_shape[k], Py_NewRef(shape));
+    Py_XSETREF(self->key_dtype[k], Py_NewRef(dtype));
+    return 0;
+}
+
 /* The all-reduce proper, as the run of Group._all_reduce does it (a new reference, or NULL). */
 static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nbytes, PyObject *dtype) {
     PyObject *shape = PyObject_GetAttr(x, s_shape);
@@ -289,11 +332,8 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
         return NULL;
     PyObject *res = NULL, *send = NULL, *recv = NULL, *r;
     if (!self->plain) {
-        r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj,
-                                       s_all_reduce, NULL); /* the check's method: all_reduce */
-        if (r == NULL)
+        if (piped_key(self, k, shape, dtype) < 0)
             goto done;
-        Py_DECREF(r);
     } else if (self->keyed) {
         PyObject *key = ndim == 1 ? Py_NewRef(zero_obj) : PyObject_GetItem(shape_keys, shape);
         if (key == NULL)
@@ -657,8 +697,13 @@ static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
     Py_VISIT(self->who);
     Py_VISIT(self->observers);
     Py_VISIT(self->rec);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4; i++) {
         Py_VISIT(self->records[i]);
+        Py_VISIT(self->key_dtype[i]);
+        Py_VISIT(self->key_shape[i]);
+        Py_VISIT(self->key[i]);
+        Py_VISIT(self->in_flight[i]);
+    }
     return 0;
 }
 
@@ -672,8 +717,13 @@ static int Lane_clear(Lane *self) {
     Py_CLEAR(self->who);
     Py_CLEAR(self->observers);
     Py_CLEAR(self->rec);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4; i++) {
         Py_CLEAR(self->records[i]);
+        Py_CLEAR(self->key_dtype[i]);
+        Py_CLEAR(self->key_shape[i]);
+        Py_CLEAR(self->key[i]);
+        Py_CLEAR(self->in_flight[i]);
+    }
     return 0;
 }
 
@@ -728,7 +778,7 @@ static int intern_all(void) {
         return -1;
     INTERN(s_closed, "_closed") INTERN(s_world_closed, "closed") INTERN(s_thread, "_thread") INTERN(s_pending, "pending") INTERN(s_calls, "_calls")
     INTERN(s_user_op, "user_op") INTERN(s_user_no, "user_no") INTERN(s_active, "active")
-    INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check")
+    INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check") INTERN(s_in_flight, "_in_flight")
     INTERN(s_all_reduce, "all_reduce") INTERN(s_shape_key, "shape_key") INTERN(s_empty, "empty")
     INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
     INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_sum_now, "sum_now")
