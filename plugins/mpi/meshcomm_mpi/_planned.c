@@ -23,7 +23,7 @@
 #include <time.h>
 
 typedef int (*start_fn)(void *request);
-typedef int (*testall_fn)(int count, void *requests, int *flag, void *statuses);
+typedef int (*test_fn)(void *request, int *flag, void *status);
 typedef int (*iprobe_fn)(int source, int tag, intptr_t comm, int *flag, void *status);
 
 /* Tests between looks at the clock; between yields when ranks outnumber cores (the Python
@@ -34,8 +34,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *backend, *control, *what, *key_req_obj;
     start_fn start;
-    testall_fn testall;
-    Py_ssize_t handle_size; /* bytes of one MPI_Request handle (mpi4py.MPI._sizeof(MPI.Request)) */
+    test_fn test;
     iprobe_fn iprobe;
     intptr_t ctl;
     int any_source, any_tag, oversubscribed;
@@ -49,7 +48,7 @@ typedef struct {
     /* the call check's persistent all-reduce: its request and arrays (the backend's) */
     void *key_req;
     int64_t *key, *seen;
-    char status[2 * 256]; /* two MPI_Status of any MPI (MPI_STATUS(ES)_IGNORE differ between them) */
+    char status[256]; /* an MPI_Status of any MPI (MPI_STATUS_IGNORE differs between them) */
 } PlannedSum;
 
 static PyObject *s_broken, *s_call_key, *s_plans, *s_key_req, *s_key, *s_seen, *s_coll_count, *s_tail,
@@ -108,22 +107,18 @@ static void PlannedSum_dealloc(PlannedSum *self) {
 }
 
 static int PlannedSum_init(PlannedSum *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"backend", "control", "start", "testall", "iprobe", "ctl", "any_source", "any_tag",
-                            "oversubscribed", "spin", "max_bytes", "handle_size", NULL};
+    static char *names[] = {"backend", "control", "start", "test", "iprobe", "ctl", "any_source",
+                            "any_tag", "oversubscribed", "spin", "max_bytes", NULL};
     PyObject *backend, *control;
-    unsigned long long start, testall, iprobe, ctl; /* ctl: a pointer, or an int sign-extended (MPICH) */
+    unsigned long long start, test, iprobe, ctl; /* ctl: a pointer, or an int sign-extended (MPICH) */
     int any_source, any_tag, oversubscribed;
     double spin;
-    Py_ssize_t max_bytes, handle_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKKiipdnn", names, &backend, &control, &start, &testall, &iprobe,
-                                     &ctl, &any_source, &any_tag, &oversubscribed, &spin, &max_bytes, &handle_size))
+    Py_ssize_t max_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKKiipdn", names, &backend, &control, &start, &test, &iprobe,
+                                     &ctl, &any_source, &any_tag, &oversubscribed, &spin, &max_bytes))
         return -1;
-    if (!start || !testall || !iprobe) {
-        PyErr_SetString(PyExc_ValueError, "PlannedSum needs the addresses of MPI_Start, MPI_Testall and MPI_Iprobe");
-        return -1;
-    }
-    if (handle_size <= 0 || handle_size > 16) {
-        PyErr_Format(PyExc_ValueError, "PlannedSum: an MPI_Request of %zd bytes", handle_size);
+    if (!start || !test || !iprobe) {
+        PyErr_SetString(PyExc_ValueError, "PlannedSum needs the addresses of MPI_Start, MPI_Test and MPI_Iprobe");
         return -1;
     }
     Py_XSETREF(self->backend, Py_NewRef(backend));
@@ -132,8 +127,7 @@ static int PlannedSum_init(PlannedSum *self, PyObject *args, PyObject *kw) {
     if (self->what == NULL)
         return -1;
     self->start = (start_fn)(uintptr_t)start;
-    self->testall = (testall_fn)(uintptr_t)testall;
-    self->handle_size = handle_size;
+    self->test = (test_fn)(uintptr_t)test;
     self->iprobe = (iprobe_fn)(uintptr_t)iprobe;
     self->ctl = (intptr_t)ctl; /* an int handle is its low 32 bits, as an int argument takes them */
     self->any_source = any_source;
@@ -335,18 +329,22 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
         result = mpi_failed(self, rc);
         goto release;
     }
-    /* both requests in one array, tested together: one MPI progress per test, not one each
-     * (a persistent request keeps its handle through starts and completions) */
-    char reqs[2 * 16];
-    int nreqs = 0;
-    if (keyed)
-        memcpy(reqs + self->handle_size * nreqs++, self->key_req, self->handle_size);
-    memcpy(reqs + self->handle_size * nreqs++, self->req, self->handle_size);
-    int done = 0;
+    int data_done = 0, key_done = !keyed;
     double end = 0;
     Py_BEGIN_ALLOW_THREADS /* MPI runs threads' calls at once (mpi4py's calls release the GIL too) */
     for (unsigned i = 1;; i++) {
-        if ((rc = self->testall(nreqs, reqs, &done, self->status)) != 0 || done)
+        int flag = 0;
+        if (!key_done) {
+            if ((rc = self->test(self->key_req, &flag, self->status)) != 0)
+                break;
+            key_done = flag;
+        }
+        if (!data_done) {
+            if ((rc = self->test(self->req, &flag, self->status)) != 0)
+                break;
+            data_done = flag;
+        }
+        if (data_done && key_done)
             break;
         if (i % CLOCK_EVERY == 1) {
             double t = now_s();
@@ -363,7 +361,8 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
         result = mpi_failed(self, rc);
         goto release;
     }
-    if (!(done && (!keyed || (self->seen[0] == self->key[0] && self->seen[1] == self->key[1])))) {
+    int agreed = key_done && (!keyed || (self->seen[0] == self->key[0] && self->seen[1] == self->key[1]));
+    if (!(data_done && agreed)) {
         /* the Python rest: the check's answer (a mismatch raises), then the deadline wait */
         PyObject *checked = keyed ? PyTuple_Pack(2, self->key_req_obj, key) : Py_NewRef(Py_None);
         PyObject *r = checked ? PyObject_CallMethodObjArgs(self->backend, s_planned_rest, PyTuple_GET_ITEM(plan, 0),

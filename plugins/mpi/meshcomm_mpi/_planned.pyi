@@ -8,7 +8,7 @@ class PlannedSum:
         backend: Any,
         control: Any,
         start: int,
-        testall: int,
+        test: int,
         iprobe: int,
         ctl: int,
         any_source: int,
@@ -16,6 +16,5 @@ class PlannedSum:
         oversubscribed: bool,
         spin: float,
         max_bytes: int,
-        handle_size: int,
     ) -> None: ...
     def run(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool: ...

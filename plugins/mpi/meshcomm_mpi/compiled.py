@@ -33,16 +33,16 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
         from ._planned import PlannedSum
     except ImportError:
         return None
-    found = _addresses(("MPI_Start", "MPI_Testall", "MPI_Iprobe"))
+    found = _addresses(("MPI_Start", "MPI_Test", "MPI_Iprobe"))
     if found is None:
         return None
     control = backend.control
-    start, testall, iprobe = found
+    start, test, iprobe = found
     return PlannedSum(
         backend,
         control,
         start,
-        testall,
+        test,
         iprobe,
         MPI._handleof(control.ctl),
         MPI.ANY_SOURCE,
@@ -50,5 +50,4 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
         bool(control.oversubscribed),
         float(control.spin),
         max_bytes,
-        MPI._sizeof(MPI.Request),
     ).run
