@@ -17,6 +17,7 @@ send met by a recv of another dtype or size is a CollectiveMismatchError.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -465,6 +466,17 @@ class MPIBackend(Backend):
             if req.Test():
                 return
         self._finish([req], what, None, None, inbuf.nbytes)
+
+    def all_reduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> Callable[[], None]:
+        """A persistent all-reduce: each start is :meth:`all_reduce` of the same buffers, a
+        small sum through the compiled entry (``sum_now``) when there is one."""
+        now = self.sum_now if op == "sum" else None
+
+        def start() -> None:
+            if now is None or not now(sendbuf, recvbuf):
+                self.all_reduce(sendbuf, recvbuf, op)
+
+        return start
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         if self.broken is not None:
