@@ -393,6 +393,7 @@ def test_a_backend_carrying_the_call_check_gets_each_calls_key_on_both_paths() -
             t.start()
         for t in threads:
             t.join(20)
+        assert not any(t.is_alive() for t in threads), "a rank did not finish"
         return out
 
     compiled, python = job(True), job(False)

@@ -307,6 +307,9 @@ def rank_other_shape_same_count(g: Any) -> None:
             raise AssertionError(f"rank {r}: the mismatch error does not name both calls: {exc}") from None
     else:
         raise AssertionError(f"rank {r}: a persistent all-reduce met by an all_sum raised nothing")
+    # the (6,) float32 plan made by a call every rank agrees on: the mismatch below then runs
+    # as a start of it (in C on the compiled call path)
+    mc.all_sum(np.ones(6, np.float32), group=g)
     x = np.ones((3, 2) if r == 1 else (2, 3), dtype=np.float32)
     try:
         got = mc.all_sum(x, group=g)
@@ -447,11 +450,13 @@ def rank_user_algorithm_kept(g: Any) -> None:
 
 
 def rank_small_sums_in_c_and_in_python(g: Any) -> None:
-    """A small all_sum runs as a start of its persistent operation, in C from the core's
-    compiled call path (``sum_now``) where the extension is built, in Python from the
-    backend's ``all_reduce`` otherwise: both give NumPy's sum for every dtype and size up to
-    PLANNED_MAX, share one plan per (dtype, op, count), and count the call once; larger calls,
-    and calls with no plan yet, are not the C entry's (it returns False, having done nothing)."""
+    """A small all-reduce's first call runs as an Iallreduce and makes its persistent
+    operation; every later one is a start of it: in C from the core's compiled call path
+    (``sum_now``, the backend's Python all_reduce not called) where the extension is built,
+    in the backend's Python all_reduce otherwise. Both give NumPy's sum for every dtype and
+    size up to PLANNED_MAX and count each call once; a persistent all_sum starts through the
+    C entry too; calls above PLANNED_MAX, and calls with no plan yet, are not the C entry's
+    (it returns False, having done nothing); past PLANS_MAX shapes, Iallreduce again."""
     import importlib.util
 
     import meshcomm as mc
@@ -462,34 +467,54 @@ def rank_small_sums_in_c_and_in_python(g: Any) -> None:
     built = importlib.util.find_spec("meshcomm_mpi._planned") is not None
     if built != (b.sum_now is not None):
         raise AssertionError(f"rank {r}: extension built={built} but sum_now={b.sum_now}")
+    python_calls = []
+    python_all_reduce = b.all_reduce
+
+    def counted(*args: Any) -> None:
+        python_calls.append(args[2])
+        python_all_reduce(*args)
+
+    b.all_reduce = counted  # the core's calls of the backend's Python all_reduce, counted
     for dt in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint16, np.float16, np.complex64):
         for count in (1, 5, PLANNED_MAX // np.dtype(dt).itemsize):
             xs = [((np.arange(count) * 7 + q) % 50).astype(dt) for q in range(n)]
             want = _fold(np.add, xs)
+            what = f"{dt.__name__}[{count}]"
+            _check_equal(mc.all_sum(xs[r], group=g), want, f"the first all_sum {what}", r)
+            if b._plans.get((np.dtype(dt), "sum", count)) is None:
+                raise AssertionError(f"rank {r}: no plan for {what} after its first call")
+            del python_calls[:]
             before = b.coll_count
-            _check_equal(mc.all_sum(xs[r], group=g), want, f"all_sum {dt.__name__}[{count}]", r)
+            _check_equal(mc.all_sum(xs[r], group=g), want, f"all_sum {what}", r)
+            if built and python_calls:
+                raise AssertionError(f"rank {r}: a planned all_sum {what} ran the Python all_reduce")
             out = np.empty_like(xs[r])
-            b.all_reduce(xs[r], out, "sum")
-            _check_equal(out, want, f"the backend's Python all_reduce {dt.__name__}[{count}]", r)
+            python_all_reduce(xs[r], out, "sum")
+            _check_equal(out, want, f"the backend's Python all_reduce {what}", r)
             if b.coll_count != before + 2:
                 raise AssertionError(f"rank {r}: two calls counted as {b.coll_count - before}")
-            if b._plans.get((np.dtype(dt), "sum", count)) is None:
-                raise AssertionError(f"rank {r}: no plan for {dt.__name__}[{count}]")
+    x = np.full(3, r + 1.0, np.float32)
+    with g.all_reduce_init(x) as start:
+        for step in range(3):
+            x[...] = r + 1.0 + step
+            del python_calls[:]
+            _check_equal(start(), np.full(3, n * (n + 1) / 2 + n * step, np.float32), f"persistent start {step}", r)
+            if built and step and python_calls:
+                raise AssertionError(f"rank {r}: a persistent all_sum's start ran the Python all_reduce")
+    b.all_reduce = python_all_reduce
     if b.sum_now is not None:
         big = np.ones(PLANNED_MAX // 4 + 1, np.float32)
         before = b.coll_count
         if b.sum_now(big, np.empty_like(big)) or b.coll_count != before:
             raise AssertionError(f"rank {r}: the C entry took a call above PLANNED_MAX")
-        x = np.full(3, r + 1.0, np.float32)
-        out = np.empty_like(x)
-        if b.sum_now(x, out) or b.coll_count != before:  # no plan yet: the Python path makes it
+        y = np.ones(7, np.float32)
+        if b.sum_now(y, np.empty_like(y)) or b.coll_count != before:
             raise AssertionError(f"rank {r}: the C entry took a call it has no plan for")
-        mc.all_sum(x, group=g)
-        if not b.sum_now(x, out):
-            raise AssertionError(f"rank {r}: the C entry refused a planned all_sum")
-        _check_equal(out, np.full(3, n * (n + 1) / 2, np.float32), "sum_now", r)
+        strided = np.ones(8, np.float32)[::2]
+        if b.sum_now(strided, np.empty(4, np.float32)) or b.coll_count != before:
+            raise AssertionError(f"rank {r}: the C entry took a non-contiguous array")
     # past PLANS_MAX shapes, further ones run as plain Iallreduce, with the same results
-    extra = [c for c in range(6, 6 + PLANS_MAX) if (np.dtype(np.float32), "sum", c) not in b._plans]
+    extra = [c for c in range(6, 8 + PLANS_MAX) if (np.dtype(np.float32), "sum", c) not in b._plans]
     for count in extra:
         _check_equal(
             mc.all_sum(np.full(count, r, np.float32), group=g),

@@ -24,7 +24,9 @@
 
 typedef int (*start_fn)(void *request);
 typedef int (*test_fn)(void *request, int *flag, void *status);
-typedef int (*iprobe_fn)(int source, int tag, intptr_t comm, int *flag, void *status);
+/* MPI_Iprobe's communicator is a pointer (Open MPI, the MPI ABI) or an int (MPICH) */
+typedef int (*iprobe_ptr_fn)(int source, int tag, intptr_t comm, int *flag, void *status);
+typedef int (*iprobe_int_fn)(int source, int tag, int comm, int *flag, void *status);
 
 /* Tests between looks at the clock; between yields when ranks outnumber cores (the Python
  * wait loop's numbers, meshcomm_mpi.control). */
@@ -35,8 +37,9 @@ typedef struct {
     PyObject *backend, *control, *what, *key_req_obj;
     start_fn start;
     test_fn test;
-    iprobe_fn iprobe;
+    void *iprobe;
     intptr_t ctl;
+    int ctl_is_int; /* the communicator handle is an int (MPI._sizeof(MPI.Comm) == 4) */
     int any_source, any_tag, oversubscribed;
     double spin;
     Py_ssize_t max_bytes;
@@ -107,16 +110,20 @@ static void PlannedSum_dealloc(PlannedSum *self) {
 }
 
 static int PlannedSum_init(PlannedSum *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"backend", "control", "start", "test", "iprobe", "ctl", "any_source",
+    static char *names[] = {"backend", "control", "start", "test", "iprobe", "ctl", "ctl_size", "any_source",
                             "any_tag", "oversubscribed", "spin", "max_bytes", NULL};
     PyObject *backend, *control;
     unsigned long long start, test, iprobe, ctl; /* ctl: a pointer, or an int sign-extended (MPICH) */
-    int any_source, any_tag, oversubscribed;
+    int ctl_size, any_source, any_tag, oversubscribed;
     double spin;
     Py_ssize_t max_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKKiipdn", names, &backend, &control, &start, &test, &iprobe,
-                                     &ctl, &any_source, &any_tag, &oversubscribed, &spin, &max_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKKiiipdn", names, &backend, &control, &start, &test, &iprobe,
+                                     &ctl, &ctl_size, &any_source, &any_tag, &oversubscribed, &spin, &max_bytes))
         return -1;
+    if (ctl_size != 4 && ctl_size != (int)sizeof(void *)) {
+        PyErr_Format(PyExc_ValueError, "PlannedSum: a communicator handle of %d bytes", ctl_size);
+        return -1;
+    }
     if (!start || !test || !iprobe) {
         PyErr_SetString(PyExc_ValueError, "PlannedSum needs the addresses of MPI_Start, MPI_Test and MPI_Iprobe");
         return -1;
@@ -128,7 +135,8 @@ static int PlannedSum_init(PlannedSum *self, PyObject *args, PyObject *kw) {
         return -1;
     self->start = (start_fn)(uintptr_t)start;
     self->test = (test_fn)(uintptr_t)test;
-    self->iprobe = (iprobe_fn)(uintptr_t)iprobe;
+    self->iprobe = (void *)(uintptr_t)iprobe;
+    self->ctl_is_int = ctl_size == 4;
     self->ctl = (intptr_t)ctl; /* an int handle is its low 32 bits, as an int argument takes them */
     self->any_source = any_source;
     self->any_tag = any_tag;
@@ -192,8 +200,9 @@ static int key_request(PlannedSum *self, PyObject **key) {
         return 2;
     }
     if (req != self->key_req_obj) {
-        PyObject *k = PyObject_GetAttr(self->backend, s_key), *s = PyObject_GetAttr(self->backend, s_seen);
-        void *addr = k && s ? handle_address(req) : NULL;
+        PyObject *k = PyObject_GetAttr(self->backend, s_key);
+        PyObject *s = k ? PyObject_GetAttr(self->backend, s_seen) : NULL;
+        void *addr = s ? handle_address(req) : NULL;
         int64_t *kp = addr ? (int64_t *)data_of(k, 1) : NULL, *sp = kp ? (int64_t *)data_of(s, 0) : NULL;
         Py_XDECREF(k); /* the backend keeps both arrays for its life */
         Py_XDECREF(s);
@@ -227,12 +236,14 @@ static int count_call(PlannedSum *self) {
     return rc < 0 ? -1 : PyObject_SetAttr(self->backend, s_tail, Py_None);
 }
 
-/* Raise the backend's error for MPI error code ``rc`` (its planned_error raises). */
-static PyObject *mpi_failed(PlannedSum *self, int rc) {
+/* Raise the backend's error for MPI error code ``rc`` in a start or (``started``) the wait
+ * (its planned_error raises). */
+static PyObject *mpi_failed(PlannedSum *self, int rc, PyObject *sendbuf, int started) {
     PyObject *code = PyLong_FromLong(rc);
     if (code == NULL)
         return NULL;
-    PyObject *r = PyObject_CallMethodObjArgs(self->backend, s_planned_error, code, NULL);
+    PyObject *r = PyObject_CallMethodObjArgs(self->backend, s_planned_error, code, sendbuf,
+                                             started ? Py_True : Py_False, NULL);
     Py_DECREF(code);
     Py_XDECREF(r);
     if (!PyErr_Occurred())
@@ -252,14 +263,18 @@ static int notices(PlannedSum *self) {
             return t;
     }
     int flag = 0;
-    if (self->iprobe(self->any_source, self->any_tag, self->ctl, &flag, self->status) != 0)
+    int rc = self->ctl_is_int
+                 ? ((iprobe_int_fn)self->iprobe)(self->any_source, self->any_tag, (int)self->ctl, &flag, self->status)
+                 : ((iprobe_ptr_fn)self->iprobe)(self->any_source, self->any_tag, self->ctl, &flag, self->status);
+    if (rc != 0)
         return 1; /* the Python probe handles the error (MPI's fault tolerance acknowledges it) */
     return flag != 0;
 }
 
-/* run(sendbuf, recvbuf) -> bool: the sum of ``sendbuf`` over the ranks into ``recvbuf`` (1-d,
- * C-contiguous, same dtype and size, fresh from the core); False when this call is not for
- * this path (nothing happened). */
+/* run(sendbuf, recvbuf) -> bool: the sum of ``sendbuf`` over the ranks into ``recvbuf`` (C-contiguous,
+ * same dtype and size, fresh from the core); False when this call is not for this path (nothing
+ * happened: too big, not contiguous, no plan yet, the check's request not made yet, a broken
+ * communicator). */
 static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "run(sendbuf, recvbuf)");
@@ -277,14 +292,15 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
     if (!usable)
         Py_RETURN_FALSE;
     Py_buffer src, dst;
-    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (src.len > self->max_bytes || src.len == 0 || src.itemsize <= 0) {
-        PyBuffer_Release(&src);
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* not contiguous: the backend's all_reduce takes it */
         Py_RETURN_FALSE;
     }
-    Py_ssize_t nbytes = src.len, count = src.len / src.itemsize;
-    PyBuffer_Release(&src); /* args[0] stays referenced by the caller */
+    Py_ssize_t nbytes = src.len, itemsize = src.itemsize, count = itemsize > 0 ? src.len / itemsize : 0;
+    char *sp = src.buf;
+    PyBuffer_Release(&src); /* args[0] stays referenced by the caller: sp stays valid */
+    if (nbytes > self->max_bytes || nbytes == 0 || itemsize <= 0)
+        Py_RETURN_FALSE;
     PyObject *dtype = PyObject_GetAttrString(args[0], "dtype");
     if (dtype == NULL)
         return NULL;
@@ -292,41 +308,58 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
     Py_DECREF(dtype);
     if (found <= 0)
         return found < 0 ? NULL : Py_NewRef(Py_False);
-    PyObject *key = NULL, *result = NULL;
+    /* this call's plan, held: a Python step below may make self use another */
+    PyObject *plan = Py_NewRef(self->plan);
+    void *req = self->req;
+    char *in = self->in, *out = self->out;
+    PyObject *key = NULL, *key_req_obj = NULL, *result = NULL;
     int keyed = key_request(self, &key);
-    if (keyed < 0)
-        return NULL;
-    if (keyed == 2)
-        Py_RETURN_FALSE; /* the first checked call makes the check's request, in Python */
-    char *sp = data_of(args[0], 0);
-    if (sp == NULL || PyObject_GetBuffer(args[1], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto done;
-    if (dst.len != nbytes) {
-        PyBuffer_Release(&dst);
-        PyErr_SetString(PyExc_ValueError, "run: the receive array differs in size from the send array");
-        goto done;
+    if (keyed < 0 || keyed == 2) { /* 2: the first checked call makes the check's request, in Python */
+        Py_DECREF(plan);
+        return keyed < 0 ? NULL : Py_NewRef(Py_False);
     }
-    PyObject *plan = Py_NewRef(self->plan); /* held: a Python step below may replace self->plan */
-    int64_t *k = NULL;
+    void *key_req = NULL;
+    int64_t *key_in = NULL, *seen = NULL, k0 = 0, k1 = 0;
     if (keyed) {
-        k = (int64_t *)data_of(key, 0);
-        if (k == NULL || PyObject_SetAttr(self->backend, s_call_key, Py_None) < 0)
-            goto release;
+        Py_buffer kv;
+        if (PyObject_GetBuffer(key, &kv, PyBUF_C_CONTIGUOUS) < 0)
+            goto early;
+        int fits = kv.len == 2 * (Py_ssize_t)sizeof(int64_t);
+        if (fits) {
+            memcpy(&k0, kv.buf, sizeof k0);
+            memcpy(&k1, (char *)kv.buf + sizeof k0, sizeof k1);
+        }
+        PyBuffer_Release(&kv);
+        if (!fits) {
+            PyErr_SetString(PyExc_ValueError, "run: the call key must be 2 int64");
+            goto early;
+        }
+        key_req_obj = Py_NewRef(self->key_req_obj);
+        key_req = self->key_req;
+        key_in = self->key;
+        seen = self->seen;
     }
-    if (count_call(self) < 0)
+    if (PyObject_GetBuffer(args[1], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto early;
+    if (dst.len != nbytes || dst.itemsize != itemsize) {
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "run: the receive array differs from the send array in size or item size");
+        goto early;
+    }
+    if ((keyed && PyObject_SetAttr(self->backend, s_call_key, Py_None) < 0) || count_call(self) < 0)
         goto release;
-    memcpy(self->in, sp, nbytes);
+    memcpy(in, sp, nbytes);
     int rc;
     if (keyed) {
-        self->key[0] = k[0];
-        self->key[1] = k[1];
-        if ((rc = self->start(self->key_req)) != 0) {
-            result = mpi_failed(self, rc);
+        key_in[0] = k0;
+        key_in[1] = k1;
+        if ((rc = self->start(key_req)) != 0) {
+            result = mpi_failed(self, rc, args[0], 0);
             goto release;
         }
     }
-    if ((rc = self->start(self->req)) != 0) {
-        result = mpi_failed(self, rc);
+    if ((rc = self->start(req)) != 0) {
+        result = mpi_failed(self, rc, args[0], 0);
         goto release;
     }
     int data_done = 0, key_done = !keyed;
@@ -335,12 +368,12 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
     for (unsigned i = 1;; i++) {
         int flag = 0;
         if (!key_done) {
-            if ((rc = self->test(self->key_req, &flag, self->status)) != 0)
+            if ((rc = self->test(key_req, &flag, self->status)) != 0)
                 break;
             key_done = flag;
         }
         if (!data_done) {
-            if ((rc = self->test(self->req, &flag, self->status)) != 0)
+            if ((rc = self->test(req, &flag, self->status)) != 0)
                 break;
             data_done = flag;
         }
@@ -358,13 +391,13 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
     }
     Py_END_ALLOW_THREADS
     if (rc != 0) {
-        result = mpi_failed(self, rc);
+        result = mpi_failed(self, rc, args[0], 1);
         goto release;
     }
-    int agreed = key_done && (!keyed || (self->seen[0] == self->key[0] && self->seen[1] == self->key[1]));
+    int agreed = key_done && (!keyed || (seen[0] == k0 && seen[1] == k1));
     if (!(data_done && agreed)) {
         /* the Python rest: the check's answer (a mismatch raises), then the deadline wait */
-        PyObject *checked = keyed ? PyTuple_Pack(2, self->key_req_obj, key) : Py_NewRef(Py_None);
+        PyObject *checked = keyed ? PyTuple_Pack(2, key_req_obj, key) : Py_NewRef(Py_None);
         PyObject *r = checked ? PyObject_CallMethodObjArgs(self->backend, s_planned_rest, PyTuple_GET_ITEM(plan, 0),
                                                            checked, PyTuple_GET_ITEM(self->what, 1),
                                                            PyTuple_GET_ITEM(plan, 1), PyTuple_GET_ITEM(plan, 2), NULL)
@@ -388,17 +421,13 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
             Py_DECREF(r);
         }
     }
-    {
-        char *out = data_of(PyTuple_GET_ITEM(plan, 2), 0);
-        if (out == NULL)
-            goto release;
-        memcpy(dst.buf, out, nbytes);
-    }
+    memcpy(dst.buf, out, nbytes); /* the plan, held, keeps its receive array */
     result = Py_NewRef(Py_True);
 release:
-    Py_DECREF(plan);
     PyBuffer_Release(&dst);
-done:
+early:
+    Py_DECREF(plan);
+    Py_XDECREF(key_req_obj);
     Py_XDECREF(key);
     return result;
 }

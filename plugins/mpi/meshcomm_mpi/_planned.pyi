@@ -11,6 +11,7 @@ class PlannedSum:
         test: int,
         iprobe: int,
         ctl: int,
+        ctl_size: int,
         any_source: int,
         any_tag: int,
         oversubscribed: bool,

@@ -57,6 +57,8 @@ PLANNED_MAX = 2048
 PLANS_MAX = 32
 #: one persistent all-reduce: its request, send array and receive array
 Plan = tuple[Any, np.ndarray, np.ndarray]
+#: a (dtype, op, count) whose plan is not made yet (its first call has not run)
+_UNMADE: Any = object()
 
 
 def _reduce_name(op: str, sendbuf: np.ndarray) -> str:
@@ -148,16 +150,21 @@ class MPIBackend(Backend):
         self._key = np.empty(2, dtype=np.int64)
         self._key_req: Any = None
         #: (dtype, op, count) -> the persistent all-reduce of that call (request, its send and
-        #: receive arrays), or None when PLANS_MAX were made first; every rank makes them at the
-        #: same calls (the first of each key), as MPI requires of collective calls
+        #: receive arrays), or None when PLANS_MAX were made first; made after the first call
+        #: of its key, at the same point on every rank, as MPI requires of collective calls
         self._plans: dict[tuple[Any, ...], Plan | None] = {} if plans is None else plans
         self._plans_max = PLANS_MAX
+        #: all-reduces up to this many bytes run as persistent operations: PLANNED_MAX, less
+        #: where MESHCOMM_MPI_RING_FROM asks for the ring algorithm from a smaller size (a
+        #: persistent operation takes the library's choice when it is made)
+        ring = self._iallreduce.ring_from
+        self.planned_max = PLANNED_MAX if ring is None else min(PLANNED_MAX, ring - 1)
         self._abandoned: list[tuple[Any, ...]] = []
         #: under MPI's fault tolerance (survivors.fault_tolerant): agree and shrink work
         self.survives_failures = control.ft
         self.epoch = 0
         #: the same small all_sum in one C call, when the extension is built (compiled.planned_sum)
-        self.sum_now = planned_sum(self, PLANNED_MAX)
+        self.sum_now = planned_sum(self, self.planned_max)
         control.register(self)
 
     # -- identity -----------------------------------------------------------------------
@@ -388,14 +395,22 @@ class MPIBackend(Backend):
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         if self.broken is not None:
             self._usable(_REDUCE_NAMES.get(op, op))
-        if sendbuf.nbytes <= PLANNED_MAX:
+        if sendbuf.nbytes <= self.planned_max:
             key = (sendbuf.dtype, op, sendbuf.size)
-            plan = self._plans[key] if key in self._plans else self._plan(*key)
+            plan = self._plans.get(key, _UNMADE)
+            if plan is _UNMADE:  # its first call: an Iallreduce every rank agreed on, then the plan
+                self._start_and_wait(sendbuf, recvbuf, op)
+                self._plan(*key)
+                return
             if plan is not None:
                 if sendbuf.ndim != 1:  # the plan's arrays are flat
                     sendbuf, recvbuf = sendbuf.reshape(-1), recvbuf.reshape(-1)
                 self._planned(plan, sendbuf, recvbuf, op)
                 return
+        self._start_and_wait(sendbuf, recvbuf, op)
+
+    def _start_and_wait(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """An all-reduce as one Iallreduce (the call check beside it), waited for under the deadline."""
         dt, mop = self._reduce.get((sendbuf.dtype, op)) or self._ops.resolve(sendbuf.dtype, op)
         self.coll_count += 1
         self.tail = None
@@ -423,7 +438,9 @@ class MPIBackend(Backend):
 
     def _plan(self, dtype: np.dtype, op: str, count: int) -> Plan | None:
         """Make the persistent all-reduce of ``count`` elements of ``dtype`` under ``op`` (None
-        once PLANS_MAX are made: that call and its repeats run as Iallreduce)."""
+        once PLANS_MAX are made: that call and its repeats run as Iallreduce). Called after the
+        first such call completed with the ranks' call checks agreeing, so every rank makes
+        it at the same point of the communicator's collectives, as MPI requires."""
         plan = None
         if len(self._plans) < self._plans_max:
             dt, mop = self._reduce.get((dtype, op)) or self._ops.resolve(dtype, op)
@@ -453,19 +470,30 @@ class MPIBackend(Backend):
             self.planned_rest(req, checked, _reduce_name(op, sendbuf), inbuf, outbuf)
         np.copyto(recvbuf, outbuf)
 
-    def planned_error(self, code: int) -> None:
-        """Raise the error of MPI error ``code`` from the compiled start or test of an all_sum."""
-        raise self._fail("all_sum", MPI.Exception(code))
+    def planned_error(self, code: int, sendbuf: np.ndarray, started: bool) -> None:
+        """Raise the error of MPI error ``code`` from the compiled all_sum of ``sendbuf``: named
+        as :meth:`_planned` names it, for a start (``started`` False) or for the wait."""
+        name = "all_sum" if started else f"all_reduce(sum, {sendbuf.dtype})"
+        raise self._fail(name, MPI.Exception(code))
 
     def planned_rest(self, req: Any, checked: Any, name: str, inbuf: np.ndarray, outbuf: np.ndarray) -> None:
         """The rest of a started persistent all-reduce: its call check's answer, then the
-        deadline wait (also where the compiled all_sum, ``_planned.PlannedSum``, hands over)."""
+        deadline wait (also where the compiled all_sum, ``_planned.PlannedSum``, hands over).
+        Interrupted (KeyboardInterrupt, ...), the operation stays started: MPI can neither
+        cancel it nor start it again, so the communicator is then unusable."""
         what = ("coll", name)
-        if checked is not None:
-            self._agree(checked, what, req, (inbuf, outbuf))
-            if req.Test():
-                return
-        self._finish([req], what, None, None, inbuf.nbytes)
+        try:
+            if checked is not None:
+                self._agree(checked, what, req, (inbuf, outbuf))
+                if req.Test():
+                    return
+            self._finish([req], what, None, None, inbuf.nbytes)
+        except DistributedError:
+            raise
+        except BaseException as exc:
+            self._abandon(req, (inbuf, outbuf), f"{name} was interrupted by {type(exc).__name__}")
+            self._ctl.lost = True
+            raise
 
     def all_reduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> Callable[[], None]:
         """A persistent all-reduce: each start is :meth:`all_reduce` of the same buffers, a

@@ -45,6 +45,7 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
         test,
         iprobe,
         MPI._handleof(control.ctl),
+        MPI._sizeof(MPI.Comm),
         MPI.ANY_SOURCE,
         MPI.ANY_TAG,
         bool(control.oversubscribed),
