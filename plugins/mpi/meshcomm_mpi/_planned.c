@@ -55,7 +55,7 @@ typedef struct {
 } PlannedSum;
 
 static PyObject *s_broken, *s_call_key, *s_plans, *s_key_req, *s_key, *s_seen, *s_coll_count, *s_tail,
-    *s_planned_rest, *s_planned_error, *s_peers_still_here, *s_failed, *s_down, *s_sum, *s_addressof, *one;
+    *s_planned_rest, *s_planned_error, *s_peers_still_here, *s_failed, *s_down, *s_sum, *s_dtype, *s_addressof, *one;
 
 static double now_s(void) {
     struct timespec ts;
@@ -301,7 +301,7 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
     PyBuffer_Release(&src); /* args[0] stays referenced by the caller: sp stays valid */
     if (nbytes > self->max_bytes || nbytes == 0 || itemsize <= 0)
         Py_RETURN_FALSE;
-    PyObject *dtype = PyObject_GetAttrString(args[0], "dtype");
+    PyObject *dtype = PyObject_GetAttr(args[0], s_dtype);
     if (dtype == NULL)
         return NULL;
     int found = find_plan(self, dtype, count);
@@ -463,7 +463,7 @@ PyMODINIT_FUNC PyInit__planned(void) {
     INTERN(s_key_req, "_key_req") INTERN(s_key, "_key") INTERN(s_seen, "_seen") INTERN(s_coll_count, "coll_count")
     INTERN(s_tail, "tail") INTERN(s_planned_rest, "planned_rest") INTERN(s_planned_error, "planned_error")
     INTERN(s_peers_still_here, "_peers_still_here") INTERN(s_failed, "failed") INTERN(s_down, "down")
-    INTERN(s_sum, "sum")
+    INTERN(s_sum, "sum") INTERN(s_dtype, "dtype")
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
     PyObject *mpi = PyImport_ImportModule("mpi4py.MPI");
