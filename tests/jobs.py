@@ -11,11 +11,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "programs"
-#: Open MPI's own start-up failing before any rank ran (seen in CI: mpiexec exit 213);
-#: nothing of meshcomm ran, so a test starts such a job once more
 #: the secret of the jobs these helpers start by hand (meshcomm launch makes a fresh one)
 JOB_SECRET = "meshcomm-tests-job-secret"
+#: Open MPI's own start-up failing before any rank ran (seen in CI: mpiexec exit 213);
+#: nothing of meshcomm ran, so a test starts such a job once more
 MPI_RUNTIME_NOT_STARTED = "The PMIx server's listener thread failed to start"
+#: a gloo rank's start-up outlasting a test's short MLX_TIMEOUT on a loaded machine: rank 0
+#: still importing torch when the others give up reaching its store (seen in CI, 5 s, the
+#: suite's other jobs running beside it); no rank got as far as the operation under test
+GLOO_STORE_NOT_REACHED = "connecting to rank 0's store"
 
 
 def launch(
