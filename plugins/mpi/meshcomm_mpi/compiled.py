@@ -8,6 +8,7 @@ whichever MPI mpi4py loaded (Open MPI, MPICH, the MPI ABI).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +18,16 @@ from mpi4py import MPI
 __all__ = ["planned_sum"]
 
 
-def _addresses(names: tuple[str, ...]) -> list[int] | None:
+@functools.cache
+def _addresses(names: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The addresses of MPI functions ``names`` (found once per process: every backend, split
+    and start-up backend asks for the same ones), or None where one is missing."""
     try:
         lib = ctypes.CDLL(MPI.__file__)  # mpi4py's extension: its MPI library's symbols resolve through it
         found = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
     except (OSError, AttributeError):
         return None
-    return None if None in found else [int(a) for a in found if a is not None]
+    return None if None in found else tuple(int(a) for a in found if a is not None)
 
 
 def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarray], bool] | None:
