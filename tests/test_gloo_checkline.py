@@ -114,7 +114,7 @@ def test_a_stranger_without_the_secret_is_refused_and_the_ranks_connect() -> Non
         ip, port, nonce = bytes(store.get("g/meshcomm-line/0")).decode().split()
         with socket.create_connection((ip, int(port)), timeout=5) as s:
             forged = hmac.new(b"guess", b"hello" + bytes.fromhex(nonce), hashlib.sha256).digest()
-            s.sendall(struct.pack("<4sIIII16s32s", b"mcl1", 2, 1, 0, 0, os.urandom(16), forged))
+            s.sendall(struct.pack("<4sIIII16s32s", b"mcl2", 2, 1, 0, 0, os.urandom(16), forged))
             hello_sent.set()  # rank 1 connects only now: rank 0 meets the stranger first
             s.settimeout(10)
             refused.append(s.recv(100))  # b"": closed without an answer
@@ -178,7 +178,7 @@ def test_a_changed_frame_is_an_error_not_a_passed_check() -> None:
     fail the frame's tag on rank 0."""
     lines = _lines(2)
     try:
-        body = struct.pack("<Qqq", 1, 7, -7)
+        body = struct.pack("<QqqI", 1, 7, -7, 0)
         lines[1]._outs[0].sendall(body + b"\0" * 16)  # a frame with rank 0's expected seq, unsigned
         with pytest.raises(RuntimeError, match="failed its authentication"):
             lines[0].reduce_max(np.array([7, -7], np.int64), np.empty(2, np.int64), 5.0)

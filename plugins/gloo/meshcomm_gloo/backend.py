@@ -15,13 +15,14 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from meshcomm.plugin import (
     Backend,
+    CallsDiffer,
     CollectiveMismatchError,
     CommTimeoutError,
     DistributedError,
@@ -39,6 +40,7 @@ from .joining import Admission, Joins, admit_waiting, write_admission
 from .liveness import RankProcess, owner, process_state, suspects
 from .records import Records
 from .rendezvous import connect
+from .smallreduce import line_key, on_line, reduce_rows
 from .survivors import agree_in_store
 
 __all__ = ["GlooBackend"]
@@ -108,6 +110,10 @@ class GlooBackend(Backend):
         self._pg = pg
         #: the call check's own channel (:mod:`.checkline`)
         self._line = line
+        #: the core's call key goes with each collective (checked on the channel first, or
+        #: carried with a small all-reduce's data there)
+        self.pipelines_calls = line is not None
+        self._seen = np.empty(2, np.int64)
         self._ends = ends or []
         self._store = store
         self._prefix = prefix
@@ -186,9 +192,41 @@ class GlooBackend(Backend):
             return Call("coll", name, seq=self._seq, root=root)
         return Call("coll", name, buf.dtype, buf.size, self._seq, root)
 
+    def _checked(self, call: Call) -> None:
+        """The call check of the collective ``call`` is part of, on the channel, when the core
+        handed its key over (:attr:`pipelines_calls`): before any gloo work starts, so a
+        mismatch leaves nothing of gloo's waiting."""
+        key = self.call_key
+        if key is None:
+            return
+        self.call_key = None
+        seen = self._seen
+        line = cast(CheckLine, self._line)  # a group takes keys only while it has its channel
+        check = self._coll("all_max", key)
+        self.user_step = "the call check"  # messages name the user's call, not the check
+        try:
+            line.reduce_max(key, seen, self.timeout)
+        except RuntimeError as exc:
+            raise self._fail(exc, check, None) from None
+        finally:
+            self.user_step = ""
+        if seen[0] != key[0] or seen[1] != key[1]:
+            raise self._differ(call)
+
+    def _differ(self, call: Call) -> CallsDiffer:
+        """The ranks' keys differ: every rank raises this at the same call, and the group
+        stays in step (nothing of the call was started), so the core names the calls on it."""
+        return CallsDiffer(
+            f"[gloo] rank {self._rank}: the call check of {call.name} on the {self._label} group found "
+            "that the ranks' calls differ",
+            details=self,
+        )
+
     def _run(self, call: Call, start: Callable[[Any], Any], peer: int | None = None) -> None:
         """Start a gloo work item on the process group and wait for it, translating failures."""
         pg = self._usable(call)
+        if self.call_key is not None:
+            self._checked(call)
         try:
             start(pg).wait()
         except RuntimeError as exc:
@@ -401,7 +439,12 @@ class GlooBackend(Backend):
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         plan = plan_for(sendbuf.dtype, op)
-        if plan.generic:
+        if self._line is not None and on_line(sendbuf, op, self._size):
+            self._line_all_reduce(sendbuf, recvbuf, op)
+            return
+        if plan.generic:  # the core's algorithm over send/recv, which take no key: check first
+            if self.call_key is not None:
+                self._checked(self._coll(f"all_{op}", sendbuf))
             algorithms.all_reduce(self, sendbuf, recvbuf, op)
             return
         call = self._coll(f"all_{op}", sendbuf)
@@ -414,6 +457,28 @@ class GlooBackend(Backend):
         wire = encode(sendbuf)
         self._allreduce(_tensor(wire, plan.wire, plan.torch), plan, call)
         decode(wire, recvbuf)
+
+    def _line_all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
+        """A small all-reduce with its call check on the channel (:mod:`.smallreduce`)."""
+        call = self._coll(f"all_{op}", sendbuf)
+        self._usable(call)
+        line = cast(CheckLine, self._line)  # on_line was asked because the group has one
+        key, self.call_key = self.call_key, None
+        mine = line_key(key, sendbuf, op)
+        table = np.empty((self._size, sendbuf.nbytes), np.uint8)
+        table[0] = sendbuf.reshape(-1).view(np.uint8)
+        try:
+            seen = line.gather(mine, table, self.timeout)
+        except RuntimeError as exc:
+            raise self._fail(exc, call, None) from None
+        if seen[0] != mine[0] or seen[1] != mine[1]:
+            if key is not None:
+                raise self._differ(call)
+            raise CollectiveMismatchError(
+                f"[gloo] {self._where()}: {self._named(call).describe()}: the ranks' calls differ (operation, "
+                "dtype or size); every rank of a group must make the same collective calls in the same order"
+            )
+        reduce_rows(table, sendbuf.dtype, op, self._rank, recvbuf)
 
     def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call) -> None:
         opts = dist.AllreduceOptions()
@@ -473,7 +538,12 @@ class GlooBackend(Backend):
         )
 
     def barrier(self) -> None:
-        self._run(self._coll("barrier"), lambda pg: pg.barrier())
+        call = self._coll("barrier")
+        if self.call_key is not None:  # the check on the channel waits for every rank: a barrier
+            self._usable(call)
+            self._checked(call)
+            return
+        self._run(call, lambda pg: pg.barrier())
 
     # -- groups ---------------------------------------------------------------------
     def split(self, color: int, key: int) -> Backend:

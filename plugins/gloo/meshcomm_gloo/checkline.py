@@ -8,6 +8,12 @@ on plain sockets, driven by the calling thread: in round ``k`` rank ``r`` sends 
 maximum to rank ``r + 2**k`` and takes the maximum with what rank ``r - 2**k`` sent
 (``ceil(log2(size))`` rounds; afterwards every rank holds the maximum over all).
 
+The same rounds also carry small all-reduces (:meth:`CheckLine.gather`): each frame takes
+the blocks the sender holds along with its key, so after the last round every rank holds
+every rank's block (Bruck's all-gather) and reduces them in rank order; a gloo work item
+would cost several times the whole exchange. A key-only check and a gathering exchange send
+the same frames to the same peers, so ranks making different calls still meet in step.
+
 * **Who may connect.** Each rank listens on a fresh port and publishes ``ip port nonce`` in
   the rendezvous store (sealed with the job secret, :mod:`.authstore`). A connecting rank
   proves the secret over the listener's nonce and its own: a process without the secret,
@@ -37,15 +43,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CheckLine", "PeerClosed", "open_line", "ROUNDS"]
+__all__ = ["BLOCKS_MAX", "CheckLine", "PeerClosed", "open_line", "ROUNDS"]
 
 _HELLO = struct.Struct("<4sIIII16s32s")  # magic, group size, from rank, to rank, round, nonce, tag
 _ANSWER = struct.Struct("<16s32s")  # nonce, tag
-_FRAME = struct.Struct("<Qqq16s")  # seq, value (2 x int64), tag
-_BODY = struct.Struct("<Qqq")  # the frame without its tag
-_MAGIC = b"mcl1"
+_HEAD = struct.Struct("<QqqI")  # seq, value (2 x int64), bytes of blocks that follow; then the tag
+_MAGIC = b"mcl2"
 _TAG = 16
 _OUT_OF_STEP = np.iinfo(np.int64).max  # a value no check key has: the calls differ
+
+#: the most bytes a gathering exchange collects per rank (group size x block). Measured
+#: against a gloo all-reduce on one 2-core host, the exchange was faster up to 1 MiB on 2
+#: ranks and 4 (docs/backends/gloo.md); the bound keeps frames within a send buffer and
+#: the blocks a rank holds small when groups are large (1 KiB each on 256 ranks)
+BLOCKS_MAX = 256 << 10
+#: each connection's send buffer holds a whole frame (at most half of BLOCKS_MAX; the kernel
+#: doubles this for its bookkeeping, up to net.core.wmem_max), so every rank can send before
+#: it reads: a send that waited for its receiver, itself sending, could wait in a circle
+_SNDBUF = BLOCKS_MAX
 
 
 def ROUNDS(size: int) -> int:  # noqa: N802 - a formula, named as the docs name it
@@ -90,46 +105,68 @@ class CheckLine:
 
         A peer at another check (a rank that skipped a collective) makes the result one no
         key has, so the core sees the calls differ. Raises RuntimeError as gloo would."""
+        out[0], out[1] = self._exchange(int(mine[0]), int(mine[1]), None, timeout)
+
+    def gather(self, mine: np.ndarray, table: np.ndarray, timeout: float) -> tuple[int, int]:
+        """The max of the keys, as :meth:`reduce_max`, while every rank's block travels along:
+        ``table`` (uint8, one row per rank, ``table[0]`` this rank's block) ends with row ``j``
+        holding the block of rank ``(rank - j) % size``. The rows are only complete when the
+        returned max equals ``mine`` (the same call on every rank, so blocks of one length)."""
+        return self._exchange(int(mine[0]), int(mine[1]), table, timeout)
+
+    def _exchange(self, a: int, b: int, table: np.ndarray | None, timeout: float) -> tuple[int, int]:
+        """One check's rounds; with ``table``, the blocks of Bruck's all-gather ride along."""
         if not self._outs:  # closed: a check of no rounds would pass anything
             raise RuntimeError("call check: the channel was closed (the group failed or was closed)")
         self._seq = seq = self._seq + 1
-        a, b = int(mine[0]), int(mine[1])
+        size = self._size
+        width = 0 if table is None else table.shape[1]
         for k, (send_key, recv_key) in enumerate(self._keys):
-            body = _BODY.pack(seq, a, b)
+            step = 1 << k
+            rows = min(step, size - step)  # the blocks the receiver still lacks
+            blocks = b"" if table is None else table[:rows].tobytes()
+            body = _HEAD.pack(seq, a, b, len(blocks)) + blocks
             try:
                 self._outs[k].sendall(body + hmac.digest(send_key, body, "sha256")[:_TAG])
             except OSError as exc:
-                to = _to(self._rank, self._size, k)
+                to = _to(self._rank, size, k)
                 raise PeerClosed(f"call check: connection closed by peer (sending to rank {to}): {exc}", to) from None
-            frm = _from(self._rank, self._size, k)
-            frame = self._read(self._ins[k], _FRAME.size, timeout, frm)
-            their_seq, x, y, tag = _FRAME.unpack(frame)
-            if not hmac.compare_digest(tag, hmac.digest(recv_key, frame[:-_TAG], "sha256")[:_TAG]):
+            frm = _from(self._rank, size, k)
+            head = self._read(self._ins[k], _HEAD.size, timeout, frm)
+            their_seq, x, y, n = _HEAD.unpack(head)
+            if n > BLOCKS_MAX // 2:  # more than any rank sends in one frame: not a frame of ours
+                raise _Forged(f"call check: rank {frm} sent a frame of {n} bytes, more than a frame can hold")
+            rest = self._read(self._ins[k], n + _TAG, timeout, frm)
+            if not hmac.compare_digest(rest[n:], hmac.digest(recv_key, head + rest[:n], "sha256")[:_TAG]):
                 raise _Forged(
                     f"call check: a frame from rank {frm} failed its authentication (changed on the way, "
                     "or not sent by that rank of this job)"
                 )
-            if their_seq != seq:
+            if their_seq != seq or n != rows * width:  # another check, or blocks of another call
                 a = b = _OUT_OF_STEP
             else:
                 a, b = max(a, x), max(b, y)
-        out[0], out[1] = a, b
+                if table is not None:
+                    table[step : step + rows] = np.frombuffer(rest, np.uint8, n).reshape(rows, width)
+        return a, b
 
     @staticmethod
     def _read(sock: socket.socket, n: int, timeout: float, peer: int) -> bytes:
-        buf = b""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
         sock.settimeout(timeout)
         try:
-            while len(buf) < n:
-                chunk = sock.recv(n - len(buf))
-                if not chunk:
+            while got < n:
+                k = sock.recv_into(view[got:])
+                if not k:
                     raise PeerClosed(f"call check: connection closed by peer (rank {peer})", peer)
-                buf += chunk
+                got += k
         except TimeoutError:
             raise RuntimeError(f"call check: timed out after {timeout:g} s waiting for rank {peer}") from None
         except OSError as exc:
             raise PeerClosed(f"call check: connection reset by peer (rank {peer}): {exc}", peer) from None
-        return buf
+        return bytes(buf)
 
     def close(self) -> None:
         """Close every connection: peers waiting in a check learn now (EOF)."""
@@ -177,6 +214,7 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
             ip, p, theirs = bytes(store.get(f"{prefix}/meshcomm-line/{to}")).decode().split()
             s = socket.create_connection((ip, int(p)), timeout=max(0.1, deadline - time.monotonic()))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
             outs.append(s)
             n_out = os.urandom(16)
             mine.append(n_out)
