@@ -252,6 +252,13 @@ def test_split_makes_real_subgroups() -> None:
     run(4, "_w_split")
 
 
+def test_a_small_and_a_large_all_sum_meet_as_a_mismatch_on_every_rank() -> None:
+    """The small call reduces on the call check's channel, the large one checks its call
+    there and would then start gloo's all-reduce: every rank names both calls, nothing waits
+    for the timeout, and the group goes on."""
+    run(3, "_w_mixed_paths", {"MLX_TIMEOUT": "20"})
+
+
 def test_no_global_torch_state() -> None:
     run(2, "_w_isolation", {"TEST_TORCH_PORT": str(_free_port())})
 
@@ -485,33 +492,45 @@ def test_error_translation_names_peer_and_fix() -> None:
 
 # == rank programs (run in subprocesses) =================================================
 def _w_dtypes() -> None:
-    """Every fallback path on 3 real ranks, against NumPy, bit-identical on every rank."""
+    """Every reduction path on 3 real ranks, against NumPy, bit-identical on every rank: each
+    dtype and op small (on the call check's channel, meshcomm_gloo.smallreduce) and large
+    (gloo's all-reduce through the dtype's plan, or the core's algorithm)."""
     import meshcomm as mc
     from meshcomm.protocol.dtypes import SUPPORTED
+    from meshcomm_gloo.checkline import BLOCKS_MAX
     from meshcomm_gloo.codecs import plan_for
 
     g = mc.init(strict=True, backend="gloo")
     n, r = g.size(), g.rank()
+    line = g.transport._line
+    gathers = []
+    gather = line.gather
+    line.gather = lambda *a: (gathers.append(1), gather(*a))[1]
     fns = {"sum": (mc.all_sum, np.add), "max": (mc.all_max, np.maximum), "min": (mc.all_min, np.minimum)}
     for dt in SUPPORTED:
-        inputs = _extreme_inputs(dt, n)
+        small = _extreme_inputs(dt, n)
         if dt.kind == "c":  # NaN and ties in the real part exercise NumPy's lexicographic order
-            for x in inputs:
+            for x in small:
                 x[:4] = [complex(1, r_) for r_ in range(4)]
                 x[4] = complex(np.nan, 0)
-        for op, (fn, f) in fns.items():
-            want = inputs[0].copy()
-            with np.errstate(all="ignore"):
-                for x in inputs[1:]:
-                    want = f(want, x).astype(dt)
-            got = fn(inputs[r], group=g)
-            where = f"rank {r}: all_{op}({dt}) via {plan_for(dt, op)}"
-            assert got.dtype == dt, where
-            assert np.array_equal(got, want, equal_nan=dt.kind in "fcV"), f"{where}: {got[:8]} != {want[:8]}"
-            raw = mc.all_gather(got.view(np.uint8), group=g).reshape(n, -1)
-            assert (raw == raw[0]).all(), f"{where}: not bit-identical on every rank"
+        large = [np.tile(x, BLOCKS_MAX // (n * x.nbytes) + 1) for x in small]
+        for inputs, path in ((small, "the channel"), (large, "gloo")):
+            for op, (fn, f) in fns.items():
+                want = inputs[0].copy()
+                with np.errstate(all="ignore"):
+                    for x in inputs[1:]:
+                        want = f(want, x).astype(dt)
+                before = len(gathers)
+                got = fn(inputs[r], group=g)
+                where = f"rank {r}: all_{op}({dt}, {inputs[r].nbytes} B) via {path} ({plan_for(dt, op)})"
+                on_line = path == "the channel" and (dt.kind in "biuf" or (dt.kind == "c" and op == "sum"))
+                assert len(gathers) - before == on_line, f"{where}: {len(gathers) - before} exchanges on the channel"
+                assert got.dtype == dt, where
+                assert np.array_equal(got, want, equal_nan=dt.kind in "fcV"), f"{where}: {got[:8]} != {want[:8]}"
+                raw = mc.all_gather(got.view(np.uint8), group=g).reshape(n, -1)
+                assert (raw == raw[0]).all(), f"{where}: not bit-identical on every rank"
         # sum_scatter takes the same paths
-        blocks = np.stack([x[: 3 * n] for x in inputs])
+        blocks = np.stack([x[: 3 * n] for x in small])
         with np.errstate(all="ignore"):
             full = blocks[0].copy()
             for b in blocks[1:]:
@@ -519,6 +538,23 @@ def _w_dtypes() -> None:
         got = mc.sum_scatter(blocks[r], group=g)
         assert np.array_equal(got, full[3 * r : 3 * r + 3], equal_nan=True), f"rank {r}: sum_scatter({dt})"
     print("dtypes ok")
+
+
+def _w_mixed_paths() -> None:
+    import meshcomm as mc
+    from meshcomm_gloo.checkline import BLOCKS_MAX
+
+    g = mc.init(strict=True, backend="gloo")
+    n, r = g.size(), g.rank()
+    small, large = np.ones(4, np.float32), np.ones(BLOCKS_MAX, np.float32)
+    t0 = time.monotonic()
+    with pytest.raises(mc.CollectiveMismatchError) as err:
+        mc.all_sum(large if r == 1 else small, group=g)
+    assert time.monotonic() - t0 < 10, "the mismatch waited for the timeout"
+    assert "(4,)" in str(err.value) and f"({BLOCKS_MAX},)" in str(err.value), err.value
+    assert mc.all_sum(small, group=g).tolist() == [n] * 4
+    assert (mc.all_sum(large, group=g) == n).all()
+    print("mixed ok")
 
 
 def _w_split() -> None:

@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -202,5 +203,153 @@ def test_a_closed_peer_is_named_and_a_silent_one_times_out() -> None:
         lines[1].close()
         with pytest.raises(RuntimeError, match="the channel was closed"):  # never a check of no rounds
             lines[1].reduce_max(key, np.empty(2, np.int64), 5.0)
+    finally:
+        _close(lines)
+
+
+# -- small all-reduces on the channel (meshcomm_gloo.smallreduce) ------------------------
+def _gathered(lines: list[Any], blocks: list[np.ndarray], keys: list[np.ndarray] | None = None) -> list[Any]:
+    """Every rank's (max key, table) after one gathering exchange of its ``blocks[r]``."""
+    n = len(lines)
+    keys = keys or [np.array([5, -5], np.int64)] * n
+
+    def one(r: int) -> tuple[tuple[int, int], np.ndarray]:
+        table = np.empty((n, blocks[r].nbytes), np.uint8)
+        table[0] = blocks[r].view(np.uint8)
+        return lines[r].gather(keys[r], table, 30.0), table
+
+    t0 = time.monotonic()
+    got = _on_ranks(n, one)
+    for g in got:
+        assert not isinstance(g, BaseException), g
+    # nothing after the exchange waits for more frames (its look for a peer that gave up peeks)
+    assert time.monotonic() - t0 < 15.0, "a rank waited for the 30 s timeout after its exchange"
+    return got
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7])
+def test_a_gathering_exchange_gives_every_rank_every_block(n: int) -> None:
+    """Row j of rank r's table is rank (r - j) % n's block, on every rank, over repeated calls."""
+    lines = _lines(n)
+    try:
+        for call in range(3):
+            blocks = [np.arange(6, dtype=np.int32) + 100 * r + call for r in range(n)]
+            for r, (seen, table) in enumerate(_gathered(lines, blocks)):
+                assert seen == (5, -5), (r, seen)
+                rows = table.view(np.int32)
+                for j in range(n):
+                    assert rows[j].tolist() == blocks[(r - j) % n].tolist(), (n, r, j)
+    finally:
+        _close(lines)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_small_reductions_take_the_same_steps_on_every_rank(n: int) -> None:
+    """Each rank reduces in rank order, so sums whose value depends on the order, the sign of
+    zero under max/min and NaN payloads come out as the same bits on every rank."""
+    from meshcomm_gloo.smallreduce import reduce_rows
+
+    lines = _lines(n)
+    try:
+        nan2 = np.frombuffer(np.uint32(0x7FC00002).tobytes(), np.float32)[0]  # a NaN with another payload
+        blocks = []
+        for r in range(n):
+            b = np.array([1e8 if r == 0 else 3.0, -1e8 if r == n - 1 else 3.0, 0.0 if r % 2 else -0.0, 1.0], np.float32)
+            b[3] = np.nan if r == 1 else (nan2 if r == 2 else r)
+            blocks.append(b)
+        tables = _gathered(lines, blocks)
+        for op, f in (("sum", np.add), ("max", np.maximum), ("min", np.minimum)):
+            want = blocks[0].copy()
+            for b in blocks[1:]:
+                want = f(want, b)
+            results = []
+            for r, (_, table) in enumerate(tables):
+                out = np.empty(4, np.float32)
+                reduce_rows(table.copy(), np.dtype(np.float32), op, r, out)
+                results.append(out)
+            for r, out in enumerate(results):
+                assert out.tobytes() == want.tobytes(), (op, r, out, want)
+        big, three = np.float32(1e8), np.float32(3)  # the order matters for these values in float32
+        assert (big + three) + three != big + (three + three)
+    finally:
+        _close(lines)
+
+
+def test_a_check_that_meets_a_gathering_exchange_makes_the_calls_differ() -> None:
+    """A rank checking a call on the channel and one reducing there (same key: their settings
+    differ) never pass as the same call, and neither waits for the other."""
+    lines = _lines(3)
+    try:
+        key = np.array([9, -9], np.int64)
+
+        def rank(r: int) -> tuple[int, int]:
+            if r == 1:
+                out = np.empty(2, np.int64)
+                lines[r].reduce_max(key, out, 5.0)
+                return int(out[0]), int(out[1])
+            table = np.zeros((3, 8), np.uint8)
+            return lines[r].gather(key, table, 5.0)
+
+        for r, seen in enumerate(_on_ranks(3, rank)):
+            assert not isinstance(seen, BaseException), seen
+            assert seen != (9, -9), (r, seen)
+    finally:
+        _close(lines)
+
+
+def test_a_frame_longer_than_any_rank_sends_is_refused_before_it_is_read() -> None:
+    from meshcomm_gloo.checkline import BLOCKS_MAX
+
+    lines = _lines(2)
+    try:
+        lines[1]._outs[0].sendall(struct.pack("<QqqI", 1, 7, -7, BLOCKS_MAX))  # no body follows
+        with pytest.raises(RuntimeError, match=f"sent a frame of {BLOCKS_MAX} bytes"):
+            lines[0].reduce_max(np.array([7, -7], np.int64), np.empty(2, np.int64), 5.0)
+    finally:
+        _close(lines)
+
+
+def test_a_rank_resumed_after_the_others_gave_up_fails_the_call_too() -> None:
+    """Rank 1 arrives (as if resumed after SIGSTOP) only after the others timed out and gave
+    up: every frame it needs is in its buffers, but it raises naming a rank that gave up,
+    instead of returning a result the others never got. Ranks that merely close after a
+    completed exchange do not make a slower rank fail."""
+    from meshcomm_gloo.checkline import PeerClosed
+
+    lines = _lines(4)
+    key = np.array([3, -3], np.int64)
+    blocks = [np.full(2, r, np.int64) for r in range(4)]
+
+    def others(r: int) -> Any:
+        table = np.zeros((4, 16), np.uint8)
+        table[0] = blocks[r].view(np.uint8)
+        try:
+            return lines[r].gather(key, table, 0.5)
+        except RuntimeError as exc:
+            lines[r].give_up()
+            return exc
+
+    got = _on_ranks(4, lambda r: None if r == 1 else others(r))
+    assert all(isinstance(got[r], RuntimeError) for r in (0, 2, 3)), got
+    table = np.zeros((4, 16), np.uint8)
+    with pytest.raises(PeerClosed, match="gave up on this call"):
+        lines[1].gather(key, table, 5.0)
+    _close(lines)
+
+    lines = _lines(2)
+    closed = threading.Event()
+    peek = lines[1]._given_up
+    lines[1]._given_up = lambda seq: (closed.wait(5), peek(seq))[1]  # rank 1 looks only after rank 0 closed
+
+    def rank(r: int) -> Any:
+        table = np.zeros((2, 16), np.uint8)
+        seen = lines[r].gather(key, table, 5.0)
+        if r == 0:
+            lines[0].close()  # rank 0 ends its program right after the call completed
+            closed.set()
+        return seen
+
+    try:
+        assert _on_ranks(2, rank) == [(3, -3), (3, -3)]
     finally:
         _close(lines)

@@ -165,12 +165,16 @@ class GlooBackend(Backend):
             raise _twin(first, f"[gloo] {self._where()}: {said}")
         raise DistributedError(f"[gloo] {self._where()}: {op} called after the group was closed")
 
-    def _drop(self) -> None:
+    def _drop(self, gave_up: bool = False) -> None:
         """Let go of the process group and close the call-check channel (peers waiting on this
-        rank in either learn now)."""
+        rank in either learn now; when this rank ``gave_up`` on a call, also those that already
+        have every frame they need from it)."""
         self._pg = None
         if self._line is not None:
-            self._line.close()
+            if gave_up:
+                self._line.give_up()
+            else:
+                self._line.close()
             self._line = None
 
     def check_key(self, key: np.ndarray, out: np.ndarray) -> None:
@@ -246,7 +250,7 @@ class GlooBackend(Backend):
             err.gloo_error = exc  # type: ignore[attr-defined]
         self._failed = _twin(err)
         self._records.publish(self._rank, call, type(err).__name__, getattr(err, "peer", None), str(err))
-        self._drop()  # closes this group's connections: peers waiting on this rank learn now
+        self._drop(gave_up=True)  # closes this group's connections: peers waiting on this rank learn now
         return err
 
     def _explain(self, exc: BaseException, call: Call, peer: int | None) -> DistributedError:
@@ -632,7 +636,7 @@ class GlooBackend(Backend):
                 "world to go on without them",
                 peer=min(lost),
             )
-            self._drop()
+            self._drop(gave_up=True)
         return value, lost
 
     def shrink(self) -> Backend:

@@ -51,6 +51,7 @@ _HEAD = struct.Struct("<QqqI")  # seq, value (2 x int64), bytes of blocks that f
 _MAGIC = b"mcl2"
 _TAG = 16
 _OUT_OF_STEP = np.iinfo(np.int64).max  # a value no check key has: the calls differ
+_GAVE_UP = 0xFFFFFFFF  # a frame's length that says: the sender gave up on its check ``seq``
 
 #: the most bytes a gathering exchange collects per rank (group size x block). Measured
 #: against a gloo all-reduce on one 2-core host, the exchange was faster up to 1 MiB on 2
@@ -134,6 +135,11 @@ class CheckLine:
             frm = _from(self._rank, size, k)
             head = self._read(self._ins[k], _HEAD.size, timeout, frm)
             their_seq, x, y, n = _HEAD.unpack(head)
+            if n == _GAVE_UP:
+                tag = self._read(self._ins[k], _TAG, timeout, frm)
+                if hmac.compare_digest(tag, hmac.digest(recv_key, head, "sha256")[:_TAG]):
+                    raise PeerClosed(f"call check: connection closed by peer (rank {frm} gave up on its call)", frm)
+                raise _Forged(f"call check: a frame from rank {frm} failed its authentication")
             if n > BLOCKS_MAX // 2:  # more than any rank sends in one frame: not a frame of ours
                 raise _Forged(f"call check: rank {frm} sent a frame of {n} bytes, more than a frame can hold")
             rest = self._read(self._ins[k], n + _TAG, timeout, frm)
@@ -148,7 +154,43 @@ class CheckLine:
                 a, b = max(a, x), max(b, y)
                 if table is not None:
                     table[step : step + rows] = np.frombuffer(rest, np.uint8, n).reshape(rows, width)
+        self._given_up(seq)
         return a, b
+
+    def _given_up(self, seq: int) -> None:
+        """Raise if a peer that sends to this rank gave up on check ``seq`` after it sent its
+        frames (it timed out on another rank): a rank that was stopped meanwhile finds every
+        frame it needs in its buffers when it resumes, but must fail the call as the others did.
+        Only looks at what has already arrived (a non-blocking peek)."""
+        for k, s in enumerate(self._ins):
+            s.settimeout(0.0)  # with a timeout set, Python would wait for data despite MSG_DONTWAIT
+            try:
+                got = s.recv(_HEAD.size + _TAG, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                continue  # a reset connection: the next read says so
+            if len(got) < _HEAD.size + _TAG:
+                continue
+            their_seq, _, _, n = _HEAD.unpack(got[: _HEAD.size])
+            if n != _GAVE_UP or their_seq != seq:
+                continue
+            if hmac.compare_digest(
+                got[_HEAD.size :], hmac.digest(self._keys[k][1], got[: _HEAD.size], "sha256")[:_TAG]
+            ):
+                frm = _from(self._rank, self._size, k)
+                raise PeerClosed(f"call check: connection closed by peer (rank {frm} gave up on this call)", frm)
+
+    def give_up(self) -> None:
+        """Tell the ranks this one sends to that it gave up on its current check (never waits),
+        then close: see :meth:`_given_up`."""
+        for k, s in enumerate(self._outs):
+            head = _HEAD.pack(self._seq, 0, 0, _GAVE_UP)
+            try:
+                s.send(head + hmac.digest(self._keys[k][0], head, "sha256")[:_TAG], socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+        self.close()
 
     @staticmethod
     def _read(sock: socket.socket, n: int, timeout: float, peer: int) -> bytes:

@@ -58,8 +58,9 @@ def reduce_rows(table: np.ndarray, dtype: np.dtype, op: str, rank: int, out: np.
     ufunc = _UFUNCS[op]
     direct = out.flags.c_contiguous
     flat = out.reshape(-1) if direct else np.empty(out.size, dtype)
-    ufunc(rows[rank % size], rows[(rank - 1) % size], out=flat)
-    for q in range(2, size):
-        ufunc(flat, rows[(rank - q) % size], out=flat)
+    with np.errstate(all="ignore"):  # inf - inf, integer wrap: results as gloo's, without warnings
+        ufunc(rows[rank % size], rows[(rank - 1) % size], out=flat)
+        for q in range(2, size):
+            ufunc(flat, rows[(rank - q) % size], out=flat)
     if not direct:
         out[...] = flat.reshape(out.shape)
