@@ -227,13 +227,21 @@ def _gathered(lines: list[Any], blocks: list[np.ndarray], keys: list[np.ndarray]
     return got
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5, 7])
-def test_a_gathering_exchange_gives_every_rank_every_block(n: int) -> None:
-    """Row j of rank r's table is rank (r - j) % n's block, on every rank, over repeated calls."""
+@pytest.mark.parametrize(
+    ("n", "count"),
+    [(2, 6), (3, 6), (4, 6), (5, 6), (7, 6), (2, 1 << 17), (3, 80_000), (4, 1 << 16)],
+    ids=lambda v: str(v),
+)
+def test_a_gathering_exchange_gives_every_rank_every_block(n: int, count: int) -> None:
+    """Row j of rank r's table is rank (r - j) % n's block, on every rank, over repeated calls;
+    also with frames of 256-512 KiB, more than a send buffer holds (sent while reading)."""
+    from meshcomm_gloo.checkline import BLOCKS_MAX
+
+    assert n * count * 4 <= BLOCKS_MAX
     lines = _lines(n)
     try:
         for call in range(3):
-            blocks = [np.arange(6, dtype=np.int32) + 100 * r + call for r in range(n)]
+            blocks = [np.arange(count, dtype=np.int32) + 100 * r + call for r in range(n)]
             for r, (seen, table) in enumerate(_gathered(lines, blocks)):
                 assert seen == (5, -5), (r, seen)
                 rows = table.view(np.int32)

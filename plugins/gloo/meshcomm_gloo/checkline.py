@@ -36,10 +36,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,14 +55,16 @@ _OUT_OF_STEP = np.iinfo(np.int64).max  # a value no check key has: the calls dif
 _GAVE_UP = 0xFFFFFFFF  # a frame's length that says: the sender gave up on its check ``seq``
 
 #: the most bytes a gathering exchange collects per rank (group size x block). Measured
-#: against a gloo all-reduce on one 2-core host, the exchange was faster up to 1 MiB on 2
-#: ranks and 4 (docs/backends/gloo.md); the bound keeps frames within a send buffer and
-#: the blocks a rank holds small when groups are large (1 KiB each on 256 ranks)
-BLOCKS_MAX = 256 << 10
-#: each connection's send buffer holds a whole frame (at most half of BLOCKS_MAX; the kernel
-#: doubles this for its bookkeeping, up to net.core.wmem_max), so every rank can send before
-#: it reads: a send that waited for its receiver, itself sending, could wait in a circle
-_SNDBUF = BLOCKS_MAX
+#: against a gloo all-reduce on one 2-core host (docs/backends/gloo.md), the exchange was
+#: faster up to 512 KiB and about even at 1 MiB on 2 ranks, slower at 1 MiB on 4; the bound
+#: also keeps the blocks a rank holds small when groups are large (2 KiB each on 256 ranks)
+BLOCKS_MAX = 512 << 10
+#: frames up to this size are sent whole before the rank reads: each connection's send
+#: buffer holds them (the kernel doubles the request for its bookkeeping, up to
+#: net.core.wmem_max), so no rank can wait in a send for a receiver that waits in one too;
+#: larger frames are sent while the peer's frame is read (:func:`_swap`)
+_SENT_WHOLE = 64 << 10
+_SNDBUF = 2 * _SENT_WHOLE
 
 
 def ROUNDS(size: int) -> int:  # noqa: N802 - a formula, named as the docs name it
@@ -127,27 +130,27 @@ class CheckLine:
             rows = min(step, size - step)  # the blocks the receiver still lacks
             blocks = b"" if table is None else table[:rows].tobytes()
             body = _HEAD.pack(seq, a, b, len(blocks)) + blocks
-            try:
-                self._outs[k].sendall(body + hmac.digest(send_key, body, "sha256")[:_TAG])
-            except OSError as exc:
-                to = _to(self._rank, size, k)
-                raise PeerClosed(f"call check: connection closed by peer (sending to rank {to}): {exc}", to) from None
-            frm = _from(self._rank, size, k)
-            head = self._read(self._ins[k], _HEAD.size, timeout, frm)
+            frame = body + hmac.digest(send_key, body, "sha256")[:_TAG]
+            to, frm = _to(self._rank, size, k), _from(self._rank, size, k)
+            if len(frame) <= _SENT_WHOLE:
+                try:
+                    self._outs[k].sendall(frame)
+                except OSError as exc:
+                    raise PeerClosed(
+                        f"call check: connection closed by peer (sending to rank {to}): {exc}", to
+                    ) from None
+                head = self._read(self._ins[k], _HEAD.size, timeout, frm)
+                rest = self._read(self._ins[k], _rest(head, frm), timeout, frm)
+            else:
+                head, rest = _swap(self._outs[k], self._ins[k], frame, timeout, to, frm)
             their_seq, x, y, n = _HEAD.unpack(head)
-            if n == _GAVE_UP:
-                tag = self._read(self._ins[k], _TAG, timeout, frm)
-                if hmac.compare_digest(tag, hmac.digest(recv_key, head, "sha256")[:_TAG]):
-                    raise PeerClosed(f"call check: connection closed by peer (rank {frm} gave up on its call)", frm)
-                raise _Forged(f"call check: a frame from rank {frm} failed its authentication")
-            if n > BLOCKS_MAX // 2:  # more than any rank sends in one frame: not a frame of ours
-                raise _Forged(f"call check: rank {frm} sent a frame of {n} bytes, more than a frame can hold")
-            rest = self._read(self._ins[k], n + _TAG, timeout, frm)
-            if not hmac.compare_digest(rest[n:], hmac.digest(recv_key, head + rest[:n], "sha256")[:_TAG]):
+            if not hmac.compare_digest(rest[-_TAG:], hmac.digest(recv_key, head + rest[:-_TAG], "sha256")[:_TAG]):
                 raise _Forged(
                     f"call check: a frame from rank {frm} failed its authentication (changed on the way, "
                     "or not sent by that rank of this job)"
                 )
+            if n == _GAVE_UP:
+                raise PeerClosed(f"call check: connection closed by peer (rank {frm} gave up on its call)", frm)
             if their_seq != seq or n != rows * width:  # another check, or blocks of another call
                 a = b = _OUT_OF_STEP
             else:
@@ -218,6 +221,73 @@ class CheckLine:
             except OSError:
                 pass
         self._outs, self._ins = [], []
+
+
+def _rest(head: bytes, frm: int) -> int:
+    """How many bytes follow the frame header ``head`` from rank ``frm`` (blocks and tag)."""
+    n = _HEAD.unpack(head)[3]
+    if n == _GAVE_UP:
+        return _TAG
+    if n > BLOCKS_MAX // 2:  # more than any rank sends in one frame: not a frame of ours
+        raise _Forged(f"call check: rank {frm} sent a frame of {n} bytes, more than a frame can hold")
+    return n + _TAG
+
+
+def _swap(
+    out: socket.socket, inn: socket.socket, frame: bytes, timeout: float, to: int, frm: int
+) -> tuple[bytes, bytes]:
+    """Send ``frame`` to rank ``to`` while reading rank ``frm``'s (header, rest): for frames a
+    send buffer may not hold, so no rank waits in a send while its receiver waits in one too.
+    Gives up after ``timeout`` seconds without progress, as a read would."""
+    sent, view = 0, memoryview(frame)
+    got = bytearray()
+    need = _HEAD.size
+    head: bytes | None = None
+    was = out.gettimeout()
+    out.setblocking(False)
+    inn.setblocking(False)
+    poll = select.poll()
+    poll.register(out, select.POLLOUT)
+    poll.register(inn, select.POLLIN)
+    try:
+        while sent < len(frame) or len(got) < need:
+            events = poll.poll(timeout * 1000)
+            if not events:
+                who = frm if len(got) < need else to
+                raise RuntimeError(f"call check: timed out after {timeout:g} s waiting for rank {who}")
+            for fd, _ in events:
+                if fd == out.fileno():
+                    try:
+                        sent += out.send(view[sent:])
+                    except BlockingIOError:
+                        continue
+                    except OSError as exc:
+                        raise PeerClosed(
+                            f"call check: connection closed by peer (sending to rank {to}): {exc}", to
+                        ) from None
+                    if sent == len(frame):
+                        poll.unregister(out)
+                    continue
+                try:
+                    chunk = inn.recv(need - len(got))
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    raise PeerClosed(f"call check: connection reset by peer (rank {frm}): {exc}", frm) from None
+                if not chunk:
+                    raise PeerClosed(f"call check: connection closed by peer (rank {frm})", frm)
+                got += chunk
+                if head is None and len(got) == _HEAD.size:
+                    head = bytes(got)
+                    got.clear()
+                    need = _rest(head, frm)
+                if head is not None and len(got) == need:
+                    poll.unregister(inn)
+                    if _HEAD.unpack(head)[3] == _GAVE_UP:  # it sends no more, nor reads: stop sending
+                        return head, bytes(got)
+    finally:
+        out.settimeout(was)
+    return cast(bytes, head), bytes(got)  # the loop ends only once the header and the rest are read
 
 
 class _Forged(RuntimeError):
