@@ -239,6 +239,8 @@ def test_a_gathering_exchange_gives_every_rank_every_block(n: int, count: int) -
 
     assert n * count * 4 <= BLOCKS_MAX
     lines = _lines(n)
+    for r, line in enumerate(lines):  # some ranks poll before they sleep (MESHCOMM_GLOO_SPIN_US), some do not
+        line.spin = 0.0005 if r % 2 else 0.0
     if count > 6:  # small socket buffers: a rank that sent its whole frame before reading would wait forever
         for line in lines:
             for s in line._outs:
@@ -367,3 +369,15 @@ def test_a_rank_resumed_after_the_others_gave_up_fails_the_call_too() -> None:
         assert _on_ranks(2, rank) == [(3, -3), (3, -3)]
     finally:
         _close(lines)
+
+
+def test_ranks_poll_before_they_sleep_only_where_the_host_has_a_core_for_each() -> None:
+    from meshcomm_gloo.liveness import RankProcess, spin_for
+
+    cores = os.cpu_count() or 1
+    alone = [RankProcess("a", 1)] + [RankProcess(f"b{q}", q) for q in range(cores + 3)]
+    assert spin_for(50.0, alone, 0) == pytest.approx(50e-6)  # the only rank on host a
+    crowded = [RankProcess("a", q) for q in range(cores + 1)]
+    assert spin_for(50.0, crowded, 0) == 0.0
+    assert spin_for(50.0, crowded[:cores], 0) == pytest.approx(50e-6)
+    assert spin_for(0.0, alone, 0) == 0.0

@@ -106,10 +106,14 @@ class GlooBackend(Backend):
         members: list[int] | None = None,
         ends: list[set[str]] | None = None,
         line: CheckLine | None = None,
+        spin: float = 0.0,
     ) -> None:
         self._pg = pg
-        #: the call check's own channel (:mod:`.checkline`)
+        #: the call check's own channel (:mod:`.checkline`), polling ``spin`` s before it sleeps
         self._line = line
+        self._spin = spin
+        if line is not None:
+            line.spin = spin
         #: the core's call key goes with each collective (checked on the channel first, or
         #: carried with a small all-reduce's data there)
         self.pipelines_calls = line is not None
@@ -583,6 +587,7 @@ class GlooBackend(Backend):
             [self._members[q] for q in members],
             ends,
             line,
+            self._spin,
         )
         self._children.append(weakref.ref(child))
         return child
@@ -701,7 +706,19 @@ class GlooBackend(Backend):
             with contextlib.suppress(Exception):  # the store's server may be gone: the next agreement says so
                 self._store.delete_key(marker)
         world = GlooBackend(
-            pg, self._store, prefix, rank, len(members), self.timeout, self._ifname, "world", peers, members, ends, line
+            pg,
+            self._store,
+            prefix,
+            rank,
+            len(members),
+            self.timeout,
+            self._ifname,
+            "world",
+            peers,
+            members,
+            ends,
+            line,
+            self._spin,
         )
         world._failed = failed
         world._marked = failed is not None

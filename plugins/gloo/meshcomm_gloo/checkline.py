@@ -103,6 +103,9 @@ class CheckLine:
         self._ins = ins  # round k: from rank - 2**k
         self._keys = keys  # round k: (key of the frames sent, key of the frames received)
         self._seq = 0
+        #: seconds a read polls before it sleeps (0 where ranks outnumber this host's cores:
+        #: a polling rank would take the core its peer needs)
+        self.spin = 0.0
 
     def reduce_max(self, mine: np.ndarray, out: np.ndarray, timeout: float) -> None:
         """``out`` = the element-wise max over the group of ``mine`` (int64 [h, -h]).
@@ -139,8 +142,8 @@ class CheckLine:
                     raise PeerClosed(
                         f"call check: connection closed by peer (sending to rank {to}): {exc}", to
                     ) from None
-                head = self._read(self._ins[k], _HEAD.size, timeout, frm)
-                rest = self._read(self._ins[k], _rest(head, frm), timeout, frm)
+                head = self._read(self._ins[k], _HEAD.size, timeout, frm, self.spin)
+                rest = self._read(self._ins[k], _rest(head, frm), timeout, frm, self.spin)
             else:
                 head, rest = _swap(self._outs[k], self._ins[k], frame, timeout, to, frm)
             their_seq, x, y, n = _HEAD.unpack(head)
@@ -196,10 +199,29 @@ class CheckLine:
         self.close()
 
     @staticmethod
-    def _read(sock: socket.socket, n: int, timeout: float, peer: int) -> bytes:
+    def _read(sock: socket.socket, n: int, timeout: float, peer: int, spin: float = 0.0) -> bytes:
+        """``n`` bytes from ``sock``; polls without sleeping for up to ``spin`` seconds first (a
+        sleeping rank's wake-up costs tens of microseconds on a busy host), then waits."""
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
+        if spin > 0.0:
+            sock.settimeout(0.0)
+            end = time.perf_counter() + spin
+            while got < n:
+                try:
+                    k = sock.recv_into(view[got:])
+                except BlockingIOError:
+                    if time.perf_counter() > end:
+                        break
+                    continue
+                except OSError:
+                    break  # the waiting read below says what happened
+                if not k:
+                    break
+                got += k
+            if got == n:
+                return bytes(buf)
         sock.settimeout(timeout)
         try:
             while got < n:

@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RankProcess", "suspects", "endpoints", "owner", "process_state"]
+__all__ = ["RankProcess", "suspects", "endpoints", "owner", "process_state", "spin_for"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,14 @@ def owner(message: str, ends: list[set[str]], me: int) -> int | None:
         if len(by_port) == 1:
             return by_port[0]
     return None
+
+
+def spin_for(spin_us: float, peers: list[RankProcess], world_rank: int) -> float:
+    """Seconds a rank's channel reads poll before they sleep: ``spin_us``, or none where this
+    host runs more of the job's ranks than it has cores (a polling rank would take the core
+    the rank it waits for needs)."""
+    if not peers or world_rank >= len(peers):
+        return 0.0
+    here = peers[world_rank].host
+    local = sum(1 for p in peers if p.host == here)
+    return spin_us * 1e-6 if local <= (os.cpu_count() or 1) else 0.0

@@ -80,6 +80,7 @@ def factory(config: Config, settings: Any) -> Backend:
     from .admission import admit, note_rejection, rejection_of_others
     from .backend import GlooBackend
     from .errors import StoreAuthError, translate
+    from .liveness import spin_for
     from .rendezvous import WORLD_PREFIX, connect, device_of, make_store
     from .session import open_session
 
@@ -117,7 +118,17 @@ def factory(config: Config, settings: Any) -> Backend:
             timeout=config.timeout,
         ) from exc
     return GlooBackend(
-        pg, store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings), peers=peers, ends=ends, line=line
+        pg,
+        store,
+        WORLD_PREFIX,
+        rank,
+        size,
+        config.timeout,
+        device_of(settings),
+        peers=peers,
+        ends=ends,
+        line=line,
+        spin=spin_for(settings.spin_us, peers, rank),
     )
 
 
@@ -129,6 +140,7 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
     from .backend import GlooBackend
     from .errors import translate
     from .joining import ask_to_join
+    from .liveness import spin_for
     from .rendezvous import connect, device_of, make_store
 
     store, _rank, _size, where = make_store(config, settings, join=True)
@@ -156,6 +168,7 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
         place.members,
         ends,
         line,
+        spin_for(settings.spin_us, place.peers, place.members[place.rank]),
     )
     world.epoch = place.epoch
     return world

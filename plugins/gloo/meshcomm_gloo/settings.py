@@ -56,3 +56,17 @@ class GlooSettings(JobSecretSettings):
         "meshcomm.ray set each rank's own: a host name that resolves to a loopback address breaks jobs across "
         "hosts)",
     )
+    spin_us: float = setting(
+        50.0,
+        env="MESHCOMM_GLOO_SPIN_US",
+        tuning=True,
+        accepts="a number of microseconds from 0 to 10000000",
+        description=(
+            "how long a rank waiting on its group's call-check channel (the call check, small "
+            "all-reduces) polls before it sleeps; not used where a host runs more ranks than it "
+            "has cores (longer: lower latency, more CPU burnt by waiting ranks)"
+        ),
+        ge=0,
+        le=10_000_000,
+        allow_inf_nan=False,
+    )
