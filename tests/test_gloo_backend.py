@@ -255,7 +255,7 @@ def test_split_makes_real_subgroups() -> None:
 def test_a_small_and_a_large_all_sum_meet_as_a_mismatch_on_every_rank() -> None:
     """The small call reduces on the call check's channel, the large one checks its call
     there and would then start gloo's all-reduce: every rank names both calls, nothing waits
-    for the timeout, and the group goes on."""
+    for the timeout, and the group goes on; the same for a call of no elements."""
     run(3, "_w_mixed_paths", {"MLX_TIMEOUT": "20"})
 
 
@@ -554,6 +554,10 @@ def _w_mixed_paths() -> None:
     assert "(4,)" in str(err.value) and f"({BLOCKS_MAX},)" in str(err.value), err.value
     assert mc.all_sum(small, group=g).tolist() == [n] * 4
     assert (mc.all_sum(large, group=g) == n).all()
+    # a call of no elements never reaches the backend: it is still checked, not skipped
+    with pytest.raises(mc.CollectiveMismatchError):
+        mc.all_sum(np.empty(0, np.float32) if r == 1 else small, group=g)
+    assert mc.all_sum(small, group=g).tolist() == [n] * 4
     print("mixed ok")
 
 

@@ -381,3 +381,50 @@ def test_ranks_poll_before_they_sleep_only_where_the_host_has_a_core_for_each() 
     assert spin_for(50.0, crowded, 0) == 0.0
     assert spin_for(50.0, crowded[:cores], 0) == pytest.approx(50e-6)
     assert spin_for(0.0, alone, 0) == 0.0
+
+
+def test_a_rank_that_gives_up_after_a_completed_call_fails_only_the_next_one_of_a_slower_peer() -> None:
+    """Rank 0 completes a call, then fails elsewhere and gives up; rank 1, slower, looks for
+    notices of that call only after the give-up: its call stands, and its next one raises."""
+    from meshcomm_gloo.checkline import PeerClosed
+
+    lines = _lines(2)
+    given_up = threading.Event()
+    peek = lines[1]._given_up
+    lines[1]._given_up = lambda seq: (given_up.wait(5), peek(seq))[1]
+    key = np.array([4, -4], np.int64)
+
+    def rank(r: int) -> Any:
+        seen = lines[r].gather(key, np.zeros((2, 8), np.uint8), 5.0)
+        if r == 0:
+            lines[0].give_up()
+            given_up.set()
+        return seen
+
+    try:
+        assert _on_ranks(2, rank) == [(4, -4), (4, -4)]
+        with pytest.raises(PeerClosed, match="rank 0 gave up"):
+            lines[1].gather(key, np.zeros((2, 8), np.uint8), 5.0)
+    finally:
+        _close(lines)
+
+
+def test_giving_up_never_waits_for_room_in_a_full_send_buffer() -> None:
+    lines = _lines(2)
+    try:
+        out = lines[0]._outs[0]
+        out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        lines[1]._ins[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        out.setblocking(False)
+        for _ in range(3):  # rank 1 reads nothing: fill its receive buffer and our send buffer
+            try:
+                while True:
+                    out.send(b"\0" * 4096)
+            except BlockingIOError:
+                time.sleep(0.2)  # what the kernel still moves to rank 1 makes room: fill it too
+        out.settimeout(30.0)
+        t0 = time.monotonic()
+        lines[0].give_up()
+        assert time.monotonic() - t0 < 10.0, "give_up waited for room to send its notice"
+    finally:
+        _close(lines)

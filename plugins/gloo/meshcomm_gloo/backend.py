@@ -208,14 +208,14 @@ class GlooBackend(Backend):
         if key is None:
             return
         self.call_key = None
+        self._usable(call)  # a failed group raises its first error again
         seen = self._seen
-        line = cast(CheckLine, self._line)  # a group takes keys only while it has its channel
-        check = self._coll("all_max", key)
-        self.user_step = "the call check"  # messages name the user's call, not the check
+        line = cast(CheckLine, self._line)  # a usable group has its channel
+        self.user_step = "the call check"  # messages name the user's call and its check
         try:
             line.reduce_max(key, seen, self.timeout)
-        except RuntimeError as exc:
-            raise self._fail(exc, check, None) from None
+        except RuntimeError as exc:  # recorded as the call itself: a rank already in it does not conflict
+            raise self._fail(exc, call, None) from None
         finally:
             self.user_step = ""
         if seen[0] != key[0] or seen[1] != key[1]:

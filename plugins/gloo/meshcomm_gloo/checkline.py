@@ -103,6 +103,7 @@ class CheckLine:
         self._ins = ins  # round k: from rank - 2**k
         self._keys = keys  # round k: (key of the frames sent, key of the frames received)
         self._seq = 0
+        self._finished = 0  # the last check this rank completed (see give_up)
         #: seconds a read polls before it sleeps (0 where ranks outnumber this host's cores:
         #: a polling rank would take the core its peer needs)
         self.spin = 0.0
@@ -161,6 +162,7 @@ class CheckLine:
                 if table is not None:
                     table[step : step + rows] = np.frombuffer(rest, np.uint8, n).reshape(rows, width)
         self._given_up(seq)
+        self._finished = seq
         return a, b
 
     def _given_up(self, seq: int) -> None:
@@ -188,12 +190,16 @@ class CheckLine:
                 raise PeerClosed(f"call check: connection closed by peer (rank {frm} gave up on this call)", frm)
 
     def give_up(self) -> None:
-        """Tell the ranks this one sends to that it gave up on its current check (never waits),
-        then close: see :meth:`_given_up`."""
+        """Tell the ranks this one sends to that it gave up (never waits), then close: see
+        :meth:`_given_up`. The notice names the check this rank failed in, or, when it failed
+        after its last check completed, the next one: a slower peer still finishing that
+        completed check then does, and meets the notice at its next."""
+        seq = self._seq + 1 if self._finished == self._seq else self._seq
+        head = _HEAD.pack(seq, 0, 0, _GAVE_UP)
         for k, s in enumerate(self._outs):
-            head = _HEAD.pack(self._seq, 0, 0, _GAVE_UP)
             try:
-                s.send(head + hmac.digest(self._keys[k][0], head, "sha256")[:_TAG], socket.MSG_DONTWAIT)
+                s.setblocking(False)  # with a timeout set, Python would wait for room despite MSG_DONTWAIT
+                s.send(head + hmac.digest(self._keys[k][0], head, "sha256")[:_TAG])
             except OSError:
                 pass
         self.close()
@@ -395,6 +401,8 @@ def open_line(store: Any, prefix: str, rank: int, size: int, timeout: float, hos
                     _mac(secret, b"frames", _pair(size, frm, rank, k), hellos[k], answers[k]),
                 )
             )
+        for s in outs:  # sends wait at most this long (not what was left of the start-up's deadline)
+            s.settimeout(timeout)
         return CheckLine(rank, size, outs, [s for s in ins if s is not None], keys)
     except BaseException as exc:
         for s in outs + [s for s in ins if s is not None]:
