@@ -134,7 +134,7 @@ class CheckLine:
             rows = min(step, size - step)  # the blocks the receiver still lacks
             blocks = b"" if table is None else table[:rows].tobytes()
             body = _HEAD.pack(seq, a, b, len(blocks)) + blocks
-            frame = body + hmac.digest(send_key, body, "sha256")[:_TAG]
+            frame = body + _tag(send_key, body)
             to, frm = _to(self._rank, size, k), _from(self._rank, size, k)
             if len(frame) <= _SENT_WHOLE:
                 try:
@@ -148,7 +148,7 @@ class CheckLine:
             else:
                 head, rest = _swap(self._outs[k], self._ins[k], frame, timeout, to, frm)
             their_seq, x, y, n = _HEAD.unpack(head)
-            if not hmac.compare_digest(rest[-_TAG:], hmac.digest(recv_key, head + rest[:-_TAG], "sha256")[:_TAG]):
+            if not hmac.compare_digest(rest[-_TAG:], _tag(recv_key, head + rest[:-_TAG])):
                 raise _Forged(
                     f"call check: a frame from rank {frm} failed its authentication (changed on the way, "
                     "or not sent by that rank of this job)"
@@ -183,9 +183,7 @@ class CheckLine:
             their_seq, _, _, n = _HEAD.unpack(got[: _HEAD.size])
             if n != _GAVE_UP or their_seq != seq:
                 continue
-            if hmac.compare_digest(
-                got[_HEAD.size :], hmac.digest(self._keys[k][1], got[: _HEAD.size], "sha256")[:_TAG]
-            ):
+            if hmac.compare_digest(got[_HEAD.size :], _tag(self._keys[k][1], got[: _HEAD.size])):
                 frm = _from(self._rank, self._size, k)
                 raise PeerClosed(f"call check: connection closed by peer (rank {frm} gave up on this call)", frm)
 
@@ -199,7 +197,7 @@ class CheckLine:
         for k, s in enumerate(self._outs):
             try:
                 s.setblocking(False)  # with a timeout set, Python would wait for room despite MSG_DONTWAIT
-                s.send(head + hmac.digest(self._keys[k][0], head, "sha256")[:_TAG])
+                s.send(head + _tag(self._keys[k][0], head))
             except OSError:
                 pass
         self.close()
@@ -249,6 +247,11 @@ class CheckLine:
             except OSError:
                 pass
         self._outs, self._ins = [], []
+
+
+def _tag(key: bytes, body: bytes) -> bytes:
+    """A frame's tag: HMAC-SHA256 of ``body`` under the connection's ``key``, cut to 16 bytes."""
+    return hmac.digest(key, body, "sha256")[:_TAG]
 
 
 def _rest(head: bytes, frm: int) -> int:
