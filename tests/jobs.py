@@ -20,6 +20,19 @@ MPI_RUNTIME_NOT_STARTED = "The PMIx server's listener thread failed to start"
 #: still importing torch when the others give up reaching its store (seen in CI, 5 s, the
 #: suite's other jobs running beside it); no rank got as far as the operation under test
 GLOO_STORE_NOT_REACHED = "connecting to rank 0's store"
+#: variables of MPI launchers and of meshcomm, which a job a test starts by hand must not inherit
+LAUNCH_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_", "HYDRA_", "MPI4PY_")
+#: the suite's own settings among them (conftest.py), kept: jobs skip Open MPI's fabric probe,
+#: and mpiexec's session directory stays in the session's directory, even when a test kills it
+SUITE_VARS = ("OMPI_MCA_btl", "PRTE_MCA_prte_tmpdir_base")
+
+
+def without_launch_vars(**extra: str) -> dict[str, str]:
+    """This process's environment without :data:`LAUNCH_VARS` (but the suite's own settings),
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k in SUITE_VARS or not k.startswith(LAUNCH_VARS)}
+    env.update(extra)
+    return env
 
 
 def launch(

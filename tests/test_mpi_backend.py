@@ -579,7 +579,7 @@ if __name__ == "__main__":
 
 # -- pytest side ------------------------------------------------------------------------------
 import pytest  # noqa: E402
-from jobs import JOB_SECRET  # noqa: E402
+from jobs import JOB_SECRET, without_launch_vars  # noqa: E402
 
 pytest.importorskip("mpi4py")
 from meshcomm_mpi.environment import launch_reason, unavailable_reason  # noqa: E402
@@ -590,16 +590,11 @@ if unavailable_reason() is not None:  # pragma: no cover - depends on the machin
 from meshcomm_mpi.discover import find_library  # noqa: E402
 from meshcomm_mpi.launcher import job_command, mpiexec_command  # noqa: E402
 
-_LAUNCH_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_", "HYDRA_", "MPI4PY_")
-
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without MPI launcher or meshcomm variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["MESHCOMM_JOB_SECRET"] = JOB_SECRET  # as meshcomm launch gives every job (object payloads need it)
-    env.update(extra)
-    return env
+    # MESHCOMM_JOB_SECRET: as meshcomm launch gives every job (object payloads need it)
+    return without_launch_vars(PYTHONUNBUFFERED="1", MESHCOMM_JOB_SECRET=JOB_SECRET, **extra)
 
 
 def _mpirun(n: int, argv: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
@@ -744,7 +739,7 @@ def test_any_does_not_pick_mpi_without_launcher() -> None:
     assert available == "True" and configured == "False", line
 
 
-def test_world_size_mismatch_is_an_error() -> None:
+def test_world_size_mismatch_is_an_error(tmp_path: Path) -> None:
     """A launcher that announces 2 ranks while MPI sees 1 (wrong mpiexec) raises, never runs alone."""
     code = (
         "import meshcomm as mc\n"
@@ -753,7 +748,9 @@ def test_world_size_mismatch_is_an_error() -> None:
         "except mc.BackendUnavailableError as exc:\n"
         "    print('RAISED', exc)\n"
     )
-    env = _clean_env(PMI_RANK="0", PMI_SIZE="2")  # MPICH's variables: Open MPI ignores them
+    # PMI_*: MPICH's variables, which Open MPI ignores; TMPDIR: where Open MPI's singleton makes
+    # its session directory, which it leaves when init fails
+    env = _clean_env(PMI_RANK="0", PMI_SIZE="2", TMPDIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     lib_is_mpich = (
         "mpich"

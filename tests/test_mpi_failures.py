@@ -103,17 +103,14 @@ from meshcomm_mpi.environment import unavailable_reason  # noqa: E402
 if unavailable_reason() is not None:  # pragma: no cover - depends on the machine
     pytest.skip(f"mpi backend unavailable: {unavailable_reason()}", allow_module_level=True)
 
-from jobs import MPI_RUNTIME_NOT_STARTED  # noqa: E402
+from jobs import MPI_RUNTIME_NOT_STARTED, without_launch_vars  # noqa: E402
 from meshcomm_mpi.launcher import mpiexec_command, resolve_mpiexec  # noqa: E402
 
-_LAUNCH_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_", "HYDRA_", "MPI4PY_")
 FLAVOR = resolve_mpiexec()[1]
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
-    env.update(PYTHONUNBUFFERED="1", MLX_TIMEOUT=str(TIMEOUT), MLX_BACKEND="mpi")
-    return env
+    return without_launch_vars(PYTHONUNBUFFERED="1", MLX_TIMEOUT=str(TIMEOUT), MLX_BACKEND="mpi")
 
 
 def _leftovers(marker: str) -> list[str]:

@@ -166,7 +166,8 @@ def test_stall_inspector_under_a_plain_mpirun(tmp_path: Path) -> None:
         for k, v in os.environ.items()
         if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_"))
     }
-    env.update(MPI_ENV, PYTHONUNBUFFERED="1", MLX_TIMEOUT="60", MESHCOMM_STALL_AFTER="1", TMPDIR=str(tmp_path))
+    env.update(MPI_ENV, PYTHONUNBUFFERED="1", MLX_TIMEOUT="60", MESHCOMM_STALL_AFTER="1")
+    env["PRTE_MCA_prte_tmpdir_base"] = str(tmp_path)  # where mpirun makes its session directory
     cmd = mpiexec_command(3, [sys.executable, PROG, "stall", "4"])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
