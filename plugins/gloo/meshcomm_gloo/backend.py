@@ -15,6 +15,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -200,12 +201,15 @@ class GlooBackend(Backend):
             return Call("coll", name, seq=self._seq, root=root)
         return Call("coll", name, buf.dtype, buf.size, self._seq, root)
 
-    def _checked(self, call: Call) -> None:
+    def _checked(self, call: Call, meanwhile: Callable[[], None] | None = None) -> None:
         """The call check of the collective ``call`` is part of, on the channel, when the core
         handed its key over (:attr:`pipelines_calls`): before any gloo work starts, so a
-        mismatch leaves nothing of gloo's waiting."""
+        mismatch leaves nothing of gloo's waiting. ``meanwhile`` (the copy of an all-reduce's
+        input into its result) runs while the check's frames travel, or at once without one."""
         key = self.call_key
         if key is None:
+            if meanwhile is not None:
+                meanwhile()
             return
         self.call_key = None
         self._usable(call)  # a failed group raises its first error again
@@ -213,7 +217,7 @@ class GlooBackend(Backend):
         line = cast(CheckLine, self._line)  # a usable group has its channel
         self.user_step = "the call check"  # messages name the user's call and its check
         try:
-            line.reduce_max(key, seen, self.timeout)
+            line.reduce_max(key, seen, self.timeout, meanwhile)
         except RuntimeError as exc:  # recorded as the call itself: a rank already in it does not conflict
             raise self._fail(exc, call, None) from None
         finally:
@@ -230,11 +234,17 @@ class GlooBackend(Backend):
             details=self,
         )
 
-    def _run(self, call: Call, start: Callable[[Any], Any], peer: int | None = None) -> None:
-        """Start a gloo work item on the process group and wait for it, translating failures."""
+    def _run(
+        self,
+        call: Call,
+        start: Callable[[Any], Any],
+        peer: int | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Start a gloo work item on the process group and wait for it, translating failures;
+        ``meanwhile`` runs first (beside the call check, see :meth:`_checked`)."""
         pg = self._usable(call)
-        if self.call_key is not None:
-            self._checked(call)
+        self._checked(call, meanwhile)
         try:
             start(pg).wait()
         except RuntimeError as exc:
@@ -457,9 +467,8 @@ class GlooBackend(Backend):
             return
         call = self._coll(f"all_{op}", sendbuf)
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
-            if not in_place(sendbuf, recvbuf):
-                recvbuf[...] = sendbuf
-            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call)
+            copy = None if in_place(sendbuf, recvbuf) else partial(np.copyto, recvbuf, sendbuf)
+            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call, copy)
             return
         encode, decode = plan.codec
         wire = encode(sendbuf)
@@ -488,10 +497,10 @@ class GlooBackend(Backend):
             )
         reduce_rows(table, sendbuf.dtype, op, self._rank, recvbuf)
 
-    def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call) -> None:
+    def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call, meanwhile: Callable[[], None] | None = None) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[plan.op]  # type: ignore[assignment]  # torch's stubs: RedOpType vs ReduceOp
-        self._run(call, lambda pg: pg.allreduce([t], opts))
+        self._run(call, lambda pg: pg.allreduce([t], opts), meanwhile=meanwhile)
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         """An all-reduce of a copy, then this rank's block.
