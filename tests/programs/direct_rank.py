@@ -80,7 +80,7 @@ for count_bytes in (limit - 4, limit, 3 * limit + 12, (4 << 20) + 8):
                 assert np.array_equal(got, np.concatenate(xs)), f"rank {r}: gather"
             part = mc.scatter(x, root=root)
             assert np.array_equal(part, xs[root][r * m : (r + 1) * m]), f"rank {r}: scatter from {root}"
-# all-reduces read peers directly from 16 MiB (shm.DIRECT_REDUCE_MIN_BYTES; 4 MiB on 2 ranks; below it
+# all-reduces read peers directly from 16 MiB (shm.DIRECT_REDUCE_MIN_BYTES; 2 MiB on 2 ranks; below it
 # the slots win); blocks of unequal size, every dtype, in place and all_max
 for dtype in (np.float32, np.float64, np.int64):
     count = (16 << 20) // np.dtype(dtype).itemsize + 3  # not a multiple of 2, 3 or 4 ranks

@@ -94,7 +94,7 @@ class SocketsSettings(JobSecretSettings):
         tuning=True,
         accepts="1/0, true/false",
         description="ranks on the same host read each other's arrays in place (process_vm_readv) for "
-        "collectives of 256 KiB and more (all-reduces from 4 MiB on 2 local ranks, 16 MiB on more): one copy "
+        "collectives of 256 KiB and more (all-reduces from 2 MiB on 2 local ranks, 16 MiB on more): one copy "
         "instead of two (0: always copy through shared memory)",
     )
     native: bool = setting(

@@ -115,8 +115,9 @@ SPLIT_MIN_BYTES = 256 * 1024
 #: up to 12 MiB (docs/sockets.md)
 DIRECT_REDUCE_MIN_BYTES = 16 << 20
 #: the same on 2 local ranks, where the direct path halves each rank's additions: it measured
-#: 0.68-0.77x the slots' time from 4 MiB, quiet or beside a busy process (docs/sockets.md)
-DIRECT_REDUCE_MIN_BYTES_TWO = 4 << 20
+#: 0.78-0.89x the slots' time at 2 MiB and 0.68-0.77x from 4 MiB, quiet or beside a busy
+#: process; at 1 MiB the same as the slots (docs/sockets.md)
+DIRECT_REDUCE_MIN_BYTES_TWO = 2 << 20
 #: bytes a rank reduces per direct read (a peer's chunk is read into a buffer this size; in
 #: C, 64 KiB-256 KiB measured the same at 1 MiB and 256 KiB best from 4 MiB up)
 _DIRECT_CHUNK_BYTES = 256 * 1024
