@@ -64,34 +64,6 @@ def _close(lines: list[Any]) -> None:
         line.close()
 
 
-def test_work_given_to_a_check_runs_once_while_the_peers_frames_travel() -> None:
-    """``meanwhile`` (an all-reduce's input copy) runs after this rank's frame is sent and
-    before it waits for the peer's: rank 1 starts its check only once rank 0's work ran."""
-    lines = _lines(2)
-    ran = [0, 0]
-    rank_0_worked = threading.Event()
-
-    def check(r: int) -> np.ndarray:
-        def work() -> None:
-            ran[r] += 1
-            if r == 0:
-                rank_0_worked.set()
-
-        if r == 1:
-            assert rank_0_worked.wait(10), "rank 0 waited for rank 1's frame before its own work"
-        out = np.empty(2, np.int64)
-        lines[r].reduce_max(np.array([r, -r], np.int64), out, 5.0, work)
-        return out
-
-    try:
-        for got in _on_ranks(2, check):
-            assert not isinstance(got, BaseException), got
-            assert got.tolist() == [1, 0]
-        assert ran == [1, 1]
-    finally:
-        _close(lines)
-
-
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_every_rank_gets_the_maximum_and_equal_keys_pass(n: int) -> None:
     lines = _lines(n)

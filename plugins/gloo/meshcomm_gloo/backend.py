@@ -15,7 +15,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -201,15 +200,12 @@ class GlooBackend(Backend):
             return Call("coll", name, seq=self._seq, root=root)
         return Call("coll", name, buf.dtype, buf.size, self._seq, root)
 
-    def _checked(self, call: Call, meanwhile: Callable[[], None] | None = None) -> None:
+    def _checked(self, call: Call) -> None:
         """The call check of the collective ``call`` is part of, on the channel, when the core
         handed its key over (:attr:`pipelines_calls`): before any gloo work starts, so a
-        mismatch leaves nothing of gloo's waiting. ``meanwhile`` (the copy of an all-reduce's
-        input into its result) runs while the check's frames travel, or at once without one."""
+        mismatch leaves nothing of gloo's waiting."""
         key = self.call_key
         if key is None:
-            if meanwhile is not None:
-                meanwhile()
             return
         self.call_key = None
         self._usable(call)  # a failed group raises its first error again
@@ -217,7 +213,7 @@ class GlooBackend(Backend):
         line = cast(CheckLine, self._line)  # a usable group has its channel
         self.user_step = "the call check"  # messages name the user's call and its check
         try:
-            line.reduce_max(key, seen, self.timeout, meanwhile)
+            line.reduce_max(key, seen, self.timeout)
         except RuntimeError as exc:  # recorded as the call itself: a rank already in it does not conflict
             raise self._fail(exc, call, None) from None
         finally:
@@ -234,17 +230,11 @@ class GlooBackend(Backend):
             details=self,
         )
 
-    def _run(
-        self,
-        call: Call,
-        start: Callable[[Any], Any],
-        peer: int | None = None,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> None:
-        """Start a gloo work item on the process group and wait for it, translating failures;
-        ``meanwhile`` runs first (beside the call check, see :meth:`_checked`)."""
+    def _run(self, call: Call, start: Callable[[Any], Any], peer: int | None = None) -> None:
+        """Start a gloo work item on the process group and wait for it, translating failures."""
         pg = self._usable(call)
-        self._checked(call, meanwhile)
+        if self.call_key is not None:
+            self._checked(call)
         try:
             start(pg).wait()
         except RuntimeError as exc:
@@ -467,8 +457,9 @@ class GlooBackend(Backend):
             return
         call = self._coll(f"all_{op}", sendbuf)
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
-            copy = None if in_place(sendbuf, recvbuf) else partial(np.copyto, recvbuf, sendbuf)
-            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call, copy)
+            if not in_place(sendbuf, recvbuf):
+                recvbuf[...] = sendbuf
+            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call)
             return
         encode, decode = plan.codec
         wire = encode(sendbuf)
@@ -497,10 +488,10 @@ class GlooBackend(Backend):
             )
         reduce_rows(table, sendbuf.dtype, op, self._rank, recvbuf)
 
-    def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call, meanwhile: Callable[[], None] | None = None) -> None:
+    def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[plan.op]  # type: ignore[assignment]  # torch's stubs: RedOpType vs ReduceOp
-        self._run(call, lambda pg: pg.allreduce([t], opts), meanwhile=meanwhile)
+        self._run(call, lambda pg: pg.allreduce([t], opts))
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         """An all-reduce of a copy, then this rank's block.

@@ -40,7 +40,6 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -109,16 +108,12 @@ class CheckLine:
         #: a polling rank would take the core its peer needs)
         self.spin = 0.0
 
-    def reduce_max(
-        self, mine: np.ndarray, out: np.ndarray, timeout: float, meanwhile: Callable[[], None] | None = None
-    ) -> None:
+    def reduce_max(self, mine: np.ndarray, out: np.ndarray, timeout: float) -> None:
         """``out`` = the element-wise max over the group of ``mine`` (int64 [h, -h]).
 
         A peer at another check (a rank that skipped a collective) makes the result one no
-        key has, so the core sees the calls differ. Raises RuntimeError as gloo would.
-        ``meanwhile`` runs once this rank's first frame is sent, while the peers' frames are on
-        their way (the copy of a large all-reduce's input fills that wait)."""
-        out[0], out[1] = self._exchange(int(mine[0]), int(mine[1]), None, timeout, meanwhile)
+        key has, so the core sees the calls differ. Raises RuntimeError as gloo would."""
+        out[0], out[1] = self._exchange(int(mine[0]), int(mine[1]), None, timeout)
 
     def gather(self, mine: np.ndarray, table: np.ndarray, timeout: float) -> tuple[int, int]:
         """The max of the keys, as :meth:`reduce_max`, while every rank's block travels along:
@@ -127,11 +122,8 @@ class CheckLine:
         returned max equals ``mine`` (the same call on every rank, so blocks of one length)."""
         return self._exchange(int(mine[0]), int(mine[1]), table, timeout)
 
-    def _exchange(
-        self, a: int, b: int, table: np.ndarray | None, timeout: float, meanwhile: Callable[[], None] | None = None
-    ) -> tuple[int, int]:
-        """One check's rounds; with ``table``, the blocks of Bruck's all-gather ride along;
-        ``meanwhile`` runs after the first send (see :meth:`reduce_max`)."""
+    def _exchange(self, a: int, b: int, table: np.ndarray | None, timeout: float) -> tuple[int, int]:
+        """One check's rounds; with ``table``, the blocks of Bruck's all-gather ride along."""
         if not self._outs:  # closed: a check of no rounds would pass anything
             raise RuntimeError("call check: the channel was closed (the group failed or was closed)")
         self._seq = seq = self._seq + 1
@@ -151,15 +143,9 @@ class CheckLine:
                     raise PeerClosed(
                         f"call check: connection closed by peer (sending to rank {to}): {exc}", to
                     ) from None
-                if meanwhile is not None:
-                    meanwhile()
-                    meanwhile = None
                 head = self._read(self._ins[k], _HEAD.size, timeout, frm, self.spin)
                 rest = self._read(self._ins[k], _rest(head, frm), timeout, frm, self.spin)
             else:
-                if meanwhile is not None:
-                    meanwhile()
-                    meanwhile = None
                 head, rest = _swap(self._outs[k], self._ins[k], frame, timeout, to, frm)
             their_seq, x, y, n = _HEAD.unpack(head)
             if not hmac.compare_digest(rest[-_TAG:], _tag(recv_key, head + rest[:-_TAG])):
@@ -175,8 +161,6 @@ class CheckLine:
                 a, b = max(a, x), max(b, y)
                 if table is not None:
                     table[step : step + rows] = np.frombuffer(rest, np.uint8, n).reshape(rows, width)
-        if meanwhile is not None:  # pragma: no cover - a line has one round at least
-            meanwhile()
         self._given_up(seq)
         self._finished = seq
         return a, b
