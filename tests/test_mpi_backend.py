@@ -643,7 +643,7 @@ def test_mpi_specific(n: int) -> None:
 
 
 def test_ring_threshold_and_setting() -> None:
-    """MESHCOMM_MPI_RING_FROM: auto gives 4 KiB on 2 ranks and 64 KiB per rank on more; off and
+    """MESHCOMM_MPI_RING_FROM: auto gives 64 KiB on 2 ranks and 64 KiB per rank on more; off and
     a single rank never switch; a byte count is taken as given; nonsense is a ConfigError."""
     from meshcomm.plugin import ConfigError, load_settings
 
@@ -654,7 +654,7 @@ def test_ring_threshold_and_setting() -> None:
     # importing it must not start MPI in this process (a singleton MPI leaves /dev/shm files)
     assert mpi_before or "mpi4py.MPI" not in sys.modules
 
-    assert [ring_threshold(n, "auto") for n in (1, 2, 3, 4, 64)] == [None, 4096, 3 * 65536, 4 * 65536, 64 * 65536]
+    assert [ring_threshold(n, "auto") for n in (1, 2, 3, 4, 64)] == [None, 65536, 3 * 65536, 4 * 65536, 64 * 65536]
     assert ring_threshold(2, "off") is None and ring_threshold(8, 1000) == 1000
     assert load_settings(MPISettings, environ={"MESHCOMM_MPI_RING_FROM": "65536"}).ring_from == 65536
     for bad in ("-1", "ring", "1.5"):

@@ -6,8 +6,10 @@ faults that meshcomm works around by choosing for it:
 * **Speed.** On fewer than 4 ranks libnbc always picks a binomial tree, in which every
   rank reduces the whole array: on 2 ranks that runs at 1.1–1.3× the blocking
   ``MPI_Allreduce`` from 4 KiB up. Its ring algorithm (a reduce-scatter, then an
-  all-gather) shares the reduction out and runs at 0.55–0.85× of it from 4 KiB on 2 ranks
-  and from about 256 KiB on 4 (docs/backends/mpi.md, "Performance").
+  all-gather) shares the reduction out and runs at 0.55–0.85× of it from 32 KiB on 2 ranks
+  and from about 256 KiB on 4 (docs/backends/mpi.md, "Performance"). Below 64 KiB the
+  backend starts persistent operations instead (backend.PLANNED_MAX), which take the
+  library's choice.
 * **Correctness.** On 4 or more ranks from 64 KiB up libnbc picks the binomial tree where
   the call is in place (``MPI_IN_PLACE``) and Rabenseifner's algorithm where it is not. MPI
   requires in place on all ranks or none, but meshcomm lets each rank pass ``out=x`` or not,
@@ -39,9 +41,11 @@ _VARIABLE = b"coll_libnbc_iallreduce_algorithm"
 _LIBRARY_CHOICE, _RING, _RABENSEIFNER = 0, 1, 3
 #: from this many bytes on 4+ ranks libnbc's own choice depends on MPI_IN_PLACE
 _IN_PLACE_MATTERS_FROM = 65536
-#: smallest array (bytes) that uses ring on 2 ranks (measured: ring 1.23× blocking at
-#: 4 KiB against binomial's 1.49×; 2.1× against 1.7× at 8 B)
-_RING_FROM_2 = 4096
+#: smallest array (bytes) that uses ring on 2 ranks: below it the persistent operations
+#: (backend.PLANNED_MAX) are faster through meshcomm (4-32 KiB: 11-23 against 21-31 us),
+#: at 64 KiB the two measured alike (raw Iallreduce, ring: 0.84x blocking at 32 KiB, 0.79x
+#: at 128 KiB; binomial 1.13x and 1.17x)
+_RING_FROM_2 = 64 << 10
 #: per rank, on 3 or more (measured on 4: ring 1.02× at 256 KiB, 0.78× from 1 MiB; on 3:
 #: 0.73× at 256 KiB, 0.91× at 128 KiB where binomial gives 0.70×)
 _RING_FROM_PER_RANK = 65536
@@ -50,7 +54,7 @@ _RING_FROM_PER_RANK = 65536
 def ring_threshold(size: int, setting: str | int) -> int | None:
     """Bytes from which an all-reduce on ``size`` ranks uses ring (None: never).
 
-    ``setting`` is MESHCOMM_MPI_RING_FROM: ``"auto"`` (4 KiB on 2 ranks, 64 KiB per rank on
+    ``setting`` is MESHCOMM_MPI_RING_FROM: ``"auto"`` (64 KiB on 2 ranks, 64 KiB per rank on
     more), ``"off"``, or a byte count.
     """
     if size < 2 or setting == "off":

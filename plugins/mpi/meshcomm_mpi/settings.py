@@ -69,7 +69,7 @@ class MPISettings(BaseModel):
         accepts="auto, off, or a number of bytes from 0 up",
         description=(
             "from which array size all_sum/all_max/all_min run Open MPI's ring algorithm for the "
-            "non-blocking all-reduce instead of its default binomial tree: auto = 4 KiB on 2 ranks, "
+            "non-blocking all-reduce instead of its default binomial tree: auto = 64 KiB on 2 ranks, "
             "64 KiB per rank on more; off = always Open MPI's own choice (other MPIs: always theirs)"
         ),
     )
