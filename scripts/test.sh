@@ -9,7 +9,8 @@
 # in one more process beside them; tests marked `exclusive` (they compare machine-wide state)
 # and `ray_cluster` (a Ray cluster's daemons would slow the others) run after them, one at a
 # time; then the MPICH set.
-# Extra arguments go to both pytest runs (e.g. scripts/test.sh -k sockets);
+# Extra arguments go to both pytest runs (e.g. scripts/test.sh -k sockets; --cpu-log FILE appends
+# each test's wall and CPU seconds, its own and its jobs', to FILE: tests/conftest.py);
 # MESHCOMM_TEST_MPICH=0 skips the MPICH venv and run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import resource
+import time
+from collections.abc import Iterator
 
 import pytest
 from meshcomm.launch.run import THREAD_VARS
@@ -71,3 +74,35 @@ LONG_FIRST = (
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))  # a stable sort
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-log",
+        metavar="FILE",
+        help="append each test's node id, wall seconds, and the CPU seconds of its pytest process and "
+        "of the child processes it reaped (its jobs), tab-separated, to FILE: where the suite's time goes",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """With --cpu-log: one line per test (the suite is CPU-bound on few cores, so its CPU,
+    mostly the processes its jobs start, is what its time is made of)."""
+    path = item.config.getoption("--cpu-log")
+    if not path:
+        yield
+        return
+
+    def cpu(who: int) -> float:
+        r = resource.getrusage(who)
+        return r.ru_utime + r.ru_stime
+
+    own, children, start = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.monotonic()
+    yield
+    line = (
+        f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{cpu(resource.RUSAGE_SELF) - own:.2f}"
+        f"\t{cpu(resource.RUSAGE_CHILDREN) - children:.2f}\n"
+    )
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
