@@ -9,7 +9,6 @@ whose times are known, and the recorder's ring on a size-1 world in this process
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from jobs import ROOT, launch
+from jobs import ROOT, launch, without_launch_vars
 
 PROG = str(ROOT / "tests" / "programs" / "trace_rank.py")
 BACKENDS = ["sockets", "mpi", "gloo"]
@@ -161,12 +160,7 @@ def test_stall_inspector_under_a_plain_mpirun(tmp_path: Path) -> None:
     pytest.importorskip("meshcomm_mpi")
     from meshcomm_mpi.launcher import mpiexec_command
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "MLX_", "MESHCOMM_"))
-    }
-    env.update(MPI_ENV, PYTHONUNBUFFERED="1", MLX_TIMEOUT="60", MESHCOMM_STALL_AFTER="1")
+    env = without_launch_vars(**MPI_ENV, PYTHONUNBUFFERED="1", MLX_TIMEOUT="60", MESHCOMM_STALL_AFTER="1")
     env["PRTE_MCA_prte_tmpdir_base"] = str(tmp_path)  # where mpirun makes its session directory
     cmd = mpiexec_command(3, [sys.executable, PROG, "stall", "4"])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
