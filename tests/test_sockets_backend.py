@@ -249,3 +249,59 @@ def test_rank_outside_hostfile_is_a_config_error(tmp_path, monkeypatch):
     world.shutdown()
     with pytest.raises(ConfigError, match="MLX_RANK=5 but MLX_HOSTFILE=.* lists 2 ranks"):
         mc.init(backend="sockets")
+
+
+def test_a_member_lost_after_the_survivors_agreed_is_named_by_the_new_worlds_first_call():
+    """Rank 0 saw rank 2 die after the others had decided without it: its connection to rank
+    2 is missing from the new world. That world starts failed naming rank 2 on rank 0, and
+    rank 1 (which has a connection to it) hears so at its first call: PeerLostError naming
+    rank 2 on both, which the survivors answer with another shrink (no internal error)."""
+    import numpy as np
+    from meshcomm import PeerLostError
+    from meshcomm.runtime.config import Config
+    from meshcomm_sockets.connect import establish, open_listener
+    from meshcomm_sockets.hostfile import Peer
+    from meshcomm_sockets.plugin import SocketsSettings, _world
+    from meshcomm_sockets.recovery import Recovery
+
+    peers = [Peer(ip="127.0.0.1", port=p) for p in free_ports(3)]
+    conns: dict[int, dict] = {}
+    listeners = {r: open_listener(r, peers[r], None, 3) for r in range(3)}
+
+    def connect(r: int) -> None:
+        conns[r] = establish(peers, r, secret=b"s", version="v", timeout=10, listener=listeners[r], keep_listener=True)
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in conns[2].values():  # rank 2 dies
+        c.sock.close()
+    conns[0][2].sock.close()  # rank 0 saw it go: the recovery handed over no connection to it
+    del conns[0][2]
+    settings = SocketsSettings()
+    errors: dict[int, BaseException] = {}
+
+    def survivor(r: int) -> None:
+        config = Config(backend="sockets", rank=r, world_size=3, timeout=5)
+        recovery = Recovery(peers, r, b"s", "v", 5, listeners[r], lambda *a: None, epoch=1)
+        try:
+            world = _world(config, settings, r, 3, conns[r], None, 0, recovery)
+            x = np.ones(4, np.float32)
+            world.all_reduce(x, np.empty_like(x), "sum")
+        except BaseException as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in (0, 1):
+        assert isinstance(errors.get(r), PeerLostError) and errors[r].peer == 2, (r, errors.get(r))
+        assert "rank 2" in str(errors[r]), errors[r]
+    for r in range(3):
+        listeners[r].close()
+        for c in conns[r].values():
+            c.sock.close()

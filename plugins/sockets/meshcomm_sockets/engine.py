@@ -326,8 +326,10 @@ class Fabric:
         link = self.links.get(q)
         if link is not None:
             return link
-        if self.dialer is None:
-            raise KeyError(q)
+        if self.dialer is None:  # every link was made with the world: a missing one is a lost member
+            raise self.failure or DistributedError(
+                f"rank {self.rank}: no connection to rank {q} in this world (a meshcomm bug: report it)"
+            )
         self.check()
         try:
             conn = self.dialer.connection(q)

@@ -20,6 +20,7 @@ from meshcomm.plugin import (
     DistributedError,
     JobSecretSettings,
     JobSpec,
+    PeerLostError,
     check_job_secret,
     hookimpl,
     setting,
@@ -314,6 +315,17 @@ def _world(
         direct={q for q, c in conns.items() if c.direct},
     )
     fabric.dialer = dialer
+    lost = [q for q in range(size) if q != rank and q not in conns] if dialer is None else []
+    if lost and recovery is not None and recovery.epoch > 0:
+        # a member that died after the survivors agreed (this rank saw it go before the
+        # others decided without it): the world starts failed, naming it, and is shrunk again
+        fabric.fail(
+            PeerLostError(
+                f"rank {rank}: rank {lost[0]} of this world was lost while the survivors formed it; "
+                "shrink() this world too",
+                peer=lost[0],
+            )
+        )
     world = SocketsBackend(
         fabric, list(range(size)), chunk_bytes=settings.chunk_kib * 1024, owner=True, seq_start=start
     )
