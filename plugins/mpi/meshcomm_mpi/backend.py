@@ -681,9 +681,12 @@ class MPIBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        world = self.cid == "world" and self._ctl.comms.get("world") is self
+        if world:
+            self._ctl.term.uninstall()
         if MPI.Is_finalized():
             return
-        if self.cid == "world" and self._ctl.comms.get("world") is self:
+        if world:
             try:
                 self._ctl.exit_notice()
                 if self._ctl.lost and not self._ctl.aborting and not self._ctl.ft:

@@ -43,6 +43,7 @@ from mpi4py import MPI
 from .notices import NoticeError, decode, encode
 from .ops import Counts, Desc
 from .peers import PeerTable
+from .teardown import TermWatch
 
 #: seconds an operation may still complete after a peer's failure notice arrives
 _GRACE = 0.5
@@ -106,6 +107,8 @@ class Control:
         self._answers: dict[int, dict[str, Any]] = {}
         self._diagnosing = False
         self._acked: set[int] = set()
+        #: mpiexec's SIGTERM after a rank died: a waiting rank looks at its peers at once
+        self.term = TermWatch()
 
     # -- bookkeeping ------------------------------------------------------------------------
     def register(self, backend: Any) -> None:
@@ -192,7 +195,7 @@ class Control:
             if test():
                 return
             i += 1
-            if not i & 63 and (probe() or time.monotonic() >= spin_end):
+            if not i & 63 and (probe() or time.monotonic() >= spin_end or self.term.heard):
                 break
             if yield_ is not None and not i & 3:  # every test: 1.1-1.25x slower (docs/backends/mpi.md)
                 yield_()
@@ -233,7 +236,7 @@ class Control:
                 continue  # not reached: _diagnose raises unless the operation completed
             time.sleep(nap)
             nap = min(1e-3, nap * 1.25, max(5e-5, (now - start) / 8))
-            if now >= next_look and self.peers is not None:
+            if (now >= next_look or self.term.heard) and self.peers is not None:
                 next_look = now + 0.1
                 for w in relevant:
                     if self.peers.local[w] and self.peers.state(w) == "dead":
@@ -243,6 +246,8 @@ class Control:
                             f"{self.peers.describe(w)}; the job cannot continue",
                             peer=desc.local[w],
                         )
+                if self.term.heard:  # ended from outside, with every peer of this wait alive
+                    self.term.pass_on()
 
     @staticmethod
     def _completes(test: Any, seconds: float) -> bool:
@@ -571,6 +576,12 @@ class Control:
                 self._acked.add(w)
                 self._post(w, ACK, None)
         self._flush_sends(0.2)
+
+    def watch_teardown(self) -> None:
+        """Under mpiexec (without fault tolerance): a SIGTERM while this rank waits makes the
+        wait look at its peers at once (:mod:`.teardown`)."""
+        if not self.ft and self.peers is not None:
+            self.term.install(lambda: self.current is not None)
 
     def exit_notice(self) -> None:
         """Tell every peer this rank's program ended, with its counts (called by ``close``)."""

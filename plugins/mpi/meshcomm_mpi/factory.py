@@ -66,6 +66,8 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     start.all_gather(ident, table)
     control.peers = PeerTable(table.reshape(size, 2), comm.Get_rank())
     control.oversubscribed = control.peers.local_count > host_cores()
+    if launched is not None:
+        control.watch_teardown()
     if settings.int_sum == "numpy":
         numpy_sums = list(INTS)
     elif settings.int_sum == "native":

@@ -1,0 +1,71 @@
+"""mpiexec's teardown, heard by a waiting rank.
+
+When a rank's process dies, Open MPI's mpiexec sends every other rank SIGTERM about 0.25 s
+later and SIGKILL 0.25 s after that. A survivor waiting for the dead rank looks at its
+local peers every 0.1 s, but on a loaded host it may not run before the SIGTERM: it would
+end without a word. :class:`TermWatch` turns that SIGTERM, while the rank waits in an
+operation, into a look at once, so the wait raises PeerLostError naming the dead rank;
+with no dead peer in sight (or outside a wait) the signal does what it did before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+__all__ = ["TermWatch"]
+
+
+class TermWatch:
+    """A SIGTERM handler that lets a waiting rank look at its peers before it ends."""
+
+    def __init__(self) -> None:
+        #: a SIGTERM arrived while a wait was running: it looks at its peers now, then
+        #: calls :meth:`pass_on` unless it raised
+        self.heard = False
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self, waiting: Callable[[], bool]) -> None:
+        """Handle SIGTERM from now on (main thread only; elsewhere nothing changes):
+        ``waiting()`` says whether a wait loop runs to look at the peers."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None:  # a handler not installed from Python: leave it
+            return
+
+        def on_term(signum: int, frame: FrameType | None) -> None:
+            if waiting() and not self.heard:
+                self.heard = True
+            else:
+                self.pass_on()
+
+        self._previous = previous
+        signal.signal(signal.SIGTERM, on_term)
+        self._installed = True
+
+    def pass_on(self) -> None:
+        """Do what SIGTERM did before :meth:`install`: the previous handler, or the default
+        action (the process ends by the signal, as mpiexec expects)."""
+        self.heard = False
+        previous = self._previous
+        self.uninstall()
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        elif previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def uninstall(self) -> None:
+        """Put the previous SIGTERM handler back (if this one is still installed)."""
+        if not self._installed:
+            return
+        self._installed = False
+        try:
+            signal.signal(signal.SIGTERM, self._previous)
+        except (ValueError, TypeError):  # not the main thread: leave ours (it passes on)
+            pass
