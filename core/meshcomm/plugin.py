@@ -29,7 +29,9 @@ What is here, by job:
   :data:`SECRET_HINT` (how to set the secret, for messages);
 * where the rank runs: :func:`placement` and :func:`coordinator` (rank, size and the
   rendezvous address from any launcher family; :data:`FAMILIES` names each family's
-  variables, :data:`MPI_FAMILIES` the MPI launchers among them);
+  variables, :data:`MPI_FAMILIES` the MPI launchers among them); :func:`host_cores` and
+  :func:`crowded` (more of the job's ranks on this host than cores: waiting ranks must
+  not poll);
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
   :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
   :class:`RankPlace`, and :func:`check_env_name` / :func:`secret_names` for commands
@@ -79,7 +81,7 @@ from .runtime.launchspec import (
 )
 from .runtime.launchvars import FAMILIES, MPI_FAMILIES, Family
 from .runtime.lifetime import die_with_parent
-from .runtime.placement import Coordinator, Placement, coordinator, placement
+from .runtime.placement import Coordinator, Placement, coordinator, crowded, host_cores, placement
 
 if TYPE_CHECKING:  # resolved by __getattr__ at run time
     from .protocol.dtypes import SUPPORTED, bfloat16
@@ -116,6 +118,8 @@ __all__ = [
     "FAMILIES",
     "MPI_FAMILIES",
     "Family",
+    "host_cores",
+    "crowded",
     # meshcomm launch
     "LauncherSupport",
     "RankEnvLauncher",

@@ -20,7 +20,28 @@ from dataclasses import dataclass
 from ..protocol.errors import ConfigError
 from .launchvars import FAMILIES
 
-__all__ = ["Placement", "Coordinator", "placement", "coordinator", "parse_coordinator", "expand_hostlist", "FAMILIES"]
+__all__ = [
+    "Placement",
+    "Coordinator",
+    "placement",
+    "coordinator",
+    "parse_coordinator",
+    "expand_hostlist",
+    "host_cores",
+    "crowded",
+    "FAMILIES",
+]
+
+
+def host_cores() -> int:
+    """Cores of this host (not this process's affinity: a launcher may bind each rank to one)."""
+    return os.cpu_count() or 1
+
+
+def crowded(local_ranks: int) -> bool:
+    """Whether this host runs more of the job's ranks than it has cores: a waiting rank
+    that polls would then take the core the rank it waits for needs."""
+    return local_ranks > host_cores()
 
 
 @dataclass(frozen=True)

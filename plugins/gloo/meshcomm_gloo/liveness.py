@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshcomm.plugin import crowded
+
 __all__ = ["RankProcess", "suspects", "endpoints", "owner", "process_state", "spin_for"]
 
 
@@ -127,4 +129,4 @@ def spin_for(spin_us: float, peers: list[RankProcess], world_rank: int) -> float
         return 0.0
     here = peers[world_rank].host
     local = sum(1 for p in peers if p.host == here)
-    return spin_us * 1e-6 if local <= (os.cpu_count() or 1) else 0.0
+    return 0.0 if crowded(local) else spin_us * 1e-6

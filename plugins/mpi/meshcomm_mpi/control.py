@@ -37,6 +37,7 @@ from meshcomm.plugin import (
     CommTimeoutError,
     DistributedError,
     PeerLostError,
+    crowded,
 )
 from mpi4py import MPI
 
@@ -48,7 +49,7 @@ from .teardown import TermWatch
 #: seconds an operation may still complete after a peer's failure notice arrives
 _GRACE = 0.5
 
-__all__ = ["Control", "host_cores", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "DOWN"]
+__all__ = ["Control", "QUERY", "ANSWER", "FAIL", "ACK", "EXIT", "DOWN"]
 
 QUERY, ANSWER, FAIL, ACK, EXIT, DOWN = 1, 2, 3, 4, 5, 6
 
@@ -89,7 +90,7 @@ class Control:
         self.peers = peers
         self.spin = spin
         self.answer_wait = answer_wait
-        self.oversubscribed = peers is not None and peers.local_count > host_cores()
+        self.oversubscribed = peers is not None and crowded(peers.local_count)
         self.comms: dict[str, Any] = {}  #: cid -> MPIBackend, for counts in answers and notices
         self.failed: dict[int, dict[str, Any]] = {}
         self.down: dict[int, dict[str, Any]] = {}
@@ -607,11 +608,6 @@ def _tester(reqs: list[Any], statuses: list[Any] | None) -> Any:
         st = statuses[0] if statuses else None
         return (lambda: req.Test(st)) if st is not None else req.Test
     return lambda: MPI.Request.Testall(reqs, statuses)
-
-
-def host_cores() -> int:
-    """Cores of this host (not this process's affinity: mpiexec may bind each rank to one)."""
-    return os.cpu_count() or 1
 
 
 def _flush_std() -> None:

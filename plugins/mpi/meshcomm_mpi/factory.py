@@ -9,7 +9,7 @@ import os
 import signal
 
 import numpy as np
-from meshcomm.plugin import Backend, BackendUnavailableError, Config, die_with_parent
+from meshcomm.plugin import Backend, BackendUnavailableError, Config, crowded, die_with_parent
 
 from .environment import launched_world_size
 from .settings import MPISettings
@@ -32,7 +32,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
             f"mpi backend: mpi4py could not load or initialise MPI: {type(exc).__name__}: {exc}"
         ) from exc
     from .backend import MPIBackend
-    from .control import Control, host_cores
+    from .control import Control
     from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
     from .survivors import fault_tolerant
@@ -65,7 +65,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     table = np.empty(2 * size, dtype=np.int64)
     start.all_gather(ident, table)
     control.peers = PeerTable(table.reshape(size, 2), comm.Get_rank())
-    control.oversubscribed = control.peers.local_count > host_cores()
+    control.oversubscribed = crowded(control.peers.local_count)
     if launched is not None:
         control.watch_teardown()
     if settings.int_sum == "numpy":

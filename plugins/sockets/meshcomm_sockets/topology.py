@@ -18,9 +18,9 @@ rank 0 for the job as a whole. The name and slot size the first rank sends are c
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
+from meshcomm.plugin import crowded
 
 from . import cma
 from .backend import SocketsBackend
@@ -37,7 +37,7 @@ _NAME_BYTES = 64
 def default_piece(local_ranks: int) -> int:
     """Slot size: small pieces keep data in cache; when ranks outnumber cores every piece
     costs context switches, so fewer, larger pieces win (measurement in docs/sockets.md)."""
-    return (2048 if local_ranks > (os.cpu_count() or 1) else 512) * 1024
+    return (2048 if crowded(local_ranks) else 512) * 1024
 
 
 #: the most a waiting rank polls (yielding) when its host has more ranks than cores: the
@@ -54,8 +54,8 @@ def wait_policy(local_ranks: int, spin_us: int) -> tuple[float, bool]:
     CROWDED_SPIN_US and hands its core to a runnable peer on every round
     (``sched_yield``), so the peer it waits for gets to run. Never longer: then it
     sleeps in the kernel."""
-    crowded = local_ranks > (os.cpu_count() or 1)
-    return (min(spin_us, CROWDED_SPIN_US) if crowded else spin_us) / 1e6, crowded
+    busy = crowded(local_ranks)
+    return (min(spin_us, CROWDED_SPIN_US) if busy else spin_us) / 1e6, busy
 
 
 def choose_path(
