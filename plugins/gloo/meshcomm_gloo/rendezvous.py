@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -55,20 +56,46 @@ def make_store(config: Config, settings: GlooSettings, *, join: bool = False) ->
         except Exception as exc:
             raise _store_error(exc, where, rank, size, config.timeout, host=False) from exc
     else:
+        host = rdv.kind == "host"
+        left = config.timeout if host else _wait_until_listening(rdv.addr, rdv.port, config.timeout)
         try:
             # torchrun's agent store is shared with torch's own keys: do not touch its worker count
             inner = dist.TCPStore(
                 rdv.addr,
                 rdv.port,
                 size,
-                rdv.kind == "host",
-                timeout=_delta(config.timeout),
+                host,
+                timeout=_delta(left),
                 wait_for_workers=not rdv.agent,
             )
+            inner.set_timeout(_delta(config.timeout))
         except Exception as exc:
             raise _store_error(exc, where, rank, size, config.timeout, host=rdv.kind == "host") from exc
     store = AuthStore(inner, sealer, namespace=rdv.namespace, rank=rank, where=where)
     return store, rank, size, where
+
+
+#: seconds between a client's looks for rank 0's store before it is up
+_LOOK_EVERY = 0.02
+
+
+def _wait_until_listening(addr: str, port: int, timeout: float) -> float:
+    """Wait until the store's port takes connections; the seconds of ``timeout`` left (at
+    least one: TCPStore then reports a store that never came up in its own words).
+
+    TCPStore's client retries a refused connection after growing pauses: a rank 0 that
+    comes up 8 s late (importing torch on a loaded host) cost its peers 2-3 s more. A look
+    every 20 ms lets TCPStore connect at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left))).close()
+            return max(1.0, left)
+        except OSError:
+            if left <= 0:
+                return 1.0
+            time.sleep(_LOOK_EVERY)
 
 
 def _store_error(exc: Exception, where: str, rank: int, size: int, timeout: float, host: bool) -> Exception:
