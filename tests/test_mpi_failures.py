@@ -219,10 +219,13 @@ def test_rank_exits_0_early() -> None:
     assert "exited (its program ended)" in _caught(out)[0], out[-3000:]
 
 
+@pytest.mark.exclusive
 def test_rank_sigkilled() -> None:
     """mpiexec itself ends the job when a rank dies. Open MPI's sends the survivors SIGTERM
-    0.25 s after the death: a survivor that has not looked at rank 1 yet looks then, so both
-    name rank 1. MPICH's Hydra kills them at once: those that print name rank 1."""
+    0.25 s after the death and SIGKILL 0.25 s later: a survivor that has not looked at rank 1
+    yet looks then, so both name rank 1 (on a machine this busy with other tests a survivor
+    may not run at all in that half second: the test has the machine to itself). MPICH's
+    Hydra kills them at once: those that print name rank 1."""
     code, out, took = _run("sigkill", "mpiexec")
     survivors = (0, 2) if FLAVOR == "openmpi" else ()
     _check("sigkill", "mpiexec", code, out, took, cls="PeerLostError", ranks=survivors)
@@ -278,7 +281,7 @@ def test_teardown_watch_passes_an_unclaimed_sigterm_on() -> None:
     code = (
         "import os, signal\n"
         "from meshcomm_mpi.teardown import TermWatch\n"
-        "w = TermWatch(); w.install(lambda: True)\n"
+        "w = TermWatch(); w.install(lambda: True, lambda: None)\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('HEARD', w.heard, flush=True)\n"
         "w.pass_on()\n"
@@ -286,6 +289,28 @@ def test_teardown_watch_passes_an_unclaimed_sigterm_on() -> None:
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout == "HEARD True\n" and res.returncode == -signal.SIGTERM, (res.returncode, res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_teardown_watch_outside_a_wait_raises_a_dead_peer_or_ends(dead: bool) -> None:
+    """Outside a wait, a SIGTERM with a dead local peer raises its error where the program
+    is (as SIGINT raises KeyboardInterrupt), and the next SIGTERM ends the process; with
+    nobody dead the first one ends it."""
+    lost = "KeyError('rank 1 died')" if dead else "None"
+    code = (
+        "import os, signal, time\n"
+        "from meshcomm_mpi.teardown import TermWatch\n"
+        f"w = TermWatch(); w.install(lambda: False, lambda: {lost})\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+        "except KeyError as exc:\n"
+        "    print('RAISED', exc, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+        "print('STILL HERE', flush=True)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    want = "RAISED 'rank 1 died'\n" if dead else ""
+    assert res.stdout == want and res.returncode == -signal.SIGTERM, (res.returncode, res.stdout, res.stderr)
 
 
 @pytest.mark.parametrize("via", ["mpiexec", "launch"])

@@ -582,7 +582,21 @@ class Control:
         """Under mpiexec (without fault tolerance): a SIGTERM while this rank waits makes the
         wait look at its peers at once (:mod:`.teardown`)."""
         if not self.ft and self.peers is not None:
-            self.term.install(lambda: self.current is not None)
+            self.term.install(lambda: self.current is not None, self._lost_now)
+
+    def _lost_now(self) -> DistributedError | None:
+        """A dead local peer, as the error to raise outside a wait, if this rank has not
+        reported a failure yet (then mpiexec's SIGTERM ends it as before)."""
+        if self.peers is None or self.peer_died or self.aborting or self.last_error is not None:
+            return None
+        for w in range(self.size):
+            if w != self.rank and self.peers.local[w] and self.peers.state(w) == "dead":
+                self.peer_died = True
+                return PeerLostError(
+                    f"[mpi] rank {self.rank}: rank {w} {self.peers.describe(w)}; mpiexec is ending the job",
+                    peer=w,
+                )
+        return None
 
     def exit_notice(self) -> None:
         """Tell every peer this rank's program ended, with its counts (called by ``close``)."""

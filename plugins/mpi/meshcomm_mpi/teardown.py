@@ -5,7 +5,8 @@ later and SIGKILL 0.25 s after that. A survivor waiting for the dead rank looks 
 local peers every 0.1 s, but on a loaded host it may not run before the SIGTERM: it would
 end without a word. :class:`TermWatch` turns that SIGTERM, while the rank waits in an
 operation, into a look at once, so the wait raises PeerLostError naming the dead rank;
-with no dead peer in sight (or outside a wait) the signal does what it did before.
+outside a wait, a dead local peer is raised at once (as SIGINT raises KeyboardInterrupt
+wherever the program is). With no dead peer in sight the signal does what it did before.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class TermWatch:
         self._previous: Any = None
         self._installed = False
 
-    def install(self, waiting: Callable[[], bool]) -> None:
+    def install(self, waiting: Callable[[], bool], lost: Callable[[], BaseException | None]) -> None:
         """Handle SIGTERM from now on (main thread only; elsewhere nothing changes):
-        ``waiting()`` says whether a wait loop runs to look at the peers."""
+        ``waiting()`` says whether a wait loop runs to look at the peers; outside one,
+        ``lost()`` is the error to raise for a dead peer (None: pass the signal on)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
@@ -40,10 +42,17 @@ class TermWatch:
             return
 
         def on_term(signum: int, frame: FrameType | None) -> None:
-            if waiting() and not self.heard:
+            if self.heard:  # a second one: end now
+                self.pass_on()
+            elif waiting():
                 self.heard = True
             else:
-                self.pass_on()
+                exc = lost()
+                if exc is None:
+                    self.pass_on()
+                    return
+                self.uninstall()  # the next SIGTERM ends the process
+                raise exc
 
         self._previous = previous
         signal.signal(signal.SIGTERM, on_term)
