@@ -113,6 +113,17 @@ def _env() -> dict[str, str]:
     return without_launch_vars(PYTHONUNBUFFERED="1", MLX_TIMEOUT=str(TIMEOUT), MLX_BACKEND="mpi")
 
 
+def _start_job(n: int, code: str, *, mlx_timeout: int) -> subprocess.Popen[str]:
+    """An ``n``-rank mpiexec job of ``python -c code``, its output on one pipe."""
+    return subprocess.Popen(
+        mpiexec_command(n, [sys.executable, "-c", code]),
+        env={**_env(), "MLX_TIMEOUT": str(mlx_timeout)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def _leftovers(marker: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
@@ -251,13 +262,7 @@ def test_sigterm_to_a_waiting_rank_with_live_peers_still_ends_it() -> None:
         "else:\n"
         "    time.sleep(60)\n"
     )
-    proc = subprocess.Popen(
-        mpiexec_command(2, [sys.executable, "-c", code]),
-        env={**_env(), "MLX_TIMEOUT": "60"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _start_job(2, code, mlx_timeout=60)
     try:
         assert proc.stdout is not None
         lines = []
@@ -379,13 +384,7 @@ def test_mpiexec_killed_leaves_no_rank() -> None:
         f"# {marker}\nimport meshcomm as mc, numpy as np, time\ng = mc.init(strict=True, backend='mpi')\n"
         "g.barrier()\nprint('READY', flush=True)\nmc.recv((2,), np.float64, (g.rank() + 1) % g.size())\n"
     )
-    proc = subprocess.Popen(
-        mpiexec_command(3, [sys.executable, "-c", code]),
-        env={**_env(), "MLX_TIMEOUT": "600"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _start_job(3, code, mlx_timeout=600)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 90
