@@ -50,17 +50,16 @@ def launch(
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (for tests that need fixed ports)."""
-    import socket
+    """``n`` distinct ports that were free a moment ago (for tests that need fixed ports),
+    below the range connections take their own ends from, as the launcher picks them
+    (``unclaimed_port``): a rank binds its port seconds later."""
+    from meshcomm.runtime.ports import unclaimed_port
 
-    socks = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        s.bind((host, 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    ports: list[int] = []
+    while len(ports) < n:
+        p = unclaimed_port(host)
+        if p not in ports:
+            ports.append(p)
     return ports
 
 
@@ -91,16 +90,13 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     import socket
 
     for _ in range(100):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind((host, 0))
-            p = a.getsockname()[1]
-            if p + 1 > 65535:
-                continue
+        p = free_ports(1, host)[0]
+        with socket.socket() as b:
             try:
                 b.bind((host, p + 1))
             except OSError:
                 continue
-            return int(p)
+            return p
     raise RuntimeError("no two consecutive free ports found")
 
 

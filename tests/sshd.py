@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,9 +33,9 @@ def find_sshd() -> str | None:
 
 
 def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
+    from jobs import free_ports
+
+    return free_ports(1, addr)[0]
 
 
 class LoopbackSshd:

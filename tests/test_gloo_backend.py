@@ -11,7 +11,6 @@ import gc
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,9 +29,9 @@ OURS = ("MLX_", "MESHCOMM_", "GLOO_", "MASTER_", "WORLD_SIZE", "RANK")
 
 # -- starting ranks --------------------------------------------------------------------
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from jobs import free_ports
+
+    return free_ports(1)[0]
 
 
 def _env(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..protocol.errors import ConfigError
 from ..runtime.launchspec import RankPlace
+from ..runtime.ports import outgoing_ports_from, unclaimed_port
 
 __all__ = ["Job"]
 
@@ -83,9 +84,7 @@ class Job:
     def free_port(self, place: RankPlace) -> int:
         """A free port on ``place``'s host: probed here for local ranks, chosen for remote ones."""
         if place.host is None:
-            with socket.socket(_family(place.ip), socket.SOCK_STREAM) as s:
-                s.bind((place.ip, 0))
-                return int(s.getsockname()[1])
+            return unclaimed_port(place.ip)
         key = (place.host, place.local_index)
         if key not in self._remote_ports:
             self._remote_ports[key] = self._port_base + len(self._remote_ports)
@@ -204,12 +203,7 @@ def _family(ip: str) -> socket.AddressFamily:
 
 
 def _remote_port_base(nranks: int) -> int:
-    """A random first port for ranks on remote hosts, below the kernel's range of ports for
-    outgoing connections (read here; Linux's default 32768-60999): there a rank's
-    connections to its peers could take a port another rank of its host is yet to listen on."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            low = int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return random.randrange(10000, max(10100, low - nranks - 100), 100)
+    """A random first port for ranks on remote hosts, below the range of ports for outgoing
+    connections: in it a rank's connections to its peers could take a port another rank of
+    its host is yet to listen on."""
+    return random.randrange(10000, max(10100, outgoing_ports_from() - nranks - 100), 100)

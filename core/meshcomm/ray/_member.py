@@ -19,6 +19,7 @@ from typing import Any
 from ..api.group import Group
 from ..api.world import init as world_init
 from ..protocol.errors import CommTimeoutError
+from ..runtime.ports import unclaimed_port
 from ..runtime.private_files import write_atomic
 from ._rendezvous import NAMESPACE, actor_name
 
@@ -32,13 +33,6 @@ def _listener(ip: str) -> socket.socket:
     s.bind((ip, 0))
     s.listen(128)
     return s
-
-
-def _spare_port(ip: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip, 0))
-        return int(s.getsockname()[1])
 
 
 def _write_files(folder: str, files: dict[str, str], env: dict[str, str]) -> tuple[str, dict[str, str]]:
@@ -63,7 +57,7 @@ def start_member(group: str, rank: int | None, timeout: float) -> Group:
         "node": ray.get_runtime_context().get_node_id(),
         "port": listener.getsockname()[1],
         "fd": listener.fileno(),
-        "spare_port": _spare_port(ip),
+        "spare_port": unclaimed_port(ip),
         "pid": os.getpid(),
     }
     try:
