@@ -70,7 +70,7 @@ def make_store(config: Config, settings: GlooSettings, *, join: bool = False) ->
             )
             inner.set_timeout(_delta(config.timeout))
         except Exception as exc:
-            raise _store_error(exc, where, rank, size, config.timeout, host=rdv.kind == "host") from exc
+            raise _store_error(exc, where, rank, size, config.timeout, host=host) from exc
     store = AuthStore(inner, sealer, namespace=rdv.namespace, rank=rank, where=where)
     return store, rank, size, where
 

@@ -239,14 +239,14 @@ class Control:
             nap = min(1e-3, nap * 1.25, max(5e-5, (now - start) / 8))
             if (now >= next_look or self.term.heard) and self.peers is not None:
                 next_look = now + 0.1
-                for w in relevant:
-                    if self.peers.local[w] and self.peers.state(w) == "dead":
-                        self.peer_died = True
-                        raise PeerLostError(
-                            f"[mpi] rank {desc.me} waits in {desc.where}, but {desc.who(desc.local[w])} "
-                            f"{self.peers.describe(w)}; the job cannot continue",
-                            peer=desc.local[w],
-                        )
+                w = self.peers.first_dead(relevant)
+                if w is not None:
+                    self.peer_died = True
+                    raise PeerLostError(
+                        f"[mpi] rank {desc.me} waits in {desc.where}, but {desc.who(desc.local[w])} "
+                        f"{self.peers.describe(w)}; the job cannot continue",
+                        peer=desc.local[w],
+                    )
                 if self.term.heard:  # ended from outside, with every peer of this wait alive
                     self.term.pass_on()
 
@@ -589,14 +589,13 @@ class Control:
         reported a failure yet (then mpiexec's SIGTERM ends it as before)."""
         if self.peers is None or self.peer_died or self.aborting or self.last_error is not None:
             return None
-        for w in range(self.size):
-            if w != self.rank and self.peers.local[w] and self.peers.state(w) == "dead":
-                self.peer_died = True
-                return PeerLostError(
-                    f"[mpi] rank {self.rank}: rank {w} {self.peers.describe(w)}; mpiexec is ending the job",
-                    peer=w,
-                )
-        return None
+        w = self.peers.first_dead(q for q in range(self.size) if q != self.rank)
+        if w is None:
+            return None
+        self.peer_died = True
+        return PeerLostError(
+            f"[mpi] rank {self.rank}: rank {w} {self.peers.describe(w)}; mpiexec is ending the job", peer=w
+        )
 
     def exit_notice(self) -> None:
         """Tell every peer this rank's program ended, with its counts (called by ``close``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -69,6 +70,10 @@ class PeerTable:
         if code in ("T", "t"):
             return "stopped"
         return "running"
+
+    def first_dead(self, ranks: Iterable[int]) -> int | None:
+        """The first of ``ranks`` whose process on this host is gone (None: none seen dead)."""
+        return next((w for w in ranks if self.local[w] and self.state(w) == "dead"), None)
 
     def describe(self, peer: int) -> str:
         """How a peer that did not answer looks from here, for error messages."""

@@ -315,8 +315,9 @@ def _world(
         direct={q for q, c in conns.items() if c.direct},
     )
     fabric.dialer = dialer
-    lost = [q for q in range(size) if q != rank and q not in conns] if dialer is None else []
-    if lost and recovery is not None and recovery.epoch > 0:
+    recovered = dialer is None and recovery is not None and recovery.epoch > 0
+    lost = [q for q in range(size) if q != rank and q not in conns] if recovered else []
+    if lost:
         # a member that died after the survivors agreed (this rank saw it go before the
         # others decided without it): the world starts failed, naming it, and is shrunk again
         fabric.fail(
