@@ -13,6 +13,7 @@ on 1, 2, 3 and 4 ranks (4 oversubscribes this 2-core machine).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -328,6 +329,46 @@ def rank_other_shape_same_count(g: Any) -> None:
         raise AssertionError(f"rank {r}: a call after the mismatch ran on the communicator")
 
 
+def rank_carried_check_meets_other_calls(g: Any) -> None:
+    """Where the extension is built, a small all_sum is one start of the call check's own
+    operation, its data in the check's record (no plan, no second operation). Met on rank 1
+    by another call -- an all_sum of another length or dtype (carried too), a bigger one (its
+    plan beside the check), an all_max, a barrier, an all_gather -- every rank raises
+    CollectiveMismatchError naming both calls, never returning a sum, and at once, not at the
+    deadline (the records of every call check have one length, so two ranks' checks always
+    meet; the test's job would run out of time first)."""
+    import meshcomm as mc
+
+    r = g.rank()
+    x = np.full(2, r + 1, np.float32)
+    cases = {
+        "float32[3], carried": (lambda s: mc.all_sum(np.ones(3, np.float32), group=s), ["(2,)", "(3,)"]),
+        "int32[2], carried": (lambda s: mc.all_sum(np.ones(2, np.int32), group=s), ["float32", "int32"]),
+        "float32[100], planned": (lambda s: mc.all_sum(np.ones(100, np.float32), group=s), ["(2,)", "(100,)"]),
+        "all_max": (lambda s: mc.all_max(x, group=s), ["all_max", "all_sum"]),
+        "barrier": (lambda s: s.barrier(), ["barrier", "all_sum"]),
+        "all_gather": (lambda s: mc.all_gather(x, group=s), ["all_gather", "all_sum"]),
+    }
+    for case, (other, words) in cases.items():
+        sub = g.split(0)  # a communicator of its own: a mismatch makes it unusable
+        for _ in range(2):  # the bigger all_sum's first call makes its plan
+            _check_equal(mc.all_sum(x, group=sub), np.full(2, sub.size() * (sub.size() + 1) / 2, np.float32), "x", r)
+            mc.all_sum(np.ones(100, np.float32), group=sub)
+        carried = sub.transport.carried is not None
+        if carried != (importlib.util.find_spec("meshcomm_mpi._planned") is not None):
+            raise AssertionError(f"rank {r}: carried sum {carried} although the extension's presence differs")
+        if carried and (np.dtype(np.float32), "sum", 2) in sub.transport._plans:
+            raise AssertionError(f"rank {r}: a carried all_sum made a plan of its own")
+        try:
+            got = other(sub) if r == 1 else mc.all_sum(x, group=sub)
+        except mc.CollectiveMismatchError as exc:
+            if not all(w in str(exc) for w in words):
+                raise AssertionError(f"rank {r}: {case}: the error does not name both calls: {exc}") from None
+        else:
+            raise AssertionError(f"rank {r}: {case}: a carried all_sum met by another call returned {got}")
+    print(f"RANKCHECK carried cases rank {r} {len(cases)}", flush=True)
+
+
 class _WatchedComm:
     """A communicator whose Iallreduce records the libnbc algorithm variable as MPI_T reads it."""
 
@@ -453,10 +494,12 @@ def rank_small_sums_in_c_and_in_python(g: Any) -> None:
     """A small all-reduce's first call runs as an Iallreduce and makes its persistent
     operation; every later one is a start of it: in C from the core's compiled call path
     (``sum_now``, the backend's Python all_reduce not called) where the extension is built,
-    in the backend's Python all_reduce otherwise. Both give NumPy's sum for every dtype and
-    size up to PLANNED_MAX and count each call once; a persistent all_sum starts through the
-    C entry too; calls above PLANNED_MAX, and calls with no plan yet, are not the C entry's
-    (it returns False, having done nothing); past PLANS_MAX shapes, Iallreduce again."""
+    in the backend's Python all_reduce otherwise. Where the extension is built, an all_sum of
+    at most the carried sum's bytes is a start of the call check's own operation from its
+    first call, and makes no plan. All give NumPy's sum for every dtype and size up to
+    PLANNED_MAX and count each call once; a persistent all_sum starts through the C entry
+    too; calls above PLANNED_MAX, and calls with no plan yet, are not the C entry's (it
+    returns False, having done nothing); past PLANS_MAX shapes, Iallreduce again."""
     import importlib.util
 
     import meshcomm as mc
@@ -475,14 +518,19 @@ def rank_small_sums_in_c_and_in_python(g: Any) -> None:
         python_all_reduce(*args)
 
     b.all_reduce = counted  # the core's calls of the backend's Python all_reduce, counted
+    c = b.carried
+    if built != (c is not None):
+        raise AssertionError(f"rank {r}: extension built={built} but carried sum={c}")
     for dt in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint16, np.float16, np.complex64):
-        for count in (1, 5, PLANNED_MAX // np.dtype(dt).itemsize):
+        size = np.dtype(dt).itemsize
+        for count in (1, 5, 64 // size, 64 // size + 1, PLANNED_MAX // size):
             xs = [((np.arange(count) * 7 + q) % 50).astype(dt) for q in range(n)]
             want = _fold(np.add, xs)
             what = f"{dt.__name__}[{count}]"
+            carried = c is not None and np.dtype(dt) in c.codes and count * size <= c.data
             _check_equal(mc.all_sum(xs[r], group=g), want, f"the first all_sum {what}", r)
-            if b._plans.get((np.dtype(dt), "sum", count)) is None:
-                raise AssertionError(f"rank {r}: no plan for {what} after its first call")
+            if (b._plans.get((np.dtype(dt), "sum", count)) is None) != carried:
+                raise AssertionError(f"rank {r}: {what} (carried: {carried}) has the plans {list(b._plans)}")
             del python_calls[:]
             before = b.coll_count
             _check_equal(mc.all_sum(xs[r], group=g), want, f"all_sum {what}", r)
@@ -507,14 +555,19 @@ def rank_small_sums_in_c_and_in_python(g: Any) -> None:
         before = b.coll_count
         if b.sum_now(big, np.empty_like(big)) or b.coll_count != before:
             raise AssertionError(f"rank {r}: the C entry took a call above PLANNED_MAX")
-        y = np.ones(7, np.float32)
+        y = np.ones(33, np.float32)  # above the carried sum's bytes
         if b.sum_now(y, np.empty_like(y)) or b.coll_count != before:
             raise AssertionError(f"rank {r}: the C entry took a call it has no plan for")
         strided = np.ones(8, np.float32)[::2]
         if b.sum_now(strided, np.empty(4, np.float32)) or b.coll_count != before:
             raise AssertionError(f"rank {r}: the C entry took a non-contiguous array")
+        if c is not None:  # a carried sum needs no plan, and no call key
+            y, out = np.full(3, r, np.int16), np.empty(3, np.int16)
+            if not b.sum_now(y, out) or b.coll_count != before + 1:
+                raise AssertionError(f"rank {r}: the C entry did not take a carried all_sum")
+            _check_equal(out, np.full(3, n * (n - 1) // 2, np.int16), "a carried all_sum without a key", r)
     # past PLANS_MAX shapes, further ones run as plain Iallreduce, with the same results
-    extra = [c for c in range(6, 8 + PLANS_MAX) if (np.dtype(np.float32), "sum", c) not in b._plans]
+    extra = [k for k in range(17, 19 + PLANS_MAX) if (np.dtype(np.float32), "sum", k) not in b._plans]
     for count in extra:
         _check_equal(
             mc.all_sum(np.full(count, r, np.float32), group=g),
@@ -540,6 +593,7 @@ RANK_CHECKS = {
         rank_error_translation,
         rank_die_after_barrier,
         rank_other_shape_same_count,
+        rank_carried_check_meets_other_calls,
         rank_ring_allreduce,
         rank_failure_after_a_collective,
         rank_user_algorithm_kept,
@@ -549,7 +603,13 @@ RANK_CHECKS = {
 SPECIFIC = [
     k
     for k in RANK_CHECKS
-    if k not in ("rank_die_after_barrier", "rank_other_shape_same_count", "rank_user_algorithm_kept")
+    if k
+    not in (
+        "rank_die_after_barrier",
+        "rank_other_shape_same_count",
+        "rank_carried_check_meets_other_calls",
+        "rank_user_algorithm_kept",
+    )
 ]
 
 
@@ -676,14 +736,17 @@ def test_users_algorithm_choice_is_kept() -> None:
 
 
 def test_mismatch_is_caught_beside_the_collective() -> None:
-    """A persistent all-reduce met by a plain one, and two shapes of one element count in one
-    MPI all-reduce: every rank raises
+    """A persistent all-reduce met by a plain one, two shapes of one element count in one
+    MPI all-reduce, and a small all_sum carried in the call check met by other calls: every
+    rank raises
     CollectiveMismatchError naming both calls instead of returning sums of unrelated elements;
     the job then ends with exit status 1 (the communicator holds collectives MPI cannot cancel)."""
-    res = _mpirun(3, [sys.executable, str(HERE), "rank_other_shape_same_count"], timeout=120)
+    checks = ["rank_carried_check_meets_other_calls", "rank_other_shape_same_count"]
+    res = _mpirun(3, [sys.executable, str(HERE), *checks], timeout=120)
     out = res.stdout + res.stderr
     for r in range(3):
-        assert f"RANKCHECK ok rank_other_shape_same_count rank {r} " in out, out[-4000:]
+        for check in checks:
+            assert f"RANKCHECK ok {check} rank {r} " in out, out[-4000:]
     assert res.returncode == 1, f"exit status {res.returncode}; want 1\n{out[-3000:]}"
 
 

@@ -17,5 +17,13 @@ class PlannedSum:
         oversubscribed: bool,
         spin: float,
         max_bytes: int,
+        carried_data: int = 0,
+        codes: dict[np.dtype, int] | None = None,
     ) -> None: ...
     def run(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool: ...
+
+CARRIED_HEAD: int
+CARRIED_DATA: int
+CARRIED_CODES: dict[str, int]
+
+def carried_op(op_create: int, op_size: int) -> int: ...

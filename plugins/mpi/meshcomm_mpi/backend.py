@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from . import survivors
 from .algorithms import AllreduceStarter, ring_threshold
-from .compiled import planned_sum
+from .compiled import Carried, planned_sum
 from .control import Control
 from .errors import mpi_error
 from .ops import Counts
@@ -144,13 +144,19 @@ class MPIBackend(Backend):
         #: a duplicate of ``comm`` (same members) kept for naming a mismatch: after the call
         #: keys differ, ``comm`` has collectives that met different ones and cannot be used
         self._spare = spare
-        #: the call check's result, and the buffers of operations abandoned on a mismatch
-        #: (MPI may still write into them: they must outlive the job)
-        self._seen = np.empty(2, dtype=np.int64)
-        #: the call check as one persistent all-reduce (MPI-4), made at the first check: a
-        #: start costs less than a new Iallreduce (2 ranks: 1.0 against 1.8 µs; 4: 8.5 against 13.3)
-        self._key = np.empty(2, dtype=np.int64)
+        #: the call check as one persistent all-reduce (MPI-4) of this rank's key into the ranks'
+        #: max: a start costs less than a new Iallreduce (2 ranks: 1.0 against 1.8 µs; 4: 8.5
+        #: against 13.3). Its arrays are [h, -h], or records of the carried sum (compiled.Carried),
+        #: which also carry every small all_sum's data: then it is made here, as those need no
+        #: check first; else at the first check. Either way at the same point on every rank.
+        self._key: np.ndarray
+        self._seen: np.ndarray
+        self._key, self._seen = (
+            (np.zeros(2, np.int64), np.zeros(2, np.int64)) if ops.carried is None else ops.carried.records()
+        )
         self._key_req: Any = None
+        if ops.carried is not None:
+            self._make_key_req()
         #: (dtype, op, count) -> the persistent all-reduce of that call (request, its send and
         #: receive arrays), or None when PLANS_MAX were made first; made after the first call
         #: of its key, at the same point on every rank, as MPI requires of collective calls
@@ -161,6 +167,8 @@ class MPIBackend(Backend):
         #: persistent operation takes the library's choice when it is made)
         ring = self._iallreduce.ring_from
         self.planned_max = PLANNED_MAX if ring is None else min(PLANNED_MAX, ring - 1)
+        #: the buffers of operations abandoned on a mismatch (MPI may still write into them:
+        #: they must outlive the job)
         self._abandoned: list[tuple[Any, ...]] = []
         #: under MPI's fault tolerance (survivors.fault_tolerant): agree and shrink work
         self.survives_failures = control.ft
@@ -179,6 +187,11 @@ class MPIBackend(Backend):
     @property
     def control(self) -> Control:
         return self._ctl
+
+    @property
+    def carried(self) -> Carried | None:
+        """The carried sum this communicator's call checks and small all_sums use, if any."""
+        return self._ops.carried
 
     def tail_text(self) -> str | None:
         """``send #2 to rank 0``: the last point-to-point call, if one came after the last collective."""
@@ -251,12 +264,27 @@ class MPIBackend(Backend):
         self.call_key = None
         req = self._key_req
         if req is None:
-            req = self._key_req = self._iallreduce.persistent(
-                self.comm, [self._key, _INT64], [self._seen, _INT64], _MAX
-            )
-        self._key[0], self._key[1] = key[0], key[1]
+            req = self._make_key_req()
+        rec = self._key
+        rec[0], rec[1] = key[0], key[1]
+        if self._ops.carried is not None:
+            rec[2] = rec[3] = 0  # no data in this record
         req.Start()
         return req, key
+
+    def _make_key_req(self) -> Any:
+        """Make the call check's persistent all-reduce: max of [h, -h], or the carried sum of
+        its records (every small all_sum is then a start of it, with its data)."""
+        c = self._ops.carried
+        if c is None:
+            send, recv, op = [self._key, _INT64], [self._seen, _INT64], _MAX
+        else:
+            send, recv, op = [self._key, 1, c.record], [self._seen, 1, c.record], c.op
+        try:
+            self._key_req = self._iallreduce.persistent(self.comm, send, recv, op)
+        except MPI.Exception as exc:
+            raise self._fail("all_max (meshcomm's call check before a collective)", exc) from None
+        return self._key_req
 
     def _agree(self, started: tuple[Any, np.ndarray], what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
         """Wait for the call check started with operation ``op``; if the ranks' keys differ
@@ -267,6 +295,11 @@ class MPIBackend(Backend):
         if seen[0] == key[0] and seen[1] == key[1]:
             self._peers_still_here(what, op, bufs)
             return
+        self._calls_differ(what, op, bufs)
+
+    def _calls_differ(self, what: tuple[Any, ...], op: Any, bufs: tuple[Any, ...]) -> None:
+        """Raise CallsDiffer for ``what``, whose call check found the ranks' calls differ,
+        abandoning ``op`` (every rank raises it at this call)."""
         name = what[1] if what[0] == "coll" else what[0]
         # the collective met a different one on some rank: MPI cannot cancel it, so this
         # communicator is done, and MPI_Finalize could wait for it (the control channel ends
@@ -396,6 +429,12 @@ class MPIBackend(Backend):
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
         if self.broken is not None:
             self._usable(_REDUCE_NAMES.get(op, op))
+        c = self._ops.carried
+        if c is not None and op == "sum" and sendbuf.nbytes <= c.data:
+            code = c.codes.get(sendbuf.dtype)
+            if code is not None:
+                self._carried_sum(c, code, sendbuf, recvbuf)
+                return
         if sendbuf.nbytes <= self.planned_max:
             key = (sendbuf.dtype, op, sendbuf.size)
             plan = self._plans.get(key, _UNMADE)
@@ -495,6 +534,43 @@ class MPIBackend(Backend):
             self._abandon(req, (inbuf, outbuf), f"{name} was interrupted by {type(exc).__name__}")
             self._ctl.lost = True
             raise
+
+    def _carried_sum(self, c: Carried, code: int, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """A small all_sum as the call check's own operation: its data in the check's record."""
+        self.coll_count += 1
+        self.tail = None
+        key, self.call_key = self.call_key, None
+        rec = self._key
+        rec[0], rec[1] = (0, 0) if key is None else (key[0], key[1])
+        rec[2], rec[3] = sendbuf.nbytes, code
+        np.copyto(rec[c.head :].view(np.uint8)[: sendbuf.nbytes].view(sendbuf.dtype).reshape(sendbuf.shape), sendbuf)
+        try:
+            self._key_req.Start()
+            done = self._key_req.Test()
+        except MPI.Exception as exc:
+            raise self._fail(f"all_reduce(sum, {sendbuf.dtype})", exc) from None
+        self.carried_rest(done, key is not None)
+        got = self._seen[c.head :].view(np.uint8)[: sendbuf.nbytes].view(sendbuf.dtype)
+        np.copyto(recvbuf, got.reshape(recvbuf.shape))
+
+    def carried_rest(self, done: bool, keyed: bool) -> None:
+        """The rest of a started carried all_sum (also where the compiled one hands over when it
+        did not end agreed): the deadline wait, then the keys' answer: keys that are not this
+        rank's are another call on some rank (CallsDiffer, as the call check raises it)."""
+        req, what, bufs = self._key_req, ("coll", "all_sum"), (self._key, self._seen)
+        try:
+            if not done:
+                self._finish([req], what, None, None, int(self._key[2]))
+        except DistributedError:
+            raise
+        except BaseException as exc:
+            self._abandon(req, bufs, f"all_sum was interrupted by {type(exc).__name__}")
+            self._ctl.lost = True
+            raise
+        if self._seen[0] != self._key[0] or self._seen[1] != self._key[1]:
+            self._calls_differ(what, req, bufs)
+        if keyed:
+            self._peers_still_here(what, req, bufs)
 
     def all_reduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> Callable[[], None]:
         """A persistent all-reduce: each start is :meth:`all_reduce` of the same buffers, a

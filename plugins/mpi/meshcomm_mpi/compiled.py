@@ -3,6 +3,10 @@
 The extension reaches MPI through the functions mpi4py's own extension module calls: their
 addresses are found here with ctypes, so the extension needs no MPI headers and works with
 whichever MPI mpi4py loaded (Open MPI, MPICH, the MPI ABI).
+
+It also holds the carried sum (:func:`carried`): an MPI op that all-reduces one record of the
+call check's key and a small all_sum's data, so that such an all_sum is one MPI operation
+where it was two (the check's and the data's).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["planned_sum"]
+__all__ = ["planned_sum", "Carried", "carried"]
 
 
 @functools.cache
@@ -42,6 +46,7 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
         return None
     control = backend.control
     start, test, iprobe = found
+    c = backend.carried
     return PlannedSum(
         backend,
         control,
@@ -55,4 +60,70 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
         bool(control.oversubscribed),
         float(control.spin),
         max_bytes,
+        0 if c is None else c.data,
+        None if c is None else c.codes,
     ).run
+
+
+#: the dtypes a carried record adds
+_CARRIED_TYPES = (
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+)
+
+
+class Carried:
+    """The carried sum of this process (one MPI op, made by the extension) and its record: every
+    call check, and the data of every all_sum of at most ``data`` bytes whose dtype has a code,
+    travel as one record of the same size (``meshcomm_mpi._planned`` describes it).
+
+    Attributes:
+        op: the MPI op adding two records.
+        record: the MPI datatype of one record (``words`` int64).
+        head: int64 words before the data: the key (h, -h), the data's bytes, its code.
+        data: the most data bytes a record carries.
+    """
+
+    def __init__(self, op: Any, head: int, data: int, codes: dict[str, int]) -> None:
+        self.op = op
+        self.head, self.data = head, data
+        self.words = head + data // 8
+        self.record = MPI.BYTE.Create_contiguous(8 * self.words).Commit()
+        #: dtype -> how a record adds it (complex as its float parts; signed integers as the
+        #: unsigned ones of their width: the same bits); dtypes missing here are not carried
+        self.codes: dict[np.dtype, int] = {}
+        for t in _CARRIED_TYPES:
+            dt = np.dtype(t)
+            name = f"{'u' if dt.kind in 'iu' else 'f'}{dt.itemsize // 2 if dt.kind == 'c' else dt.itemsize}"
+            self.codes[dt] = codes[name]
+
+    def records(self, nbytes: int = 0, code: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """A send and a receive record (zeros) for ``nbytes`` of data of ``code``."""
+        send, recv = np.zeros(self.words, np.int64), np.zeros(self.words, np.int64)
+        send[2], send[3] = nbytes, code
+        return send, recv
+
+
+@functools.cache
+def carried() -> Carried | None:
+    """This process's carried sum, or None without the extension (made once per process:
+    every world, split and shrunk world of the process shares it)."""
+    try:
+        from . import _planned
+    except ImportError:
+        return None
+    found = _addresses(("MPI_Op_create",))
+    if found is None:
+        return None
+    op = MPI.Op.fromhandle(_planned.carried_op(found[0], MPI._sizeof(MPI.Op)))
+    return Carried(op, _planned.CARRIED_HEAD, _planned.CARRIED_DATA, dict(_planned.CARRIED_CODES))

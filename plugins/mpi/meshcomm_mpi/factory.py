@@ -32,6 +32,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
             f"mpi backend: mpi4py could not load or initialise MPI: {type(exc).__name__}: {exc}"
         ) from exc
     from .backend import MPIBackend
+    from .compiled import carried
     from .control import Control
     from .peers import PeerTable, host_key
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
@@ -61,10 +62,13 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     # start-up exchanges run under the deadline like every operation
     ring = settings.ring_from
     start = MPIBackend(comm, OpTable([]), control, timeout=timeout, ring_from=ring)
-    ident = np.array([os.getpid(), host_key()], dtype=np.int64)
-    table = np.empty(2 * size, dtype=np.int64)
-    start.all_gather(ident, table)
-    control.peers = PeerTable(table.reshape(size, 2), comm.Get_rank())
+    # each rank's pid and host, and whether it has the carried sum: all ranks must use it or
+    # none, as it changes the MPI operations of every call check and small all_sum
+    carry = carried()
+    ident = np.array([os.getpid(), host_key(), carry is not None], dtype=np.int64)
+    table = np.empty((size, 3), dtype=np.int64)
+    start.all_gather(ident, table.reshape(-1))
+    control.peers = PeerTable(table[:, :2].copy(), comm.Get_rank())
     control.oversubscribed = crowded(control.peers.local_count)
     if launched is not None:
         control.watch_teardown()
@@ -81,7 +85,13 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
         numpy_sums = [dt for dt, bad in zip(INTS, agreed, strict=True) if bad]
     spare = comm.Dup()  # for naming a mismatch (MPIBackend._agree)
     backend = MPIBackend(
-        comm, OpTable(numpy_sums), control, timeout=timeout, spare=spare, ring_from=ring, plans=start._plans
+        comm,
+        OpTable(numpy_sums, carry if table[:, 2].all() else None),
+        control,
+        timeout=timeout,
+        spare=spare,
+        ring_from=ring,
+        plans=start._plans,
     )
     backend.coll_count = start.coll_count  # the same communicator: its sequence goes on
     return backend

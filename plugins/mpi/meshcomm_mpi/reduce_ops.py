@@ -28,6 +28,8 @@ import numpy as np
 from meshcomm.plugin import UFUNCS as _UFUNCS
 from mpi4py import MPI
 
+from .compiled import Carried
+
 __all__ = ["OpTable", "saturating_sum_dtypes", "INTS"]
 
 #: integer dtypes whose sums are probed (Open MPI's AVX kernels saturate 8/16-bit ones)
@@ -116,10 +118,13 @@ class OpTable:
 
     Args:
         numpy_sums: integer dtypes whose sum must use the NumPy-ufunc op (the probe's finding).
+        carried: the carried sum (``compiled.carried``) when every rank of the world has it:
+            call checks and small all_sums then travel as its records.
     """
 
-    def __init__(self, numpy_sums: Iterable[np.dtype] = ()) -> None:
+    def __init__(self, numpy_sums: Iterable[np.dtype] = (), carried: Carried | None = None) -> None:
         self.numpy_sums = frozenset(np.dtype(d) for d in numpy_sums)
+        self.carried = carried
         #: (dtype, op) -> (MPI datatype, MPI op); the backend reads it on every reduction
         self.table: dict[tuple[np.dtype, str], tuple[Any, Any]] = {}
         #: datatype used to move (not reduce) each dtype
