@@ -667,13 +667,15 @@ def _mpirun(n: int, argv: list[str], timeout: float, **env: str) -> subprocess.C
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_contract(n: int) -> None:
     """The whole API contract, every check on every rank, on a real MPI job (on 3 ranks on
-    the pure-Python call path, else the compiled one)."""
+    the pure-Python call path and the backend's pure-Python steps, as where no compiler
+    built the extensions; else the compiled ones)."""
     path = "pure-Python" if n == 3 else "compiled"
     res = _mpirun(
         n,
         [sys.executable, "-m", "meshcomm.testing.contract", "--backend", "mpi", "--more"],
         timeout=150,
         MESHCOMM_COMPILED="0" if n == 3 else "1",
+        MESHCOMM_MPI_COMPILED="0" if n == 3 else "1",
     )
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"contract failed on {n} ranks:\n{out[-6000:]}"

@@ -173,8 +173,9 @@ class MPIBackend(Backend):
         #: under MPI's fault tolerance (survivors.fault_tolerant): agree and shrink work
         self.survives_failures = control.ft
         self.epoch = 0
-        #: the same small all_sum in one C call, when the extension is built (compiled.planned_sum)
-        self.sum_now = planned_sum(self, self.planned_max)
+        #: the same small all_sum in one C call, when every rank runs the extension (the world's
+        #: ops then have its carried sum; compiled.planned_sum)
+        self.sum_now = None if ops.carried is None else planned_sum(self, self.planned_max)
         control.register(self)
 
     # -- identity -----------------------------------------------------------------------

@@ -62,9 +62,9 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     # start-up exchanges run under the deadline like every operation
     ring = settings.ring_from
     start = MPIBackend(comm, OpTable([]), control, timeout=timeout, ring_from=ring)
-    # each rank's pid and host, and whether it has the carried sum: all ranks must use it or
-    # none, as it changes the MPI operations of every call check and small all_sum
-    carry = carried()
+    # each rank's pid and host, and whether it runs the extension (built, MESHCOMM_MPI_COMPILED):
+    # all ranks must or none, as its carried sum changes the MPI operations of every call check
+    carry = carried() if settings.compiled else None
     ident = np.array([os.getpid(), host_key(), carry is not None], dtype=np.int64)
     table = np.empty((size, 3), dtype=np.int64)
     start.all_gather(ident, table.reshape(-1))

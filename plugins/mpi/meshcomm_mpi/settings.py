@@ -73,6 +73,17 @@ class MPISettings(BaseModel):
             "64 KiB per rank on more; off = always Open MPI's own choice (other MPIs: always theirs)"
         ),
     )
+    compiled: bool = setting(
+        True,
+        env="MESHCOMM_MPI_COMPILED",
+        tuning=True,
+        accepts="1/0, true/false, yes/no, on/off",
+        description=(
+            "run small all_sums in the backend's C extension, carried inside the call check's own "
+            "operation, when this installation has it (meshcomm info says; 0: the pure-Python steps, "
+            "the call check and the data as two operations; the ranks agree at start-up)"
+        ),
+    )
     fault_tolerance: bool = setting(
         False,
         env=FT_ENV,
