@@ -59,6 +59,10 @@ PLANNED_MAX = (64 << 10) - 1
 PLANS_MAX = 32
 #: one persistent all-reduce: its request, send array and receive array
 Plan = tuple[Any, np.ndarray, np.ndarray]
+#: a small all_sum of one dtype and shape in the call check's records (a carried sum): the
+#: data of the send and of the receive record as arrays of that dtype and shape, the data's
+#: bytes and its code
+Carry = tuple[np.ndarray, np.ndarray, int, int]
 #: a (dtype, op, count) whose plan is not made yet (its first call has not run)
 _UNMADE: Any = object()
 
@@ -155,6 +159,8 @@ class MPIBackend(Backend):
             (np.zeros(2, np.int64), np.zeros(2, np.int64)) if ops.carried is None else ops.carried.records()
         )
         self._key_req: Any = None
+        #: (dtype, shape) -> how an all_sum of them rides in the check's records (_carry)
+        self._carries: dict[tuple[np.dtype, tuple[int, ...]], Carry] = {}
         if ops.carried is not None:
             self._make_key_req()
         #: (dtype, op, count) -> the persistent all-reduce of that call (request, its send and
@@ -432,9 +438,9 @@ class MPIBackend(Backend):
             self._usable(_REDUCE_NAMES.get(op, op))
         c = self._ops.carried
         if c is not None and op == "sum" and sendbuf.nbytes <= c.data:
-            code = c.codes.get(sendbuf.dtype)
-            if code is not None:
-                self._carried_sum(c, code, sendbuf, recvbuf)
+            carry = self._carries.get((sendbuf.dtype, sendbuf.shape)) or self._carry(c, sendbuf)
+            if carry is not None:
+                self._carried_sum(carry, sendbuf, recvbuf)
                 return
         if sendbuf.nbytes <= self.planned_max:
             key = (sendbuf.dtype, op, sendbuf.size)
@@ -536,23 +542,43 @@ class MPIBackend(Backend):
             self._ctl.lost = True
             raise
 
-    def _carried_sum(self, c: Carried, code: int, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+    def _carried_sum(self, carry: Carry, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         """A small all_sum as the call check's own operation: its data in the check's record."""
+        send, recv, nbytes, code = carry
         self.coll_count += 1
         self.tail = None
         key, self.call_key = self.call_key, None
         rec = self._key
-        rec[0], rec[1] = (0, 0) if key is None else (key[0], key[1])
-        rec[2], rec[3] = sendbuf.nbytes, code
-        np.copyto(rec[c.head :].view(np.uint8)[: sendbuf.nbytes].view(sendbuf.dtype).reshape(sendbuf.shape), sendbuf)
+        if key is None:  # 0, 0 without a key: the same on every rank
+            rec[0] = rec[1] = 0
+        else:
+            rec[:2] = key
+        rec[2] = nbytes
+        rec[3] = code
+        send[...] = sendbuf
         try:
             self._key_req.Start()
             done = self._key_req.Test()
         except MPI.Exception as exc:
             raise self._fail(f"all_reduce(sum, {sendbuf.dtype})", exc) from None
         self.carried_rest(done, key is not None)
-        got = self._seen[c.head :].view(np.uint8)[: sendbuf.nbytes].view(sendbuf.dtype)
-        np.copyto(recvbuf, got.reshape(recvbuf.shape))
+        recvbuf[...] = recv if recvbuf.shape == recv.shape else recv.reshape(recvbuf.shape)
+
+    def _carry(self, c: Carried, sendbuf: np.ndarray) -> Carry | None:
+        """How an all_sum of ``sendbuf``'s dtype and shape rides in the check's records (None:
+        it does not, its dtype has no code), kept for the next such call: making the views
+        costs more than the copies."""
+        code = c.codes.get(sendbuf.dtype)
+        if code is None:
+            return None
+        if len(self._carries) >= 64:
+            self._carries.clear()
+        data = slice(c.head * 8, c.head * 8 + sendbuf.nbytes)
+        send, recv = (
+            r.view(np.uint8)[data].view(sendbuf.dtype).reshape(sendbuf.shape) for r in (self._key, self._seen)
+        )
+        carry = self._carries[sendbuf.dtype, sendbuf.shape] = (send, recv, sendbuf.nbytes, code)
+        return carry
 
     def carried_rest(self, done: bool, keyed: bool) -> None:
         """The rest of a started carried all_sum (also where the compiled one hands over when it
