@@ -65,21 +65,8 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
     ).run
 
 
-#: the dtypes a carried record adds
-_CARRIED_TYPES = (
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.complex128,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-)
+#: the dtypes a carried record adds: every integer, float32 and float64, complex64 and complex128
+_CARRIED_TYPES = np.typecodes["AllInteger"] + "fdFD"
 
 
 class Carried:
