@@ -250,13 +250,15 @@ class Control:
                 if self.term.heard:  # ended from outside, with every peer of this wait alive
                     self.term.pass_on()
 
-    @staticmethod
-    def _completes(test: Any, seconds: float) -> bool:
+    def _completes(self, test: Any, seconds: float) -> bool:
+        """Whether the operation completes within ``seconds``; False at once when mpiexec's
+        teardown has begun (its SIGTERM: the job is ending, and its SIGKILL follows in 0.25 s,
+        so the error must be raised now, not after the grace)."""
         end = time.monotonic() + seconds
         while True:
             if test():
                 return True
-            if time.monotonic() >= end:
+            if time.monotonic() >= end or self.term.heard:
                 return False
             time.sleep(1e-3)
 
