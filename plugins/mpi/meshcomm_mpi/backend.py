@@ -585,15 +585,8 @@ class MPIBackend(Backend):
         did not end agreed): the deadline wait, then the keys' answer: keys that are not this
         rank's are another call on some rank (CallsDiffer, as the call check raises it)."""
         req, what, bufs = self._key_req, ("coll", "all_sum"), (self._key, self._seen)
-        try:
-            if not done:
-                self._finish([req], what, None, None, int(self._key[2]))
-        except DistributedError:
-            raise
-        except BaseException as exc:
-            self._abandon(req, bufs, f"all_sum was interrupted by {type(exc).__name__}")
-            self._ctl.lost = True
-            raise
+        if not done:  # the deadline wait, as for any started persistent all-reduce
+            self.planned_rest(req, None, "all_sum", self._key, self._seen)
         if self._seen[0] != self._key[0] or self._seen[1] != self._key[1]:
             self._calls_differ(what, req, bufs)
         if keyed:

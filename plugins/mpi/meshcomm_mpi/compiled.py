@@ -94,11 +94,9 @@ class Carried:
             name = f"{'u' if dt.kind in 'iu' else 'f'}{dt.itemsize // 2 if dt.kind == 'c' else dt.itemsize}"
             self.codes[dt] = codes[name]
 
-    def records(self, nbytes: int = 0, code: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """A send and a receive record (zeros) for ``nbytes`` of data of ``code``."""
-        send, recv = np.zeros(self.words, np.int64), np.zeros(self.words, np.int64)
-        send[2], send[3] = nbytes, code
-        return send, recv
+    def records(self) -> tuple[np.ndarray, np.ndarray]:
+        """A send and a receive record, zeros (no key, no data)."""
+        return np.zeros(self.words, np.int64), np.zeros(self.words, np.int64)
 
 
 @functools.cache
