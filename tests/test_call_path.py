@@ -1,5 +1,5 @@
 """The compiled call path (``meshcomm.api._callpath.Lane``: a group's blocking all_sum,
-all_max and all_min into a new result) does what the pure-Python one (``Group._all_reduce``,
+all_max and all_min into a new result, persistent starts, the blocking barrier) does what the pure-Python one (``Group._all_reduce``,
 ``MESHCOMM_COMPILED=0``, and where no compiled one is installed) does: the same results, the
 same errors with the same messages and causes, the same call numbers, the same record for
 the stall inspector. Every case runs on both, on an in-process job of 2 ranks, and the two
@@ -37,12 +37,15 @@ def _installed() -> None:
 
 
 def _outcome(fn: Any) -> Any:
-    """What a call gives: ("ok", dtype, shape, bytes) or ("error", type, message, cause type)."""
+    """What a call gives: ("ok", dtype, shape, bytes), ("ok", None) for None, or ("error",
+    type, message, cause type)."""
     try:
         res = fn()
     except Exception as exc:
         cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
         return ("error", type(exc).__name__, str(exc), cause, exc.__suppress_context__)
+    if res is None:
+        return ("ok", None)
     return ("ok", res.dtype, res.shape, res.tobytes(), type(res).__name__)
 
 
@@ -52,6 +55,7 @@ def _job(fn: Any, compiled: bool, **kw: Any) -> list[Any]:
     def rank(g: Group) -> Any:
         assert (g._lane is not None) == compiled
         assert (g._starter != g._start_persistent) == compiled  # persistent starts too
+        assert (g._barrier_lane is not None) == compiled  # and barriers
         return fn(g)
 
     return run_threaded(2, rank, timeout=10, compiled=compiled, **kw)
@@ -159,6 +163,41 @@ def test_errors_the_core_expects_pass_through_unchanged_on_both_paths() -> None:
     assert compiled == python == [("error", "ValueError", "no such reduction here", None, False)] * 2
 
 
+@pytest.mark.parametrize("check_calls", [True, False], ids=["checked", "plain"])
+def test_a_barrier_numbers_its_calls_and_raises_the_same_errors_on_both_paths(check_calls: bool) -> None:
+    """Barriers count as calls of the group; a barrier met by another call on the other rank
+    (checked), a failing transport, a closed group raise alike on both paths."""
+
+    def body(g: Group) -> Any:
+        done = [g.barrier(), g.barrier(), g._calls, g._b.user_op]
+        if check_calls:  # rank 0's barrier meets rank 1's all_sum
+            met = _outcome(lambda: g.barrier() if g.rank() == 0 else g.all_sum(np.ones(1, np.float32)))
+        else:
+
+            def broken() -> None:
+                raise RuntimeError("the transport broke")
+
+            g._moves.barrier = broken  # type: ignore[method-assign]
+            met = _outcome(g.barrier)
+        g.close()
+        return done, met, _outcome(g.barrier)
+
+    compiled, python = _both(body, check_calls=check_calls)
+    assert compiled == python
+    done, met, closed = compiled[0]
+    assert done == [None, None, 2, "barrier"]
+    if check_calls:
+        assert met[:2] == ("error", "CollectiveMismatchError") and "barrier" in met[2] and "all_sum" in met[2], met
+    else:
+        assert met[:4] == (
+            "error",
+            "DistributedError",
+            "[threaded] rank 0: barrier failed: RuntimeError: the transport broke",
+            "RuntimeError",
+        )
+    assert closed[1] == "DistributedError" and "barrier called" in closed[2] and "after it was closed" in closed[2]
+
+
 def test_a_closed_group_refuses_the_same_way_on_both_paths() -> None:
     def body(g: Group) -> Any:
         g.barrier()
@@ -199,12 +238,14 @@ def test_an_observer_without_lane_record_sees_every_call_on_both_paths() -> None
         watch = _Watching()
         observer.attach(watch)
         try:
-            run_threaded(2, lambda g: [g.all_sum(np.ones(3)), g.all_min(np.ones(2, np.int8))], compiled=compiled)
+            run_threaded(
+                2, lambda g: [g.all_sum(np.ones(3)), g.all_min(np.ones(2, np.int8)), g.barrier()], compiled=compiled
+            )
         finally:
             observer.detach()
         seen.append(sorted(watch.seen))
     assert seen[0] == seen[1]
-    assert seen[0] == sorted([("all_sum", -1, 1), ("all_min", -1, 2)] * 2)
+    assert seen[0] == sorted([("all_sum", -1, 1), ("all_min", -1, 2), ("barrier", -1, 3)] * 2)
 
 
 def _record_bytes(mm: Any) -> bytes:
@@ -281,11 +322,16 @@ def test_a_tracing_recorder_gets_every_event_on_both_paths(tmp_path: Any) -> Non
         try:
             g.all_sum(np.ones(3, np.float32))
             g.all_min(np.ones(5, np.int64))
+            g.barrier()
         finally:
             observer.detach()
         assert rec.ring is not None
         events.append([(e[0], e[1], e[2], e[3], e[4], str(e[5]), e[8]) for e in rec.ring])
-    want = [("world", 1, "all_sum", -1, 12, "float32", True), ("world", 2, "all_min", -1, 40, "int64", True)]
+    want = [
+        ("world", 1, "all_sum", -1, 12, "float32", True),
+        ("world", 2, "all_min", -1, 40, "int64", True),
+        ("world", 3, "barrier", -1, 0, "", True),
+    ]
     assert events[0] == events[1] == want
 
 
@@ -360,6 +406,9 @@ class _CarryingBackend(ThreadedBackend):
                 raise CallsDiffer("the carried keys differ")
         super().all_reduce(sendbuf, recvbuf, op)
 
+    def barrier(self) -> None:
+        self.all_reduce(np.zeros(1), np.empty(1), "sum")  # the carried check is the barrier
+
 
 def test_a_backend_carrying_the_call_check_gets_each_calls_key_on_both_paths() -> None:
     """On a group whose backend carries the check, the compiled path hands the backend the
@@ -375,6 +424,9 @@ def test_a_backend_carrying_the_call_check_gets_each_calls_key_on_both_paths() -
         ("all_sum", np.float32, (3,)),
         ("all_min", np.int32, (2, 2)),
         ("all_min", np.int32, (2, 2)),
+        ("barrier", None, ()),
+        ("barrier", None, ()),
+        ("all_min", np.int32, (2, 2)),
     ]
 
     def job(compiled: bool) -> list[Any]:
@@ -383,7 +435,10 @@ def test_a_backend_carrying_the_call_check_gets_each_calls_key_on_both_paths() -
         assert all(g._piped and (g._lane is not None) == compiled for g in groups)
 
         def rank(g: Group) -> Any:
-            got = [_outcome(lambda c=c: getattr(g, c[0])(np.ones(c[2], c[1]))) for c in calls]
+            got = [
+                _outcome(lambda c=c: g.barrier() if c[1] is None else getattr(g, c[0])(np.ones(c[2], c[1])))
+                for c in calls
+            ]
             got.append(_outcome(lambda: g.all_sum(np.ones(3 + g.rank(), np.float32))))  # shapes differ
             return got, g._moves.keys, g._moves.call_key, g._in_flight
 
@@ -400,6 +455,6 @@ def test_a_backend_carrying_the_call_check_gets_each_calls_key_on_both_paths() -
     assert compiled == python
     got, keys, left, in_flight = compiled[0]
     assert all(o[0] == "ok" for o in got[:-1]) and got[-1][1] == "CollectiveMismatchError", got
-    want = [debug.call_key(op, shape, np.dtype(dt)).tolist() for op, dt, shape in calls]
+    want = [debug.call_key(op, shape, None if dt is None else np.dtype(dt)).tolist() for op, dt, shape in calls]
     assert keys == [*want, debug.call_key("all_sum", (3,), np.dtype(np.float32)).tolist()]
     assert left is None and in_flight == ("all_sum", (3,), np.dtype(np.float32), 0, None)

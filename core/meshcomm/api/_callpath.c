@@ -7,9 +7,9 @@
  * interpreter runs it with the GIL). The messages of the rare paths (a refused thread, a
  * discarded result) come from the Python module's helpers, so both guards say the same.
  *
- * Lane: a group's blocking all_sum/all_max/all_min into a new result (run) and a start of a
- * persistent all-reduce (start), the steps the pure-Python Group._all_reduce (or
- * _start_persistent), _submit and _execute take, in one C call: the guard, the call's
+ * Lane: a group's blocking all_sum/all_max/all_min into a new result (run), a start of a
+ * persistent all-reduce (start) and a blocking barrier (barrier), the steps the pure-Python Group._all_reduce (or
+ * _start_persistent, Group._barrier_run), _submit and _execute take, in one C call: the guard, the call's
  * number, the observer's record, the call check or shape key, the result array and the
  * hand-off to the backend (its sum_now for a sum, when it has one, else its all_reduce; a
  * persistent start's check and start through Group._persistent_run). What it does not
@@ -168,9 +168,11 @@ static PyTypeObject GuardType = {
 static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
     *s_current, *s_check, *s_in_flight, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
-    *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape, *minus_one;
-/* the operations' names (3: a persistent all-reduce's start) and the reductions' ops */
-static PyObject *NAMES[4], *OPS[3];
+    *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape,
+    *s_barrier, *s_submit_barrier, *minus_one, *no_shape;
+/* the operations' names (3: a persistent all-reduce's start, 4: a barrier) and the reductions' ops */
+enum { N_OPS = 5, BARRIER = 4 };
+static PyObject *NAMES[N_OPS], *OPS[3];
 
 /* the progress record's per-operation fields (meshcomm.trace.progress: _STATE_AT, _NOW, _STATE, _SEQ) */
 enum { STATE_AT = 12, TIME_AT = 16, OP_AT = 24, OP_LEN = 24, GROUP_AT = 48, GROUP_LEN = 64, SEQ_AT = 112,
@@ -183,10 +185,10 @@ typedef struct {
     PyObject *observers; /* the module meshcomm.api.observer (its ``active``) */
     int plain, keyed, piped;
     PyObject *rec;        /* the observer the records below came from, or NULL */
-    PyObject *records[4]; /* per operation: its lane_record (a tuple, or None), NULL until asked */
+    PyObject *records[N_OPS]; /* per operation: its lane_record (a tuple, or None), NULL until asked */
     /* per operation, on a group whose backend carries the call check (piped): the last call's
      * dtype and shape, and the call_key and _in_flight that Group._check set for them */
-    PyObject *key_dtype[4], *key_shape[4], *key[4], *in_flight[4];
+    PyObject *key_dtype[N_OPS], *key_shape[N_OPS], *key[N_OPS], *in_flight[N_OPS];
 } Lane;
 
 static double wall_now(void) {
@@ -255,7 +257,7 @@ static int record_end(PyObject *record, int ok) {
  * when the observer must run the operation itself, NULL on an error (borrowed). */
 static PyObject *lane_record(Lane *self, PyObject *active, int k) {
     if (self->rec != active) {
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < N_OPS; i++)
             Py_CLEAR(self->records[i]);
         Py_INCREF(active);
         Py_XSETREF(self->rec, active);
@@ -285,11 +287,12 @@ static PyObject *slow(Lane *self, int k, PyObject *x) {
     return PyObject_CallMethodObjArgs(self->group, s_all_reduce_py, OPS[k], x, Py_None, Py_False, NULL);
 }
 
-/* Group._check of all-reduce ``k``. On a piped group its outcome depends only on the call's
- * dtype and shape (the backend's call_key and the group's _in_flight): a repeat of the last
- * call sets the two remembered from it; any other call runs Group._check and, if it set a
- * key, remembers what it set. 0, or -1 on an error. */
-static int piped_key(Lane *self, int k, PyObject *shape, PyObject *dtype) {
+/* Group._check of operation ``k`` (its backend method ``method``). On a piped group its outcome
+ * depends only on the call's dtype and shape (the backend's call_key and the group's
+ * _in_flight): a repeat of the last call sets the two remembered from it; any other call runs
+ * Group._check and, if it set a key, remembers what it set. 1 when the check ran apart from
+ * the operation (Group._check's True: it was a barrier), 0 when not, -1 on an error. */
+static int piped_key(Lane *self, int k, PyObject *shape, PyObject *dtype, PyObject *method) {
     if (self->piped && self->key[k] != NULL && self->key_dtype[k] == dtype) {
         int same = PyObject_RichCompareBool(self->key_shape[k], shape, Py_EQ);
         if (same < 0)
@@ -300,13 +303,13 @@ static int piped_key(Lane *self, int k, PyObject *shape, PyObject *dtype) {
             return PyObject_SetAttr(self->group, s_in_flight, self->in_flight[k]);
         }
     }
-    PyObject *r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj, s_all_reduce,
-                                             NULL); /* the check's method: all_reduce */
+    PyObject *r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj, method, NULL);
     if (r == NULL)
         return -1;
+    int ran = PyObject_IsTrue(r);
     Py_DECREF(r);
-    if (!self->piped)
-        return 0;
+    if (ran != 0 || !self->piped)
+        return ran;
     PyObject *key = PyObject_GetAttr(self->moves, s_call_key);
     PyObject *flight = key ? PyObject_GetAttr(self->group, s_in_flight) : NULL;
     if (flight == NULL) {
@@ -332,7 +335,7 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
         return NULL;
     PyObject *res = NULL, *send = NULL, *recv = NULL, *r;
     if (!self->plain) {
-        if (piped_key(self, k, shape, dtype) < 0)
+        if (piped_key(self, k, shape, dtype, s_all_reduce) < 0)
             goto done;
     } else if (self->keyed) {
         PyObject *key = ndim == 1 ? Py_NewRef(zero_obj) : PyObject_GetItem(shape_keys, shape);
@@ -658,6 +661,29 @@ static PyObject *Lane_start(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     return lane_call(self, 3, persistent_body, args[0], persistent_slow);
 }
 
+/* barrier(): Group._barrier_run, compiled: the call check (which, when it runs apart from the
+ * operation, is the barrier), else the backend's barrier */
+static PyObject *barrier_body(Lane *self, int k, void *ctx) {
+    int ran = piped_key(self, BARRIER, no_shape, Py_None, s_barrier);
+    if (ran < 0)
+        return NULL;
+    if (ran)
+        Py_RETURN_NONE;
+    PyObject *r = PyObject_CallMethodNoArgs(self->moves, s_barrier);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *barrier_slow(Lane *self, void *ctx) {
+    return PyObject_CallMethodOneArg(self->group, s_submit_barrier, Py_False);
+}
+
+static PyObject *Lane_barrier(Lane *self, PyObject *Py_UNUSED(ignored)) {
+    return lane_call(self, BARRIER, barrier_body, NULL, barrier_slow);
+}
+
 static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"group", "guard", "world", "worker", "backend", "moves", "who", "observers", "plain",
                             "keyed", "piped", NULL};
@@ -697,7 +723,7 @@ static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
     Py_VISIT(self->who);
     Py_VISIT(self->observers);
     Py_VISIT(self->rec);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < N_OPS; i++) {
         Py_VISIT(self->records[i]);
         Py_VISIT(self->key_dtype[i]);
         Py_VISIT(self->key_shape[i]);
@@ -717,7 +743,7 @@ static int Lane_clear(Lane *self) {
     Py_CLEAR(self->who);
     Py_CLEAR(self->observers);
     Py_CLEAR(self->rec);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < N_OPS; i++) {
         Py_CLEAR(self->records[i]);
         Py_CLEAR(self->key_dtype[i]);
         Py_CLEAR(self->key_shape[i]);
@@ -738,6 +764,7 @@ static PyMethodDef Lane_methods[] = {
      "run(x, k): the blocking all-reduce of x into a new result, op k (0 sum, 1 max, 2 min)."},
     {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL,
      "start(p): one start of the persistent all-reduce p (what Group._start_persistent does)."},
+    {"barrier", (PyCFunction)Lane_barrier, METH_NOARGS, "barrier(): the blocking barrier (what Group._barrier_run does)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -745,7 +772,7 @@ static PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshcomm.api._callpath.Lane",
     .tp_basicsize = sizeof(Lane),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A group's blocking all_sum/all_max/all_min into a new result, compiled (see Group._all_reduce).",
+    .tp_doc = "A group's blocking all_sum/all_max/all_min, persistent starts and barrier, compiled (see Group._all_reduce).",
     .tp_new = Lane_new,
     .tp_dealloc = (destructor)Lane_dealloc,
     .tp_traverse = (traverseproc)Lane_traverse,
@@ -785,11 +812,12 @@ static int intern_all(void) {
     INTERN(s_persistent_run, "_persistent_run") INTERN(s_start_persistent, "_start_persistent") INTERN(s_calls_differ, "_calls_differ") INTERN(s_unexpected, "_unexpected")
     INTERN(s_dtype, "dtype") INTERN(s_shape, "shape")
     INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
-    INTERN(NAMES[3], "all_reduce_init")
+    INTERN(NAMES[3], "all_reduce_init") INTERN(NAMES[BARRIER], "barrier")
+    INTERN(s_barrier, "barrier") INTERN(s_submit_barrier, "_submit_barrier")
     INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")
 #undef INTERN
     if ((minus_one = PyLong_FromLong(-1)) == NULL || (zero_obj = PyLong_FromLong(0)) == NULL ||
-        (one_obj = PyLong_FromLong(1)) == NULL)
+        (one_obj = PyLong_FromLong(1)) == NULL || (no_shape = PyTuple_New(0)) == NULL)
         return -1;
     return 0;
 }

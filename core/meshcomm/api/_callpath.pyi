@@ -11,7 +11,7 @@ class Guard:
     def leave(self, ticket: Ticket, op: str, who: str, ok: bool) -> None: ...
 
 class Lane:
-    """A group's blocking all_sum/all_max/all_min and persistent starts, compiled."""
+    """A group's blocking all_sum/all_max/all_min, persistent starts and barrier, compiled."""
 
     def __init__(
         self,
@@ -29,6 +29,7 @@ class Lane:
     ) -> None: ...
     def run(self, x: Any, k: int) -> np.ndarray: ...
     def start(self, p: Any) -> np.ndarray: ...
+    def barrier(self) -> None: ...
 
 def setup(
     ndarray: type, empty: Any, movable: Any, shape_keys: Any, calls_differ: type, kept: tuple[type, ...]

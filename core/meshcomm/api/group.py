@@ -162,6 +162,8 @@ class Group:
         self._lane: Callable[[Any, int], np.ndarray] | None = None
         #: how a persistent all-reduce of this group starts: the lane's start, or _start_persistent
         self._starter: Callable[[Persistent], np.ndarray] = self._start_persistent
+        #: the compiled blocking barrier (what _submit_barrier does), or None
+        self._barrier_lane: Callable[[], None] | None = None
         if _compiled is not None and type(self._guard) is _compiled.Guard:
             lane = _compiled.Lane(
                 self,
@@ -176,7 +178,7 @@ class Group:
                 self._keyed,
                 self._piped,
             )
-            self._lane, self._starter = lane.run, lane.start
+            self._lane, self._starter, self._barrier_lane = lane.run, lane.start, lane.barrier
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
@@ -362,13 +364,19 @@ class Group:
     def barrier(self, *, async_op: bool = False) -> None | Work[None]:
         """Return on each rank only after every rank of the group has entered the barrier."""
 
-        def run() -> None:
-            # The call check is an all-reduce, which no rank leaves before every rank entered
-            # it: when it runs, it is the barrier.
-            if not self._check("barrier", (), None, 0, "barrier"):
-                self._moves.barrier()
+        if not async_op and (lane := self._barrier_lane) is not None:
+            return lane()
+        return self._submit_barrier(async_op)
 
-        return self._submit("barrier", run, async_op)
+    def _submit_barrier(self, async_op: bool) -> None | Work[None]:
+        """The barrier's pure-Python path (the compiled lane's too, for what it hands back)."""
+        return self._submit("barrier", self._barrier_run, async_op)
+
+    def _barrier_run(self) -> None:
+        # The call check is an all-reduce, which no rank leaves before every rank entered
+        # it: when it runs, it is the barrier.
+        if not self._check("barrier", (), None, 0, "barrier"):
+            self._moves.barrier()
 
     # -- reductions ---------------------------------------------------------------------
     def all_sum(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
