@@ -1,9 +1,9 @@
-"""The compiled call path (``meshcomm.api._callpath.Lane``: a group's blocking all_sum,
-all_max and all_min into a new result, persistent starts, the blocking barrier) does what the pure-Python one (``Group._all_reduce``,
-``MESHCOMM_COMPILED=0``, and where no compiled one is installed) does: the same results, the
-same errors with the same messages and causes, the same call numbers, the same record for
-the stall inspector. Every case runs on both, on an in-process job of 2 ranks, and the two
-outcomes are compared with each other and with NumPy.
+"""The compiled call path (``meshcomm.api._callpath.Lane``: a group's blocking all_sum, all_max
+and all_min into a new result, persistent starts, the blocking barrier) does what the
+pure-Python one (``Group._all_reduce``, ``MESHCOMM_COMPILED=0``, and where no compiled one is
+installed) does: the same results, the same errors with the same messages and causes, the
+same call numbers, the same record for the stall inspector. Every case runs on both, on an
+in-process job of 2 ranks, and the two outcomes are compared with each other and with NumPy.
 
 The real-process jobs run the compiled path by default and the pure-Python one where a test
 says so (the contract on 3 ranks of every backend; the two-threads failure job).

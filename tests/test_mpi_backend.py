@@ -336,11 +336,14 @@ def rank_carried_check_meets_other_calls(g: Any) -> None:
     plan beside the check), an all_max, a barrier, an all_gather -- every rank raises
     CollectiveMismatchError naming both calls, never returning a sum, and at once, not at the
     deadline (the records of every call check have one length, so two ranks' checks always
-    meet; the test's job would run out of time first)."""
+    meet; the test's job would run out of time first). A barrier is one start of the same
+    operation with no data, in C (``barrier_now``): met by a bigger all_sum or an all_gather,
+    it raises the same way."""
     import meshcomm as mc
 
     r = g.rank()
     x = np.full(2, r + 1, np.float32)
+    _barrier_is_one_carried_start(g)
     cases = {
         "float32[3], carried": (lambda s: mc.all_sum(np.ones(3, np.float32), group=s), ["(2,)", "(3,)"]),
         "int32[2], carried": (lambda s: mc.all_sum(np.ones(2, np.int32), group=s), ["float32", "int32"]),
@@ -348,8 +351,11 @@ def rank_carried_check_meets_other_calls(g: Any) -> None:
         "all_max": (lambda s: mc.all_max(x, group=s), ["all_max", "all_sum"]),
         "barrier": (lambda s: s.barrier(), ["barrier", "all_sum"]),
         "all_gather": (lambda s: mc.all_gather(x, group=s), ["all_gather", "all_sum"]),
+        "barrier / float32[100]": (lambda s: mc.all_sum(np.ones(100, np.float32), group=s), ["barrier", "(100,)"]),
+        "barrier / all_gather": (lambda s: mc.all_gather(x, group=s), ["barrier", "all_gather"]),
     }
     for case, (other, words) in cases.items():
+        mine = (lambda s: s.barrier()) if case.startswith("barrier /") else (lambda s: mc.all_sum(x, group=s))
         sub = g.split(0)  # a communicator of its own: a mismatch makes it unusable
         for _ in range(2):  # the bigger all_sum's first call makes its plan
             _check_equal(mc.all_sum(x, group=sub), np.full(2, sub.size() * (sub.size() + 1) / 2, np.float32), "x", r)
@@ -360,13 +366,33 @@ def rank_carried_check_meets_other_calls(g: Any) -> None:
         if carried and (np.dtype(np.float32), "sum", 2) in sub.transport._plans:
             raise AssertionError(f"rank {r}: a carried all_sum made a plan of its own")
         try:
-            got = other(sub) if r == 1 else mc.all_sum(x, group=sub)
+            got = other(sub) if r == 1 else mine(sub)
         except mc.CollectiveMismatchError as exc:
             if not all(w in str(exc) for w in words):
                 raise AssertionError(f"rank {r}: {case}: the error does not name both calls: {exc}") from None
         else:
-            raise AssertionError(f"rank {r}: {case}: a carried all_sum met by another call returned {got}")
+            raise AssertionError(f"rank {r}: {case}: a carried call met by another call returned {got}")
     print(f"RANKCHECK carried cases rank {r} {len(cases)}", flush=True)
+
+
+def _barrier_is_one_carried_start(g: Any) -> None:
+    """Where the sum is carried, a barrier is the C entry's (``barrier_now``): one collective
+    counted, the backend's Python call check not started; without it, the Python barrier."""
+    sub = g.split(0)
+    b, r = sub.transport, sub.rank()
+    if (b.barrier_now is not None) != (b.carried is not None):
+        raise AssertionError(f"rank {r}: barrier_now={b.barrier_now} but carried sum={b.carried}")
+    python_keys = []
+    python_start_key = b._start_key
+    b._start_key = lambda: python_keys.append(1) or python_start_key()
+    before = b.coll_count
+    for _ in range(3):
+        sub.barrier()
+    if b.coll_count != before + 3 or bool(python_keys) != (b.barrier_now is None):
+        raise AssertionError(f"rank {r}: 3 barriers counted {b.coll_count - before}, Python checks {len(python_keys)}")
+    if b.barrier_now is not None and (not b.barrier_now() or b.coll_count != before + 4):
+        raise AssertionError(f"rank {r}: barrier_now without a call key did not run as one collective")
+    sub.close()
 
 
 class _WatchedComm:

@@ -1,4 +1,5 @@
-/* A small all_sum of the mpi backend in one C call (optional; the backend's ``sum_now``).
+/* A small all_sum or a barrier of the mpi backend in one C call (optional; the backend's
+ * ``sum_now`` and ``barrier_now``).
  *
  * meshcomm_mpi.backend keeps every decision: which calls run as persistent operations (its
  * ``_plans``: one MPI_Allreduce_init per dtype, op and count, made in Python), the call
@@ -12,7 +13,9 @@
  *
  * Where every rank has this module, the call check's operation is a carried sum (below): a
  * small all_sum's data rides in the check's own record, and the call is one start of the
- * check's persistent operation, with no plan and no second operation (``carried``).
+ * check's persistent operation, with no plan and no second operation (``carried``). A
+ * barrier is the same start with no data: the check, which no rank leaves before every rank
+ * entered it (``barrier``).
  *
  * MPI is reached through the functions mpi4py's own extension calls (their addresses, found
  * by ctypes at set-up): the module needs no MPI headers, and runs with any MPI that mpi4py
@@ -38,7 +41,7 @@ enum { CLOCK_EVERY = 64, YIELD_EVERY = 4 };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *backend, *control, *what, *key_req_obj;
+    PyObject *backend, *control, *what, *barrier_what, *key_req_obj;
     start_fn start;
     test_fn test;
     void *iprobe;
@@ -182,6 +185,7 @@ static int PlannedSum_clear(PlannedSum *self) {
     Py_CLEAR(self->backend);
     Py_CLEAR(self->control);
     Py_CLEAR(self->what);
+    Py_CLEAR(self->barrier_what);
     Py_CLEAR(self->key_req_obj);
     Py_CLEAR(self->plan);
     Py_CLEAR(self->plan_dtype);
@@ -225,7 +229,8 @@ static int PlannedSum_init(PlannedSum *self, PyObject *args, PyObject *kw) {
     Py_XSETREF(self->backend, Py_NewRef(backend));
     Py_XSETREF(self->control, Py_NewRef(control));
     Py_XSETREF(self->what, Py_BuildValue("(ss)", "coll", "all_sum"));
-    if (self->what == NULL)
+    Py_XSETREF(self->barrier_what, Py_BuildValue("(ss)", "coll", "barrier"));
+    if (self->what == NULL || self->barrier_what == NULL)
         return -1;
     self->start = (start_fn)(uintptr_t)start;
     self->test = (test_fn)(uintptr_t)test;
@@ -387,7 +392,7 @@ static int count_call(PlannedSum *self) {
 }
 
 /* Raise the backend's error for MPI error code ``rc`` in a start or (``started``) the wait
- * (its planned_error raises). */
+ * of the all_sum of ``sendbuf`` (None: the barrier); its planned_error raises. */
 static PyObject *mpi_failed(PlannedSum *self, int rc, PyObject *sendbuf, int started) {
     PyObject *code = PyLong_FromLong(rc);
     if (code == NULL)
@@ -435,22 +440,23 @@ static int receive_array(PyObject *recvbuf, Py_buffer *dst, Py_ssize_t nbytes, P
 
 /* After a keyed call completed agreed: a peer that gave up on this call, or failed inside it,
  * makes it raise (the backend's _peers_still_here, abandoning ``op`` and its ``bufs``). */
-static int still_here(PlannedSum *self, PyObject *op, PyObject *in, PyObject *out) {
+static int still_here(PlannedSum *self, PyObject *what, PyObject *op, PyObject *in, PyObject *out) {
     int look = notices(self);
     if (look <= 0)
         return look;
     PyObject *bufs = PyTuple_Pack(2, in, out);
-    PyObject *r = bufs ? PyObject_CallMethodObjArgs(self->backend, s_peers_still_here, self->what, op, bufs, NULL)
+    PyObject *r = bufs ? PyObject_CallMethodObjArgs(self->backend, s_peers_still_here, what, op, bufs, NULL)
                        : NULL;
     Py_XDECREF(bufs);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
 }
 
-/* A small all_sum as one start of the call check's persistent operation, its data in the
- * check's record under ``code`` (the backend's _carried_sum, in C). */
-static PyObject *carried_run(PlannedSum *self, PyObject *const *args, const char *sp, Py_ssize_t nbytes,
-                             Py_ssize_t itemsize, long code) {
+/* A small all_sum of ``sendbuf`` into ``recvbuf`` as one start of the call check's persistent
+ * operation, its data in the check's record under ``code`` (the backend's _carried_sum, in
+ * C); with no arrays (NULL) and no data, the barrier. */
+static PyObject *carried_run(PlannedSum *self, PyObject *sendbuf, PyObject *recvbuf, const char *sp,
+                             Py_ssize_t nbytes, Py_ssize_t itemsize, long code) {
     int bound = bind_key_req(self);
     if (bound <= 0)
         return bound < 0 ? NULL : Py_NewRef(Py_False);
@@ -464,8 +470,9 @@ static PyObject *carried_run(PlannedSum *self, PyObject *const *args, const char
              *seen_obj = Py_NewRef(self->seen_arr);
     void *req = self->key_req;
     int64_t *rec = self->key, *seen = self->seen;
-    Py_buffer dst;
-    if (receive_array(args[1], &dst, nbytes, itemsize) < 0)
+    PyObject *what = recvbuf == NULL ? self->barrier_what : self->what, *failed_on = sendbuf ? sendbuf : Py_None;
+    Py_buffer dst = {0};
+    if (recvbuf != NULL && receive_array(recvbuf, &dst, nbytes, itemsize) < 0)
         goto early;
     if ((keyed && PyObject_SetAttr(self->backend, s_call_key, Py_None) < 0) || count_call(self) < 0)
         goto release;
@@ -473,29 +480,32 @@ static PyObject *carried_run(PlannedSum *self, PyObject *const *args, const char
     rec[1] = k1;
     rec[2] = nbytes;
     rec[3] = code;
-    memcpy(rec + CARRIED_HEAD, sp, nbytes);
+    if (nbytes)
+        memcpy(rec + CARRIED_HEAD, sp, nbytes);
     int rc = self->start(req), done = 0, none = 1;
     if (rc != 0) {
-        result = mpi_failed(self, rc, args[0], 0);
+        result = mpi_failed(self, rc, failed_on, 0);
         goto release;
     }
     if ((rc = spin_on(self, req, &done, NULL, &none)) != 0) {
-        result = mpi_failed(self, rc, args[0], 1);
+        result = mpi_failed(self, rc, failed_on, 1);
         goto release;
     }
     if (!(done && seen[0] == k0 && seen[1] == k1)) {
         /* the Python rest: the deadline wait, the keys' answer (a mismatch raises) */
         PyObject *r = PyObject_CallMethodObjArgs(self->backend, s_carried_rest, done ? Py_True : Py_False,
-                                                 keyed ? Py_True : Py_False, NULL);
+                                                 keyed ? Py_True : Py_False, what, NULL);
         if (r == NULL)
             goto release;
         Py_DECREF(r);
-    } else if (keyed && still_here(self, req_obj, rec_obj, seen_obj) < 0)
+    } else if (keyed && still_here(self, what, req_obj, rec_obj, seen_obj) < 0)
         goto release;
-    memcpy(dst.buf, seen + CARRIED_HEAD, nbytes);
+    if (recvbuf != NULL)
+        memcpy(dst.buf, seen + CARRIED_HEAD, nbytes);
     result = Py_NewRef(Py_True);
 release:
-    PyBuffer_Release(&dst);
+    if (recvbuf != NULL)
+        PyBuffer_Release(&dst);
 early:
     Py_DECREF(req_obj);
     Py_DECREF(rec_obj);
@@ -563,7 +573,7 @@ static PyObject *planned_run(PlannedSum *self, PyObject *const *args, const char
         if (r == NULL)
             goto release;
         Py_DECREF(r);
-    } else if (keyed && still_here(self, PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1),
+    } else if (keyed && still_here(self, self->what, PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1),
                                    PyTuple_GET_ITEM(plan, 2)) < 0)
         goto release;
     memcpy(dst.buf, out, nbytes); /* the plan, held, keeps its receive array */
@@ -593,6 +603,20 @@ static long carried_code(PlannedSum *self, PyObject *dtype) {
     return code;
 }
 
+/* 1 when the backend's communicator is usable (not broken), 0 when not, -1 on an error. */
+static int ready(PlannedSum *self) {
+    if (self->backend == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PlannedSum: not initialised");
+        return -1;
+    }
+    PyObject *broken = PyObject_GetAttr(self->backend, s_broken);
+    if (broken == NULL)
+        return -1;
+    int usable = broken == Py_None;
+    Py_DECREF(broken);
+    return usable;
+}
+
 /* run(sendbuf, recvbuf) -> bool: the sum of ``sendbuf`` over the ranks into ``recvbuf`` (C-contiguous,
  * same dtype and size, fresh from the core); False when this call is not for this path (nothing
  * happened: too big, not contiguous, no plan yet, the check's request not made yet, a broken
@@ -602,17 +626,9 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "run(sendbuf, recvbuf)");
         return NULL;
     }
-    if (self->backend == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "PlannedSum: not initialised");
-        return NULL;
-    }
-    PyObject *broken = PyObject_GetAttr(self->backend, s_broken);
-    if (broken == NULL)
-        return NULL;
-    int usable = broken == Py_None;
-    Py_DECREF(broken);
-    if (!usable)
-        Py_RETURN_FALSE;
+    int usable = ready(self);
+    if (usable <= 0)
+        return usable < 0 ? NULL : Py_NewRef(Py_False);
     Py_buffer src;
     if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear(); /* not contiguous: the backend's all_reduce takes it */
@@ -631,11 +647,21 @@ static PyObject *PlannedSum_run(PlannedSum *self, PyObject *const *args, Py_ssiz
     if (code < 0)
         result = NULL;
     else if (code > 0)
-        result = carried_run(self, args, sp, nbytes, itemsize, code);
+        result = carried_run(self, args[0], args[1], sp, nbytes, itemsize, code);
     else
         result = planned_run(self, args, sp, nbytes, itemsize, dtype);
     Py_DECREF(dtype);
     return result;
+}
+
+/* barrier() -> bool: the barrier as one start of the call check's operation with no data;
+ * False when it is not for this path (nothing happened: no carried check, a broken
+ * communicator). */
+static PyObject *PlannedSum_barrier(PlannedSum *self, PyObject *Py_UNUSED(ignored)) {
+    int usable = self->carried_data == 0 ? 0 : ready(self);
+    if (usable <= 0)
+        return usable < 0 ? NULL : Py_NewRef(Py_False);
+    return carried_run(self, NULL, NULL, NULL, 0, 0, 0);
 }
 
 static PyMethodDef module_methods[] = {
@@ -646,6 +672,8 @@ static PyMethodDef module_methods[] = {
 static PyMethodDef PlannedSum_methods[] = {
     {"run", (PyCFunction)(void (*)(void))PlannedSum_run, METH_FASTCALL,
      "run(sendbuf, recvbuf) -> bool: a small all_sum as a start of its persistent operation"},
+    {"barrier", (PyCFunction)PlannedSum_barrier, METH_NOARGS,
+     "barrier() -> bool: the barrier as a start of the call check's operation with no data"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -655,7 +683,7 @@ static PyTypeObject PlannedSumType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_traverse = (traverseproc)PlannedSum_traverse,
     .tp_clear = (inquiry)PlannedSum_clear,
-    .tp_doc = "A small all_sum of one MPIBackend in one C call (its sum_now).",
+    .tp_doc = "A small all_sum or a barrier of one MPIBackend in one C call (its sum_now and barrier_now).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)PlannedSum_init,
     .tp_dealloc = (destructor)PlannedSum_dealloc,

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from . import survivors
 from .algorithms import AllreduceStarter, ring_threshold
-from .compiled import Carried, planned_sum
+from .compiled import Carried, compiled_entries
 from .control import Control
 from .errors import mpi_error
 from .ops import Counts
@@ -179,9 +179,11 @@ class MPIBackend(Backend):
         #: under MPI's fault tolerance (survivors.fault_tolerant): agree and shrink work
         self.survives_failures = control.ft
         self.epoch = 0
-        #: the same small all_sum in one C call, when every rank runs the extension (the world's
-        #: ops then have its carried sum; compiled.planned_sum)
-        self.sum_now = None if ops.carried is None else planned_sum(self, self.planned_max)
+        #: the same small all_sum, and the barrier, in one C call each, when every rank runs the
+        #: extension (the world's ops then have its carried sum; compiled.compiled_entries)
+        entries = None if ops.carried is None else compiled_entries(self, self.planned_max)
+        self.sum_now = None if entries is None else entries.run
+        self.barrier_now: Callable[[], bool] | None = None if entries is None else entries.barrier
         control.register(self)
 
     # -- identity -----------------------------------------------------------------------
@@ -517,9 +519,12 @@ class MPIBackend(Backend):
             self.planned_rest(req, checked, _reduce_name(op, sendbuf), inbuf, outbuf)
         np.copyto(recvbuf, outbuf)
 
-    def planned_error(self, code: int, sendbuf: np.ndarray, started: bool) -> None:
-        """Raise the error of MPI error ``code`` from the compiled all_sum of ``sendbuf``: named
-        as :meth:`_planned` names it, for a start (``started`` False) or for the wait."""
+    def planned_error(self, code: int, sendbuf: np.ndarray | None, started: bool) -> None:
+        """Raise the error of MPI error ``code`` from the compiled all_sum of ``sendbuf`` (None:
+        the barrier): named as :meth:`_planned` names it, for a start (``started`` False) or
+        for the wait."""
+        if sendbuf is None:
+            raise self._fail("barrier", MPI.Exception(code))
         name = "all_sum" if started else f"all_reduce(sum, {sendbuf.dtype})"
         raise self._fail(name, MPI.Exception(code))
 
@@ -580,13 +585,14 @@ class MPIBackend(Backend):
         carry = self._carries[sendbuf.dtype, sendbuf.shape] = (send, recv, sendbuf.nbytes, code)
         return carry
 
-    def carried_rest(self, done: bool, keyed: bool) -> None:
-        """The rest of a started carried all_sum (also where the compiled one hands over when it
-        did not end agreed): the deadline wait, then the keys' answer: keys that are not this
-        rank's are another call on some rank (CallsDiffer, as the call check raises it)."""
-        req, what, bufs = self._key_req, ("coll", "all_sum"), (self._key, self._seen)
+    def carried_rest(self, done: bool, keyed: bool, what: tuple[str, str] = ("coll", "all_sum")) -> None:
+        """The rest of a started carried all_sum or barrier (``what``; also where the compiled
+        one hands over when it did not end agreed): the deadline wait, then the keys' answer:
+        keys that are not this rank's are another call on some rank (CallsDiffer, as the call
+        check raises it)."""
+        req, bufs = self._key_req, (self._key, self._seen)
         if not done:  # the deadline wait, as for any started persistent all-reduce
-            self.planned_rest(req, None, "all_sum", self._key, self._seen)
+            self.planned_rest(req, None, what[1], self._key, self._seen)
         if self._seen[0] != self._key[0] or self._seen[1] != self._key[1]:
             self._calls_differ(what, req, bufs)
         if keyed:
@@ -682,6 +688,9 @@ class MPIBackend(Backend):
         self._finish([req], ("coll", name), None, None, nbytes)
 
     def barrier(self) -> None:
+        now = self.barrier_now
+        if now is not None and now():
+            return
         if self.broken is not None:
             self._usable("barrier")
         self.coll_count += 1

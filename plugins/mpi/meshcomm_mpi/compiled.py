@@ -1,4 +1,5 @@
-"""The mpi backend's compiled small all_sum (``meshcomm_mpi._planned``), when it was built.
+"""The mpi backend's compiled small all_sum and barrier (``meshcomm_mpi._planned``), when it
+was built.
 
 The extension reaches MPI through the functions mpi4py's own extension module calls: their
 addresses are found here with ctypes, so the extension needs no MPI headers and works with
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["planned_sum", "Carried", "carried"]
+__all__ = ["CompiledEntries", "compiled_entries", "Carried", "carried"]
 
 
 @functools.cache
@@ -34,9 +34,20 @@ def _addresses(names: tuple[str, ...]) -> tuple[int, ...] | None:
     return None if None in found else tuple(int(a) for a in found if a is not None)
 
 
-def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarray], bool] | None:
-    """``backend``'s ``sum_now`` (Backend.sum_now): a small all_sum started and waited for in C,
-    or None without the extension (the backend's Python ``all_reduce`` does the same steps)."""
+class CompiledEntries(Protocol):
+    """The extension's entries for one backend (``meshcomm_mpi._planned.PlannedSum``)."""
+
+    def run(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool:
+        """``backend.sum_now`` (Backend.sum_now): a small all_sum started and waited for in C."""
+
+    def barrier(self) -> bool:
+        """``backend.barrier_now``: the barrier as the carried call check with no data, in C;
+        False (nothing happened) where the check is not carried."""
+
+
+def compiled_entries(backend: Any, max_bytes: int) -> CompiledEntries | None:
+    """``backend``'s compiled small all_sum and barrier, or None without the extension (the
+    backend's Python ``all_reduce`` and ``barrier`` do the same steps)."""
     try:
         from ._planned import PlannedSum
     except ImportError:
@@ -62,7 +73,7 @@ def planned_sum(backend: Any, max_bytes: int) -> Callable[[np.ndarray, np.ndarra
         max_bytes,
         0 if c is None else c.data,
         None if c is None else c.codes,
-    ).run
+    )
 
 
 #: the dtypes a carried record adds: every integer, float32 and float64, complex64 and complex128
