@@ -19,6 +19,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
 #include "pythread.h"
 #include <stdint.h>
 #include <string.h>
@@ -162,14 +164,86 @@ static PyTypeObject GuardType = {
 };
 
 /* ---------------------------------------------------------------------------------------- */
+/* Running: what a lane's operation in progress is, for the stall inspector                 */
+
+/* The lanes write it at each operation's begin and end (C fields: no Python object is made
+ * per call); the observer reads it as ``current()`` (Recorder.current) when it wants to know. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *prefix; /* the group's (name, rank, world rank, size) */
+    PyObject *op;     /* the operation's name */
+    long long seq;
+    double t0;
+    int on;
+} Running;
+
+static PyObject *minus_one;
+
+static PyObject *Running_current(Running *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->on || self->prefix == NULL)
+        Py_RETURN_NONE;
+    Py_ssize_t np = PyTuple_GET_SIZE(self->prefix);
+    PyObject *seq = PyLong_FromLongLong(self->seq), *t0 = seq ? PyFloat_FromDouble(self->t0) : NULL;
+    PyObject *cur = t0 ? PyTuple_New(np + 4) : NULL;
+    if (cur == NULL) {
+        Py_XDECREF(seq);
+        Py_XDECREF(t0);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < np; i++)
+        PyTuple_SET_ITEM(cur, i, Py_NewRef(PyTuple_GET_ITEM(self->prefix, i)));
+    PyTuple_SET_ITEM(cur, np, seq);
+    PyTuple_SET_ITEM(cur, np + 1, Py_NewRef(self->op));
+    PyTuple_SET_ITEM(cur, np + 2, Py_NewRef(minus_one));
+    PyTuple_SET_ITEM(cur, np + 3, t0);
+    return cur;
+}
+
+static int Running_traverse(Running *self, visitproc visit, void *arg) {
+    Py_VISIT(self->prefix);
+    Py_VISIT(self->op);
+    return 0;
+}
+
+static int Running_clear(Running *self) {
+    Py_CLEAR(self->prefix);
+    Py_CLEAR(self->op);
+    return 0;
+}
+
+static void Running_dealloc(Running *self) {
+    PyObject_GC_UnTrack(self);
+    Running_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Running_methods[] = {
+    {"current", (PyCFunction)Running_current, METH_NOARGS,
+     "current() -> prefix + (seq, op, -1, start time) of the operation in progress, or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RunningType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "meshcomm.api._callpath.Running",
+    .tp_basicsize = sizeof(Running),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "What the compiled lanes' operation in progress is (for an observer's current).",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Running_dealloc,
+    .tp_traverse = (traverseproc)Running_traverse,
+    .tp_clear = (inquiry)Running_clear,
+    .tp_methods = Running_methods,
+};
+
+/* ---------------------------------------------------------------------------------------- */
 /* Lane                                                                                     */
 
 /* set once by setup(): what every lane needs from NumPy and the core */
-static PyObject *ndarray_type, *np_empty, *movable, *shape_keys, *calls_differ, *kept_errors;
+static PyObject *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
-    *s_current, *s_check, *s_in_flight, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
+    *s_check, *s_in_flight, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
     *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape,
-    *s_barrier, *s_submit_barrier, *minus_one, *no_shape;
+    *s_barrier, *s_submit_barrier, *no_shape;
 /* the operations' names (3: a persistent all-reduce's start, 4: a barrier) and the reductions' ops */
 enum { N_OPS = 5, BARRIER = 4 };
 static PyObject *NAMES[N_OPS], *OPS[3];
@@ -184,6 +258,7 @@ typedef struct {
     Guard *guard;
     PyObject *observers; /* the module meshcomm.api.observer (its ``active``) */
     int plain, keyed, piped;
+    Py_ssize_t min_bytes; /* results of this many bytes come from the backend's empty() */
     PyObject *rec;        /* the observer the records below came from, or NULL */
     PyObject *records[N_OPS]; /* per operation: its lane_record (a tuple, or None), NULL until asked */
     /* per operation, on a group whose backend carries the call check (piped): the last call's
@@ -191,9 +266,15 @@ typedef struct {
     PyObject *key_dtype[N_OPS], *key_shape[N_OPS], *key[N_OPS], *in_flight[N_OPS];
 } Lane;
 
+/* The wall clock for the records of the stall inspector, which reads them in seconds: the
+ * coarse clock where there is one (a few ms of resolution, a quarter of the fine one's cost) */
 static double wall_now(void) {
     struct timespec ts;
+#ifdef CLOCK_REALTIME_COARSE
+    clock_gettime(CLOCK_REALTIME_COARSE, &ts);
+#else
     clock_gettime(CLOCK_REALTIME, &ts);
+#endif
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
@@ -269,12 +350,14 @@ static PyObject *lane_record(Lane *self, PyObject *active, int k) {
                 return NULL;
             PyErr_Clear(); /* an observer without lane_record runs every operation itself */
             r = Py_NewRef(Py_None);
-        } else if (r != Py_None && (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 5 ||
+        } else if (r != Py_None && (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 6 ||
                                     !PyTuple_Check(PyTuple_GET_ITEM(r, 0)) ||
                                     (PyTuple_GET_ITEM(r, 1) != Py_None &&
-                                     (!PyBytes_Check(PyTuple_GET_ITEM(r, 2)) || !PyBytes_Check(PyTuple_GET_ITEM(r, 3)))))) {
+                                     (!PyBytes_Check(PyTuple_GET_ITEM(r, 2)) || !PyBytes_Check(PyTuple_GET_ITEM(r, 3)))) ||
+                                    !PyObject_TypeCheck(PyTuple_GET_ITEM(r, 5), &RunningType))) {
             Py_DECREF(r);
-            PyErr_SetString(PyExc_TypeError, "lane_record must return None or (current, buffer, op, group, slot)");
+            PyErr_SetString(PyExc_TypeError,
+                            "lane_record must return None or (prefix, buffer, op, group, slot, running)");
             return NULL;
         }
         self->records[k] = r;
@@ -287,14 +370,36 @@ static PyObject *slow(Lane *self, int k, PyObject *x) {
     return PyObject_CallMethodObjArgs(self->group, s_all_reduce_py, OPS[k], x, Py_None, Py_False, NULL);
 }
 
-/* Group._check of operation ``k`` (its backend method ``method``). On a piped group its outcome
- * depends only on the call's dtype and shape (the backend's call_key and the group's
- * _in_flight): a repeat of the last call sets the two remembered from it; any other call runs
- * Group._check and, if it set a key, remembers what it set. 1 when the check ran apart from
- * the operation (Group._check's True: it was a barrier), 0 when not, -1 on an error. */
-static int piped_key(Lane *self, int k, PyObject *shape, PyObject *dtype, PyObject *method) {
+/* Whether the shape tuple ``shape`` (of ints) is ``ndim`` and ``dims`` (-1 on an error). */
+static int same_shape(PyObject *shape, int ndim, const npy_intp *dims) {
+    if (PyTuple_GET_SIZE(shape) != ndim)
+        return 0;
+    for (int i = 0; i < ndim; i++) {
+        Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+        if (d == -1 && PyErr_Occurred())
+            return -1;
+        if (d != dims[i])
+            return 0;
+    }
+    return 1;
+}
+
+/* The shape of array ``x`` as a tuple, or () for no array (the barrier): a new reference. */
+static PyObject *shape_of(PyObject *x) {
+    return x == NULL ? Py_NewRef(no_shape) : PyObject_GetAttr(x, s_shape);
+}
+
+/* Group._check of operation ``k`` on array ``x`` (NULL: no array, the barrier), its backend
+ * method ``method``. On a piped group its outcome depends only on the call's dtype and shape
+ * (the backend's call_key and the group's _in_flight): a repeat of the last call sets the two
+ * remembered from it; any other call runs Group._check and, if it set a key, remembers what
+ * it set. 1 when the check ran apart from the operation (Group._check's True: it was a
+ * barrier), 0 when not, -1 on an error. */
+static int piped_key(Lane *self, int k, PyObject *x, PyObject *dtype, PyObject *method) {
     if (self->piped && self->key[k] != NULL && self->key_dtype[k] == dtype) {
-        int same = PyObject_RichCompareBool(self->key_shape[k], shape, Py_EQ);
+        int same = x == NULL ? PyTuple_GET_SIZE(self->key_shape[k]) == 0
+                             : same_shape(self->key_shape[k], PyArray_NDIM((PyArrayObject *)x),
+                                          PyArray_DIMS((PyArrayObject *)x));
         if (same < 0)
             return -1;
         if (same) {
@@ -303,42 +408,50 @@ static int piped_key(Lane *self, int k, PyObject *shape, PyObject *dtype, PyObje
             return PyObject_SetAttr(self->group, s_in_flight, self->in_flight[k]);
         }
     }
-    PyObject *r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj, method, NULL);
-    if (r == NULL)
+    PyObject *shape = shape_of(x);
+    if (shape == NULL)
         return -1;
+    PyObject *r = PyObject_CallMethodObjArgs(self->group, s_check, NAMES[k], shape, dtype, zero_obj, method, NULL);
+    if (r == NULL) {
+        Py_DECREF(shape);
+        return -1;
+    }
     int ran = PyObject_IsTrue(r);
     Py_DECREF(r);
-    if (ran != 0 || !self->piped)
+    if (ran != 0 || !self->piped) {
+        Py_DECREF(shape);
         return ran;
+    }
     PyObject *key = PyObject_GetAttr(self->moves, s_call_key);
     PyObject *flight = key ? PyObject_GetAttr(self->group, s_in_flight) : NULL;
     if (flight == NULL) {
         Py_XDECREF(key);
+        Py_DECREF(shape);
         return -1;
     }
     if (key == Py_None) { /* the check ran apart from the data (Group._check): nothing to remember */
         Py_DECREF(key);
         Py_DECREF(flight);
+        Py_DECREF(shape);
         return 0;
     }
     Py_XSETREF(self->key[k], key);
     Py_XSETREF(self->in_flight[k], flight);
-    Py_XSETREF(self->key_shape[k], Py_NewRef(shape));
+    Py_XSETREF(self->key_shape[k], shape);
     Py_XSETREF(self->key_dtype[k], Py_NewRef(dtype));
     return 0;
 }
 
 /* The all-reduce proper, as the run of Group._all_reduce does it (a new reference, or NULL). */
 static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nbytes, PyObject *dtype) {
-    PyObject *shape = PyObject_GetAttr(x, s_shape);
-    if (shape == NULL)
-        return NULL;
-    PyObject *res = NULL, *send = NULL, *recv = NULL, *r;
+    PyObject *shape = NULL, *res = NULL, *send = NULL, *recv = NULL, *r;
     if (!self->plain) {
-        if (piped_key(self, k, shape, dtype, s_all_reduce) < 0)
+        if (piped_key(self, k, x, dtype, s_all_reduce) < 0)
             goto done;
     } else if (self->keyed) {
-        PyObject *key = ndim == 1 ? Py_NewRef(zero_obj) : PyObject_GetItem(shape_keys, shape);
+        PyObject *key = ndim == 1 ? Py_NewRef(zero_obj) : NULL;
+        if (key == NULL && (shape = shape_of(x)) != NULL)
+            key = PyObject_GetItem(shape_keys, shape);
         if (key == NULL)
             goto done;
         int rc = PyObject_SetAttr(self->moves, s_shape_key, key);
@@ -346,17 +459,15 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
         if (rc < 0)
             goto done;
     }
-    PyObject *min_bytes = PyObject_GetAttr(self->moves, s_min_bytes);
-    if (min_bytes == NULL)
-        goto done;
-    Py_ssize_t least = PyLong_AsSsize_t(min_bytes);
-    Py_DECREF(min_bytes);
-    if (least == -1 && PyErr_Occurred())
-        goto done;
-    if (nbytes >= least)
+    if (nbytes >= self->min_bytes) { /* the backend's own kind of array (Backend.empty) */
+        if (shape == NULL && (shape = shape_of(x)) == NULL)
+            goto done;
         res = PyObject_CallMethodObjArgs(self->moves, s_empty, shape, dtype, NULL);
-    else
-        res = PyObject_CallFunctionObjArgs(np_empty, shape, dtype, NULL);
+    } else { /* np.empty(x.shape, x.dtype) */
+        PyArray_Descr *descr = PyArray_DESCR((PyArrayObject *)x);
+        Py_INCREF(descr); /* the new array takes this reference */
+        res = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, PyArray_DIMS((PyArrayObject *)x), NULL, NULL, 0, NULL);
+    }
     if (res == NULL)
         goto done;
     if (ndim == 1) {
@@ -399,7 +510,7 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
 done:
     Py_XDECREF(send);
     Py_XDECREF(recv);
-    Py_DECREF(shape);
+    Py_XDECREF(shape);
     return res;
 }
 
@@ -516,33 +627,33 @@ static PyObject *lane_call(Lane *self, int k, lane_body body, void *ctx, PyObjec
         PyObject_SetAttr(self->b, s_user_op, NAMES[k]) < 0 || PyObject_SetAttr(self->b, s_user_no, n) < 0)
         goto leave;
     /* the observer's record around the operation, as Recorder.call keeps it */
+    Running *running = NULL;
     if (record != NULL) {
         long long seq = PyLong_AsLongLong(n);
+        if (seq == -1 && PyErr_Occurred())
+            goto leave;
         double t0 = wall_now();
+        running = (Running *)PyTuple_GET_ITEM(record, 5);
         PyObject *prefix = PyTuple_GET_ITEM(record, 0);
-        Py_ssize_t np = PyTuple_GET_SIZE(prefix);
-        PyObject *t0_obj = PyFloat_FromDouble(t0), *current = t0_obj ? PyTuple_New(np + 4) : NULL;
-        if (current == NULL) {
-            Py_XDECREF(t0_obj);
+        if (running->prefix != prefix)
+            Py_XSETREF(running->prefix, Py_NewRef(prefix));
+        if (running->op != NAMES[k])
+            Py_XSETREF(running->op, Py_NewRef(NAMES[k]));
+        running->seq = seq;
+        running->t0 = t0;
+        running->on = 1;
+        if (record_begin(record, t0, seq) < 0) {
+            running->on = 0;
             goto leave;
         }
-        for (Py_ssize_t i = 0; i < np; i++)
-            PyTuple_SET_ITEM(current, i, Py_NewRef(PyTuple_GET_ITEM(prefix, i)));
-        PyTuple_SET_ITEM(current, np, Py_NewRef(n));
-        PyTuple_SET_ITEM(current, np + 1, Py_NewRef(NAMES[k]));
-        PyTuple_SET_ITEM(current, np + 2, Py_NewRef(minus_one));
-        PyTuple_SET_ITEM(current, np + 3, t0_obj);
-        int rc = PyObject_SetAttr(active, s_current, current);
-        Py_DECREF(current);
-        if (rc < 0 || record_begin(record, t0, seq) < 0)
-            goto leave;
     }
     result = body(self, k, ctx);
     ok = result != NULL;
     if (record != NULL) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (record_end(record, ok) < 0 || PyObject_SetAttr(active, s_current, Py_None) < 0) {
+        running->on = 0;
+        if (record_end(record, ok) < 0) {
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
@@ -615,33 +726,18 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
             PyErr_Format(PyExc_ValueError, "run: k must be 0 (sum), 1 (max) or 2 (min), got %ld", k);
         return NULL;
     }
-    if ((PyObject *)Py_TYPE(x) != ndarray_type)
+    if (!PyArray_CheckExact(x))
         return slow(self, (int)k, x);
-    /* a supported dtype, C-contiguous, not empty: else the Python path */
-    PyObject *dtype = PyObject_GetAttr(x, s_dtype);
-    if (dtype == NULL)
-        return NULL;
+    /* a supported dtype, C-contiguous, not empty, not 0-d: else the Python path */
+    PyArrayObject *a = (PyArrayObject *)x;
+    PyObject *dtype = (PyObject *)PyArray_DESCR(a); /* borrowed: x holds it */
     int known = PySet_Contains(movable, dtype);
-    if (known < 0) {
-        Py_DECREF(dtype);
+    if (known < 0)
         return NULL;
-    }
-    Py_buffer view;
-    if (!known || PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        Py_DECREF(dtype);
+    if (!known || !PyArray_IS_C_CONTIGUOUS(a) || PyArray_NDIM(a) == 0 || PyArray_SIZE(a) == 0)
         return slow(self, (int)k, x);
-    }
-    Reduction r = {x, dtype, view.ndim, (int)k, view.len};
-    PyBuffer_Release(&view);
-    PyObject *result;
-    if (r.nbytes == 0 || r.ndim == 0) {
-        result = slow(self, (int)k, x);
-    } else {
-        result = lane_call(self, (int)k, reduction_body, &r, reduction_slow);
-    }
-    Py_DECREF(dtype);
-    return result;
+    Reduction r = {x, dtype, PyArray_NDIM(a), (int)k, (Py_ssize_t)PyArray_NBYTES(a)};
+    return lane_call(self, (int)k, reduction_body, &r, reduction_slow);
 }
 
 /* start(p): one start of the persistent all-reduce p (Group._start_persistent, compiled) */
@@ -664,7 +760,7 @@ static PyObject *Lane_start(Lane *self, PyObject *const *args, Py_ssize_t nargs)
 /* barrier(): Group._barrier_run, compiled: the call check (which, when it runs apart from the
  * operation, is the barrier), else the backend's barrier */
 static PyObject *barrier_body(Lane *self, int k, void *ctx) {
-    int ran = piped_key(self, BARRIER, no_shape, Py_None, s_barrier);
+    int ran = piped_key(self, BARRIER, NULL, Py_None, s_barrier);
     if (ran < 0)
         return NULL;
     if (ran)
@@ -692,13 +788,20 @@ static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OOOOUOppp", names, &group, &GuardType, &guard, &world, &worker,
                                      &b, &moves, &who, &observers, &plain, &keyed, &piped))
         return NULL;
-    if (ndarray_type == NULL) {
+    if (movable == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "meshcomm.api._callpath.setup() was not called");
         return NULL;
     }
+    /* the backend's class constant (Backend.EMPTY_MIN_BYTES), read once */
+    PyObject *least_obj = PyObject_GetAttr(moves, s_min_bytes);
+    Py_ssize_t least = least_obj ? PyLong_AsSsize_t(least_obj) : -1;
+    Py_XDECREF(least_obj);
+    if (least == -1 && PyErr_Occurred())
+        return NULL;
     Lane *self = (Lane *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
+    self->min_bytes = least;
     self->group = Py_NewRef(group);
     self->guard = (Guard *)Py_NewRef(guard);
     self->world = Py_NewRef(world);
@@ -781,11 +884,9 @@ static PyTypeObject LaneType = {
 };
 
 static PyObject *setup(PyObject *module, PyObject *args) {
-    PyObject *nd, *empty, *mov, *keys, *differ, *kept;
-    if (!PyArg_ParseTuple(args, "OOOOOO:setup", &nd, &empty, &mov, &keys, &differ, &kept))
+    PyObject *mov, *keys, *differ, *kept;
+    if (!PyArg_ParseTuple(args, "OOOO:setup", &mov, &keys, &differ, &kept))
         return NULL;
-    Py_XSETREF(ndarray_type, Py_NewRef(nd));
-    Py_XSETREF(np_empty, Py_NewRef(empty));
     Py_XSETREF(movable, Py_NewRef(mov));
     Py_XSETREF(shape_keys, Py_NewRef(keys));
     Py_XSETREF(calls_differ, Py_NewRef(differ));
@@ -795,7 +896,7 @@ static PyObject *setup(PyObject *module, PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(ndarray, empty, movable, shape_keys, CallsDiffer, kept_errors): what every Lane needs, once."},
+     "setup(movable, shape_keys, CallsDiffer, kept_errors): what every Lane needs, once."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -805,7 +906,7 @@ static int intern_all(void) {
         return -1;
     INTERN(s_closed, "_closed") INTERN(s_world_closed, "closed") INTERN(s_thread, "_thread") INTERN(s_pending, "pending") INTERN(s_calls, "_calls")
     INTERN(s_user_op, "user_op") INTERN(s_user_no, "user_no") INTERN(s_active, "active")
-    INTERN(s_lane_record, "lane_record") INTERN(s_current, "current") INTERN(s_check, "_check") INTERN(s_in_flight, "_in_flight")
+    INTERN(s_lane_record, "lane_record") INTERN(s_check, "_check") INTERN(s_in_flight, "_in_flight")
     INTERN(s_all_reduce, "all_reduce") INTERN(s_shape_key, "shape_key") INTERN(s_empty, "empty")
     INTERN(s_min_bytes, "EMPTY_MIN_BYTES") INTERN(s_reshape, "reshape") INTERN(s_call_key, "call_key")
     INTERN(s_all_reduce_py, "_all_reduce") INTERN(s_sum_now, "sum_now")
@@ -827,7 +928,9 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__callpath(void) {
-    if (PyType_Ready(&GuardType) < 0 || PyType_Ready(&LaneType) < 0 || intern_all() < 0)
+    import_array(); /* NumPy's C API: returns NULL (ImportError) where it does not match */
+    if (PyType_Ready(&GuardType) < 0 || PyType_Ready(&LaneType) < 0 || PyType_Ready(&RunningType) < 0 ||
+        intern_all() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -841,6 +944,12 @@ PyMODINIT_FUNC PyInit__callpath(void) {
     Py_INCREF(&LaneType);
     if (PyModule_AddObject(m, "Lane", (PyObject *)&LaneType) < 0) {
         Py_DECREF(&LaneType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&RunningType);
+    if (PyModule_AddObject(m, "Running", (PyObject *)&RunningType) < 0) {
+        Py_DECREF(&RunningType);
         Py_DECREF(m);
         return NULL;
     }

@@ -65,7 +65,7 @@ def as_array(x: Any, what: str = "x") -> np.ndarray:
 
 
 if _compiled is not None:
-    _compiled.setup(np.ndarray, np.empty, _MOVABLE, SHAPE_KEYS, CallsDiffer, (DistributedError, ValueError, TypeError))
+    _compiled.setup(_MOVABLE, SHAPE_KEYS, CallsDiffer, (DistributedError, ValueError, TypeError))
 
 
 def _flat(a: np.ndarray) -> np.ndarray:

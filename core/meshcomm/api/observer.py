@@ -35,13 +35,14 @@ class CallObserver(Protocol):
 
 
 # An observer may also offer ``lane_record(group, op)``: the compiled call path
-# (``meshcomm.api._callpath.Lane``, a group's blocking all_sum/all_max/all_min) then does not
-# call :meth:`CallObserver.call` but keeps the record itself. It returns None (run every such
-# operation through ``call``) or ``(prefix, buffer, op_bytes, group_bytes, slot)``: the call
-# path sets the observer's ``current`` to ``prefix + (seq, op, -1, start time)`` for the
-# operation's duration (None after), and when ``buffer`` is not None writes the progress
-# record's fields into it (the layout of :mod:`meshcomm.trace.progress`). An observer
-# without the method runs every operation through ``call``.
+# (``meshcomm.api._callpath.Lane``, a group's blocking all_sum/all_max/all_min and barrier)
+# then does not call :meth:`CallObserver.call` but keeps the record itself. It returns None
+# (run every such operation through ``call``) or ``(prefix, buffer, op_bytes, group_bytes,
+# slot, running)``: for the operation's duration the call path keeps in ``running`` (a
+# ``meshcomm.api._callpath.Running``, whose ``current()`` is then ``prefix + (seq, op, -1,
+# start time)``, None after) what it runs, and when ``buffer`` is not None writes the
+# progress record's fields into it (the layout of :mod:`meshcomm.trace.progress`). An
+# observer without the method runs every operation through ``call``.
 
 
 #: the observer every operation runs through, or None (nothing watches)

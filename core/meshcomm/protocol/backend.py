@@ -193,7 +193,8 @@ class Backend(abc.ABC):
 
     #: results of at least this many bytes are allocated with :meth:`empty`; smaller ones
     #: with ``np.empty`` (the core skips the method call on small, latency-bound calls). A
-    #: backend whose :meth:`empty` only matters from some larger size raises it
+    #: backend whose :meth:`empty` only matters from some larger size raises it (a class
+    #: constant: the compiled call path reads it once per group)
     EMPTY_MIN_BYTES = 256 * 1024
 
     #: An entry the core's compiled call path calls before :meth:`all_reduce` for a blocking

@@ -112,7 +112,10 @@ class Recorder:
         self.ring: collections.deque[Event] | None = collections.deque(maxlen=capacity) if folder else None
         self.recorded = 0
         self.progress = progress
-        self.current: Current | None = None
+        #: the operation the Python path is in (see :attr:`current`)
+        self._current: Current | None = None
+        #: what the compiled call path's operation in progress is (made when it first asks)
+        self._running: Any = None
         self.inspector: StallInspector | None = None
         self.started = time.time()
         self.reason = ""  #: why the file was last written: "exit" or "failure"
@@ -146,7 +149,7 @@ class Recorder:
         st = entry[1]
         peer = arg if op == "send" or op == "recv" else -1
         t0 = _now()
-        self.current = (st.name, st.rank, self.world_rank, st.size, seq, op, peer, t0)
+        self._current = (st.name, st.rank, self.world_rank, st.size, seq, op, peer, t0)
         progress = self.progress
         if progress is not None:
             progress.begin(op, st.name, seq, peer, t0)
@@ -156,7 +159,7 @@ class Recorder:
             ok = True
         finally:
             t1 = _now()
-            self.current = None
+            self._current = None
             if progress is not None:
                 progress.end(ok, t1)
             if self.ring is not None:
@@ -167,19 +170,34 @@ class Recorder:
             self._add(result, f"{st.name}/{seq}.{arg}")  # type: ignore[arg-type]
         return result
 
-    def lane_record(self, group: Group, op: str) -> tuple[tuple[str, int, int, int], Any, bytes, bytes, int] | None:
+    @property
+    def current(self) -> Current | None:
+        """The operation this rank is in: (group, rank, world rank, size, seq, op, peer, start
+        time), or None between operations (the stall inspector reads it)."""
+        cur = self._current
+        if cur is None and self._running is not None:
+            return self._running.current()
+        return cur
+
+    def lane_record(
+        self, group: Group, op: str
+    ) -> tuple[tuple[str, int, int, int], Any, bytes, bytes, int, Any] | None:
         """What a compiled call path keeps around ``op`` on ``group`` instead of calling
         :meth:`call` (see :mod:`meshcomm.api.observer`): the first four fields of
-        :attr:`current` (the call path adds the sequence, ``op``, the peer -1 and the start
-        time) and the progress record's :meth:`~ProgressWriter.lane_fields` (None, b"", b"",
-        0 without one). None while tracing: the events go into the ring from here."""
+        :attr:`current`, the progress record's :meth:`~ProgressWriter.lane_fields` (None,
+        b"", b"", 0 without one), and the slot the call path writes the operation in progress
+        into (``meshcomm.api._callpath.Running``: the sequence, ``op``, the start time), which
+        :attr:`current` reads. None while tracing: the events go into the ring from here."""
         if self.ring is not None:
             return None
+        if self._running is None:
+            from ..api import _callpath  # only a compiled call path asks
+
+            self._running = _callpath.Running()
         st = self._entry(group)[1]
         prefix = (st.name, st.rank, self.world_rank, st.size)
-        if self.progress is None:
-            return prefix, None, b"", b"", 0
-        return (prefix, *self.progress.lane_fields(op, st.name))
+        fields = (None, b"", b"", 0) if self.progress is None else self.progress.lane_fields(op, st.name)
+        return (prefix, *fields, self._running)
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         """This rank's file content: who it is, its groups, and the events in the ring."""
