@@ -124,6 +124,73 @@ def test_inputs_the_lane_hands_back_behave_the_same(make: Any) -> None:
     assert compiled == python
 
 
+@pytest.mark.parametrize("op", list(REDUCE))
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.complex128], ids=str)
+def test_a_result_into_out_is_the_same_on_both_paths_and_the_lane_takes_it(op: str, dtype: type) -> None:
+    """``out=`` that fits (the input's dtype and shape, C-contiguous, writable, apart from x)
+    gets the result on the compiled lane itself (the Python path is not called); the same
+    array is returned, with NumPy's result, on both paths."""
+    fn = {"sum": mc.all_sum, "max": mc.all_max, "min": mc.all_min}[op]
+
+    def body(g: Group) -> Any:
+        python_calls = []
+        python_path = g._all_reduce
+
+        def counted(*args: Any) -> Any:
+            python_calls.append(args[0])
+            return python_path(*args)
+
+        g._all_reduce = counted  # type: ignore[method-assign]
+        got = []
+        for shape in [(5,), (2, 3)]:
+            x, out = _value(np.dtype(dtype), g.rank(), shape), np.full(shape, -1, dtype)
+            res = fn(x, out=out, group=g)
+            got.append((res is out, _outcome(lambda res=res: res)))
+        return got, python_calls
+
+    compiled, python = _both(body)
+    assert [c[0] for c in compiled] == [p[0] for p in python]
+    for r in range(2):
+        assert compiled[r][1] == [], "the compiled lane handed a fitting out= to the Python path"
+        assert python[r][1] == [op, op]
+        for (same, outcome), shape in zip(compiled[r][0], [(5,), (2, 3)], strict=True):
+            want = REDUCE[op](_value(np.dtype(dtype), 0, shape), _value(np.dtype(dtype), 1, shape)).astype(dtype)
+            assert same and outcome[3] == want.tobytes()
+
+
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        pytest.param(lambda x: x, id="x-itself"),
+        pytest.param(lambda x: x[::-1], id="x-reversed-view"),
+        pytest.param(lambda x: np.empty(x.shape, np.float64), id="other-dtype"),
+        pytest.param(lambda x: np.empty(x.shape, x.dtype.newbyteorder()), id="other-byte-order"),
+        pytest.param(lambda x: np.empty((x.size + 1,), x.dtype), id="other-shape"),
+        pytest.param(lambda x: np.empty((x.size * 2,), x.dtype)[::2], id="not-contiguous"),
+        pytest.param(lambda x: np.empty(x.shape, x.dtype, order="C").view(np.ma.MaskedArray), id="subclass"),
+        pytest.param(lambda x: [0.0] * x.size, id="list"),
+        pytest.param(lambda x: _read_only(np.empty(x.shape, x.dtype)), id="read-only"),
+    ],
+)
+def test_an_out_the_lane_hands_back_behaves_the_same(make_out: Any) -> None:
+    """``out=`` arrays the compiled lane does not take itself (in place, overlapping, of
+    another dtype or shape, not contiguous, read-only, not an ndarray) give the same result
+    or the same error on both paths."""
+
+    def body(g: Group) -> Any:
+        x = np.arange(4, dtype=np.float32) + g.rank()
+        out = make_out(x)
+        return _outcome(lambda: g.all_sum(x, out=out)), x.tolist()
+
+    compiled, python = _both(body)
+    assert compiled == python
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
 def test_a_mismatch_raises_the_same_error_on_both_paths() -> None:
     def body(g: Group) -> Any:
         return _outcome(lambda: g.all_max(np.ones(3 + g.rank(), np.float32)))

@@ -7,7 +7,7 @@
  * interpreter runs it with the GIL). The messages of the rare paths (a refused thread, a
  * discarded result) come from the Python module's helpers, so both guards say the same.
  *
- * Lane: a group's blocking all_sum/all_max/all_min into a new result (run), a start of a
+ * Lane: a group's blocking all_sum/all_max/all_min into a new result or out= (run), a start of a
  * persistent all-reduce (start) and a blocking barrier (barrier), the steps the pure-Python Group._all_reduce (or
  * _start_persistent, Group._barrier_run), _submit and _execute take, in one C call: the guard, the call's
  * number, the observer's record, the call check or shape key, the result array and the
@@ -243,7 +243,7 @@ static PyObject *movable, *shape_keys, *calls_differ, *kept_errors;
 static PyObject *s_closed, *s_world_closed, *s_thread, *s_pending, *s_calls, *s_user_op, *s_user_no, *s_active, *s_lane_record,
     *s_check, *s_in_flight, *s_all_reduce, *s_shape_key, *s_empty, *s_min_bytes, *s_reshape, *s_call_key,
     *s_all_reduce_py, *s_sum_now, *s_persistent_run, *s_start_persistent, *s_calls_differ, *s_unexpected, *s_dtype, *s_shape,
-    *s_barrier, *s_submit_barrier, *no_shape;
+    *s_barrier, *s_submit_barrier, *s_direct_out, *no_shape;
 /* the operations' names (3: a persistent all-reduce's start, 4: a barrier) and the reductions' ops */
 enum { N_OPS = 5, BARRIER = 4 };
 static PyObject *NAMES[N_OPS], *OPS[3];
@@ -259,6 +259,7 @@ typedef struct {
     PyObject *observers; /* the module meshcomm.api.observer (its ``active``) */
     int plain, keyed, piped;
     Py_ssize_t min_bytes; /* results of this many bytes come from the backend's empty() */
+    int direct_out;       /* the backend writes results into callers' out= arrays */
     PyObject *rec;        /* the observer the records below came from, or NULL */
     PyObject *records[N_OPS]; /* per operation: its lane_record (a tuple, or None), NULL until asked */
     /* per operation, on a group whose backend carries the call check (piped): the last call's
@@ -365,9 +366,9 @@ static PyObject *lane_record(Lane *self, PyObject *active, int k) {
     return self->records[k];
 }
 
-/* Group._all_reduce(OPS[k], x, None, False): the Python path. */
-static PyObject *slow(Lane *self, int k, PyObject *x) {
-    return PyObject_CallMethodObjArgs(self->group, s_all_reduce_py, OPS[k], x, Py_None, Py_False, NULL);
+/* Group._all_reduce(OPS[k], x, out, False): the Python path (out NULL: None). */
+static PyObject *slow(Lane *self, int k, PyObject *x, PyObject *out) {
+    return PyObject_CallMethodObjArgs(self->group, s_all_reduce_py, OPS[k], x, out ? out : Py_None, Py_False, NULL);
 }
 
 /* Whether the shape tuple ``shape`` (of ints) is ``ndim`` and ``dims`` (-1 on an error). */
@@ -442,8 +443,9 @@ static int piped_key(Lane *self, int k, PyObject *x, PyObject *dtype, PyObject *
     return 0;
 }
 
-/* The all-reduce proper, as the run of Group._all_reduce does it (a new reference, or NULL). */
-static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nbytes, PyObject *dtype) {
+/* The all-reduce proper, as the run of Group._all_reduce does it, into a new result or into
+ * ``out`` (not NULL: it fits, see out_fits) (a new reference, or NULL). */
+static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nbytes, PyObject *dtype, PyObject *out) {
     PyObject *shape = NULL, *res = NULL, *send = NULL, *recv = NULL, *r;
     if (!self->plain) {
         if (piped_key(self, k, x, dtype, s_all_reduce) < 0)
@@ -459,7 +461,9 @@ static PyObject *reduced(Lane *self, int k, PyObject *x, int ndim, Py_ssize_t nb
         if (rc < 0)
             goto done;
     }
-    if (nbytes >= self->min_bytes) { /* the backend's own kind of array (Backend.empty) */
+    if (out != NULL) { /* the backend writes straight into the caller's array (direct_out) */
+        res = Py_NewRef(out);
+    } else if (nbytes >= self->min_bytes) { /* the backend's own kind of array (Backend.empty) */
         if (shape == NULL && (shape = shape_of(x)) == NULL)
             goto done;
         res = PyObject_CallMethodObjArgs(self->moves, s_empty, shape, dtype, NULL);
@@ -697,29 +701,46 @@ leave:
     return result;
 }
 
-/* run(x, k): what an all-reduce's lane_call needs of x */
+/* run(x, k[, out]): what an all-reduce's lane_call needs of x (and out, or NULL) */
 typedef struct {
-    PyObject *x, *dtype;
+    PyObject *x, *dtype, *out;
     int ndim, k;
     Py_ssize_t nbytes;
 } Reduction;
 
 static PyObject *reduction_body(Lane *self, int k, void *ctx) {
     Reduction *r = (Reduction *)ctx;
-    return reduced(self, k, r->x, r->ndim, r->nbytes, r->dtype);
+    return reduced(self, k, r->x, r->ndim, r->nbytes, r->dtype, r->out);
 }
 
 static PyObject *reduction_slow(Lane *self, void *ctx) {
     Reduction *r = (Reduction *)ctx;
-    return slow(self, r->k, r->x);
+    return slow(self, r->k, r->x, r->out);
+}
+
+/* Whether ``out`` takes the all-reduce of ``x`` here: a NumPy array of x's very dtype and
+ * shape, C-contiguous, writable, apart from x in memory, and a backend that writes into
+ * callers' arrays. Anything else (out=x, an overlap, a mismatch: Group._out's errors) is for
+ * the Python path. */
+static int out_fits(Lane *self, PyArrayObject *x, PyObject *out_obj) {
+    if (!self->direct_out || !PyArray_CheckExact(out_obj) || out_obj == (PyObject *)x)
+        return 0;
+    PyArrayObject *out = (PyArrayObject *)out_obj;
+    int nd = PyArray_NDIM(x);
+    if (PyArray_DESCR(out) != PyArray_DESCR(x) || PyArray_NDIM(out) != nd || !PyArray_IS_C_CONTIGUOUS(out) ||
+        !PyArray_ISWRITEABLE(out) || memcmp(PyArray_DIMS(out), PyArray_DIMS(x), nd * sizeof(npy_intp)) != 0)
+        return 0;
+    char *a = PyArray_BYTES(x), *b = PyArray_BYTES(out);
+    npy_intp n = PyArray_NBYTES(x);
+    return b + n <= a || a + n <= b;
 }
 
 static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "run(x, k) takes 2 arguments (%zd given)", nargs);
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "run(x, k[, out]) takes 2 or 3 arguments (%zd given)", nargs);
         return NULL;
     }
-    PyObject *x = args[0];
+    PyObject *x = args[0], *out = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
     long k = PyLong_AsLong(args[1]);
     if (k < 0 || k > 2) {
         if (!PyErr_Occurred())
@@ -727,16 +748,17 @@ static PyObject *Lane_run(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     if (!PyArray_CheckExact(x))
-        return slow(self, (int)k, x);
+        return slow(self, (int)k, x, out);
     /* a supported dtype, C-contiguous, not empty, not 0-d: else the Python path */
     PyArrayObject *a = (PyArrayObject *)x;
     PyObject *dtype = (PyObject *)PyArray_DESCR(a); /* borrowed: x holds it */
     int known = PySet_Contains(movable, dtype);
     if (known < 0)
         return NULL;
-    if (!known || !PyArray_IS_C_CONTIGUOUS(a) || PyArray_NDIM(a) == 0 || PyArray_SIZE(a) == 0)
-        return slow(self, (int)k, x);
-    Reduction r = {x, dtype, PyArray_NDIM(a), (int)k, (Py_ssize_t)PyArray_NBYTES(a)};
+    if (!known || !PyArray_IS_C_CONTIGUOUS(a) || PyArray_NDIM(a) == 0 || PyArray_SIZE(a) == 0 ||
+        (out != NULL && !out_fits(self, a, out)))
+        return slow(self, (int)k, x, out);
+    Reduction r = {x, dtype, out, PyArray_NDIM(a), (int)k, (Py_ssize_t)PyArray_NBYTES(a)};
     return lane_call(self, (int)k, reduction_body, &r, reduction_slow);
 }
 
@@ -792,16 +814,22 @@ static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "meshcomm.api._callpath.setup() was not called");
         return NULL;
     }
-    /* the backend's class constant (Backend.EMPTY_MIN_BYTES), read once */
+    /* the backend's class constants (Backend.EMPTY_MIN_BYTES, direct_out), read once */
     PyObject *least_obj = PyObject_GetAttr(moves, s_min_bytes);
     Py_ssize_t least = least_obj ? PyLong_AsSsize_t(least_obj) : -1;
     Py_XDECREF(least_obj);
     if (least == -1 && PyErr_Occurred())
         return NULL;
+    PyObject *direct_obj = PyObject_GetAttr(moves, s_direct_out);
+    int direct = direct_obj ? PyObject_IsTrue(direct_obj) : -1;
+    Py_XDECREF(direct_obj);
+    if (direct < 0)
+        return NULL;
     Lane *self = (Lane *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->min_bytes = least;
+    self->direct_out = direct;
     self->group = Py_NewRef(group);
     self->guard = (Guard *)Py_NewRef(guard);
     self->world = Py_NewRef(world);
@@ -864,7 +892,7 @@ static void Lane_dealloc(Lane *self) {
 
 static PyMethodDef Lane_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Lane_run, METH_FASTCALL,
-     "run(x, k): the blocking all-reduce of x into a new result, op k (0 sum, 1 max, 2 min)."},
+     "run(x, k[, out]): the blocking all-reduce of x, op k (0 sum, 1 max, 2 min), into a new result or out."},
     {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL,
      "start(p): one start of the persistent all-reduce p (what Group._start_persistent does)."},
     {"barrier", (PyCFunction)Lane_barrier, METH_NOARGS, "barrier(): the blocking barrier (what Group._barrier_run does)."},
@@ -914,7 +942,7 @@ static int intern_all(void) {
     INTERN(s_dtype, "dtype") INTERN(s_shape, "shape")
     INTERN(NAMES[0], "all_sum") INTERN(NAMES[1], "all_max") INTERN(NAMES[2], "all_min")
     INTERN(NAMES[3], "all_reduce_init") INTERN(NAMES[BARRIER], "barrier")
-    INTERN(s_barrier, "barrier") INTERN(s_submit_barrier, "_submit_barrier")
+    INTERN(s_barrier, "barrier") INTERN(s_submit_barrier, "_submit_barrier") INTERN(s_direct_out, "direct_out")
     INTERN(OPS[0], "sum") INTERN(OPS[1], "max") INTERN(OPS[2], "min")
 #undef INTERN
     if ((minus_one = PyLong_FromLong(-1)) == NULL || (zero_obj = PyLong_FromLong(0)) == NULL ||

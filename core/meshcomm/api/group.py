@@ -155,11 +155,11 @@ class Group:
         self._calls = 0
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
-        #: the compiled blocking all-reduce into a new result (x, 0 sum / 1 max / 2 min: what
-        #: :meth:`_all_reduce`, :meth:`_submit` and :meth:`_execute` do for it) when the world
-        #: runs the compiled guard (MESHCOMM_COMPILED), else None. It holds this group's
+        #: the compiled blocking all-reduce into a new result or out= (x, 0 sum / 1 max / 2 min
+        #: [, out]: what :meth:`_all_reduce`, :meth:`_submit` and :meth:`_execute` do for it)
+        #: when the world runs the compiled guard (MESHCOMM_COMPILED), else None. It holds this group's
         #: backend, world and worker: they are fixed for the group's life.
-        self._lane: Callable[[Any, int], np.ndarray] | None = None
+        self._lane: Callable[..., np.ndarray] | None = None
         #: how a persistent all-reduce of this group starts: the lane's start, or _start_persistent
         self._starter: Callable[[Persistent], np.ndarray] = self._start_persistent
         #: the compiled blocking barrier (what _submit_barrier does), or None
@@ -383,27 +383,24 @@ class Group:
         """Element-wise sum over ranks (integers wrap, bool is logical or); same shape and dtype."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_sum, x, out=out, async_op=async_op)
-        if out is None and not async_op:
-            lane = self._lane
-            return self._all_reduce("sum", x, None, False) if lane is None else lane(x, 0)
+        if not async_op and (lane := self._lane) is not None:
+            return lane(x, 0) if out is None else lane(x, 0, out)
         return self._all_reduce("sum", x, out, async_op)
 
     def all_max(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise maximum over ranks."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_max, x, out=out, async_op=async_op)
-        if out is None and not async_op:
-            lane = self._lane
-            return self._all_reduce("max", x, None, False) if lane is None else lane(x, 1)
+        if not async_op and (lane := self._lane) is not None:
+            return lane(x, 1) if out is None else lane(x, 1, out)
         return self._all_reduce("max", x, out, async_op)
 
     def all_min(self, x: Any, *, out: np.ndarray | None = None, async_op: bool = False) -> Any:
         """Element-wise minimum over ranks."""
         if type(x) is not np.ndarray and (back := result_type(x)) is not None:
             return self._foreign(back, self.all_min, x, out=out, async_op=async_op)
-        if out is None and not async_op:
-            lane = self._lane
-            return self._all_reduce("min", x, None, False) if lane is None else lane(x, 2)
+        if not async_op and (lane := self._lane) is not None:
+            return lane(x, 2) if out is None else lane(x, 2, out)
         return self._all_reduce("min", x, out, async_op)
 
     def _all_reduce(self, op: str, x: Any, out: np.ndarray | None, async_op: bool) -> Any:

@@ -198,8 +198,9 @@ class Backend(abc.ABC):
     EMPTY_MIN_BYTES = 256 * 1024
 
     #: An entry the core's compiled call path calls before :meth:`all_reduce` for a blocking
-    #: ``all_sum`` into a new result (shape key set, result made): ``sum_now(sendbuf,
-    #: recvbuf)`` returns True when it did that sum, False when it does not apply and has sent
+    #: ``all_sum`` into a new result or the caller's ``out=`` array, which never overlaps
+    #: the input (shape key set, result made): ``sum_now(sendbuf, recvbuf)`` returns True
+    #: when it did that sum, False when it does not apply and has sent
     #: nothing (the core then calls ``all_reduce``). For a transport whose small sums have a
     #: shorter way than its general all_reduce (the sockets backend: one call into its compiled
     #: shared-memory step). None: always ``all_reduce``.
