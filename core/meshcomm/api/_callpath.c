@@ -7,15 +7,17 @@
  * interpreter runs it with the GIL). The messages of the rare paths (a refused thread, a
  * discarded result) come from the Python module's helpers, so both guards say the same.
  *
- * Lane: a group's blocking all_sum/all_max/all_min into a new result or out= (run), a start of a
- * persistent all-reduce (start) and a blocking barrier (barrier), the steps the pure-Python Group._all_reduce (or
- * _start_persistent, Group._barrier_run), _submit and _execute take, in one C call: the guard, the call's
- * number, the observer's record, the call check or shape key, the result array and the
- * hand-off to the backend (its sum_now for a sum, when it has one, else its all_reduce; a
- * persistent start's check and start through Group._persistent_run). What it does not
- * handle itself (another array type, a closed group, queued asynchronous operations, an
- * observer that must run the operation itself) goes to the Python path before anything
- * happened.
+ * Lane: a group's blocking all_sum/all_max/all_min into a new result or out= (run), a start
+ * of a persistent all-reduce (start) and a blocking barrier (barrier), the steps the
+ * pure-Python Group._all_reduce (or _start_persistent, Group._barrier_run), _submit and
+ * _execute take, in one C call: the guard, the call's number, the observer's record, the call
+ * check or shape key, the result array and the hand-off to the backend (its sum_now for a
+ * sum, when it has one, else its all_reduce; a persistent start's check and start through
+ * Group._persistent_run). What it does not handle itself (another array type, an out= that
+ * does not fit, a closed group, queued asynchronous operations, an observer that must run
+ * the operation itself) goes to the Python path before anything happened. Arrays are read
+ * and made through NumPy's C API, and the operation in progress is kept in C fields for the
+ * stall inspector (Running).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
