@@ -314,11 +314,13 @@ def test_a_failing_rank_tells_its_peers_at_once(tmp_path, path):
         assert first["elapsed"] < 8, "the ABORT must arrive while rank 1 is still alive"
 
 
-def _start_loop(tmp_path: Path, n: int, env: dict[str, str]) -> dict[int, subprocess.Popen[str]]:
+def _start_loop(
+    tmp_path: Path, n: int, env: dict[str, str], rank_env: dict[int, dict[str, str]] | None = None
+) -> dict[int, subprocess.Popen[str]]:
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
     hf = write_hostfile(tmp_path / "h.json", free_ports(n))
-    procs = start_ranks(n, [str(prog), "loop"], hf, env=env)
+    procs = start_ranks(n, [str(prog), "loop"], hf, env=env, rank_env=rank_env)
     deadline = time.monotonic() + 120
     for r, p in procs.items():
         assert p.stdout is not None
@@ -385,3 +387,27 @@ def test_a_rank_resumed_after_sigstop_is_told_the_peers_gave_up_on_it(tmp_path, 
     else:  # a survivor named the live rank (the limit above); rank 1 may read that survivor's notice first
         assert "gave up waiting for this rank" in mine["message"] or "stopped the job" in mine["message"], mine
     assert f"MLX_TIMEOUT={timeout}" in mine["message"] and "exited or crashed" not in mine["message"], mine
+
+
+def test_a_rank_told_it_was_given_up_on_while_it_waits_for_a_stopped_one_names_that_one(tmp_path):
+    """The chain the test above meets by chance, made certain: on a 3-rank TCP ring rank 0
+    waits for rank 2, which waits for rank 1; rank 1 is stopped and rank 0's deadline is the
+    shortest, so rank 0 gives up first and can only name rank 2 (the live rank it waits for).
+    Rank 2, told that rank 0 gave up waiting for it while it was running and had waited for
+    rank 1 with nothing moving (3 s, more than half its own MLX_TIMEOUT), names rank 1: the
+    stopped rank is named by a survivor."""
+    procs = _start_loop(
+        tmp_path, 3, {"MLX_TIMEOUT": "4", "SIZE": str(1 << 22), **PATHS["tcp"]}, rank_env={0: {"MLX_TIMEOUT": "3"}}
+    )
+    time.sleep(0.3)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        for r in (0, 2):
+            procs[r].wait(40)
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    results = finish(procs, timeout=60)
+    first, third = _report(results, 0), _report(results, 2)
+    assert (first["error"], first["peer"]) == ("CommTimeoutError", 2), first
+    assert (third["error"], third["peer"]) == ("CommTimeoutError", 1), third
+    assert "gave up waiting for this rank, which was itself waiting for rank 1" in third["message"], third

@@ -309,6 +309,8 @@ class Fabric:
         self._scanning = False
         #: the resume (_resumed) that check() last looked after
         self._resume_seen = _resumed[0]
+        #: when data last moved in the current wait (_progress), for whom to blame (_blocker)
+        self.quiet_since = time.monotonic()
         watch_resume()
 
     def _add(self, q: int, sock: socket.socket, send_key: bytes, recv_key: bytes, *, direct: bool) -> Link:
@@ -530,6 +532,7 @@ class Fabric:
         poller: select.poll | None = None
         registered: dict[int, int] = {}
         last = tick = time.monotonic()
+        self.quiet_since = last
         if entered is None:
             entered = last
         spin = 0.0 if spun else self.spin
@@ -564,7 +567,7 @@ class Fabric:
                     wanted[link.fd] = wanted.get(link.fd, 0) | ev
             now = time.monotonic()
             if moved:
-                last = now
+                last = self.quiet_since = now
             if not pending:
                 return
             if runnable:
@@ -873,6 +876,16 @@ class Fabric:
         link.recv_ctr += 1
         link.closed = True
         if lost == self.rank and kind in (1, 2):  # the peers gave up on this very rank
+            blocker = self._blocker(link)
+            if blocker is not None:  # it was running, itself waiting for another peer: name that one
+                exp = blocker.cur or blocker.expect[0]
+                return CommTimeoutError(
+                    f"rank {self.rank}: rank {link.peer} gave up waiting for this rank, which was itself "
+                    f"waiting for rank {blocker.peer} ({blocker.where}) during {exp.call.describe()} in group "
+                    f"{exp.call.label} (rank {link.peer} reported: {msg}). Rank {blocker.peer} is stuck, "
+                    f"stopped, slower than MLX_TIMEOUT={self.timeout:g}, or calling a different operation.",
+                    peer=blocker.peer,
+                )
             return CommTimeoutError(
                 f"rank {self.rank}: the peers gave up waiting for this rank: it was stopped or too slow "
                 f"for MLX_TIMEOUT={self.timeout:g} (rank {link.peer} reported: {msg}). Resume stopped "
@@ -887,6 +900,19 @@ class Fabric:
         err = cls(text) if cls in (DistributedError, CollectiveMismatchError) else cls(text, peer=peer)  # type: ignore[call-arg]  # PeerLostError/CommTimeoutError take peer=
         link.closed = True
         return err
+
+    def _blocker(self, told: Link) -> Link | None:
+        """The peer this rank is waiting for data from in its operation, when a peer (on link
+        ``told``) gave up waiting for this rank while it was running and had waited, with no
+        data moving, for at least half of MLX_TIMEOUT: the rank to blame. None when this rank
+        itself was stopped or starved, or came late to the operation (it is the one the peers
+        waited for), or expects nothing from another peer."""
+        if self.stalled_error("") is not None or time.monotonic() - self.quiet_since < 0.5 * self.timeout:
+            return None
+        for lk in self.links.values():
+            if lk is not told and not lk.closed and (lk.cur is not None or lk.expect):
+                return lk
+        return None
 
     def set_waiting(self, spin: float, yielding: bool) -> None:
         """How a waiting rank waits: ``spin`` seconds of polling (yielding the core each time
