@@ -394,7 +394,7 @@ def test_a_rank_told_it_was_given_up_on_while_it_waits_for_a_stopped_one_names_t
     waits for rank 2, which waits for rank 1; rank 1 is stopped and rank 0's deadline is the
     shortest, so rank 0 gives up first and can only name rank 2 (the live rank it waits for).
     Rank 2, told that rank 0 gave up waiting for it while it was running and had waited for
-    rank 1 with nothing moving (3 s, more than half its own MLX_TIMEOUT), names rank 1: the
+    rank 1 with nothing from it (3 s, more than half its own MLX_TIMEOUT), names rank 1: the
     stopped rank is named by a survivor."""
     procs = _start_loop(
         tmp_path, 3, {"MLX_TIMEOUT": "4", "SIZE": str(1 << 22), **PATHS["tcp"]}, rank_env={0: {"MLX_TIMEOUT": "3"}}

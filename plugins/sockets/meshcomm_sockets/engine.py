@@ -226,6 +226,7 @@ class Link:
         "tail_got",
         "seal_payload",
         "ended",
+        "heard",
     )
 
     def __init__(self, peer: int, sock: socket.socket, send_key: bytes = b"", recv_key: bytes = b"") -> None:
@@ -251,6 +252,8 @@ class Link:
         self.seal_payload = True
         #: the peer said its program ended normally (an ABORT frame of kind wire.ENDED)
         self.ended = False
+        #: when this rank began to wait for the peer's data, or last received some (monotonic)
+        self.heard = 0.0
         self.send_mac = wire.Mac(send_key)
         self.recv_mac = wire.Mac(recv_key)
         #: frames queued to send so far (the next one's counter); frames received so far
@@ -309,8 +312,6 @@ class Fabric:
         self._scanning = False
         #: the resume (_resumed) that check() last looked after
         self._resume_seen = _resumed[0]
-        #: when data last moved in the current wait (_progress), for whom to blame (_blocker)
-        self.quiet_since = time.monotonic()
         watch_resume()
 
     def _add(self, q: int, sock: socket.socket, send_key: bytes, recv_key: bytes, *, direct: bool) -> Link:
@@ -422,6 +423,8 @@ class Fabric:
         self, link: Link, call: Call, target: memoryview, frame: int, done: Callable[[], None] | None = None
     ) -> None:
         """Expect ``target`` from ``link`` as frames of at most ``frame`` bytes."""
+        if link.cur is None and not link.expect:  # the wait for this peer begins
+            link.heard = time.monotonic()
         n = len(target)
         if n == 0:
             link.expect.append(_Expect(call, target, done))
@@ -532,7 +535,6 @@ class Fabric:
         poller: select.poll | None = None
         registered: dict[int, int] = {}
         last = tick = time.monotonic()
-        self.quiet_since = last
         if entered is None:
             entered = last
         spin = 0.0 if spun else self.spin
@@ -567,7 +569,7 @@ class Fabric:
                     wanted[link.fd] = wanted.get(link.fd, 0) | ev
             now = time.monotonic()
             if moved:
-                last = self.quiet_since = now
+                last = now
             if not pending:
                 return
             if runnable:
@@ -680,7 +682,7 @@ class Fabric:
         verb = "sent nothing" if waiting else "accepted no data"
         raise CommTimeoutError(
             f"rank {self.rank}: rank {link.peer} ({link.where}) {verb} for {self.timeout:g} s{what}. "
-            f"Rank {link.peer} is stuck, slower than MLX_TIMEOUT, or calling a different operation.",
+            f"Rank {link.peer} is stuck, slower than MLX_TIMEOUT={self.timeout:g}, or calling a different operation.",
             peer=link.peer,
         )
 
@@ -780,6 +782,7 @@ class Fabric:
                     raise
                 raise self._lost(link, f"receive failed ({exc.strerror})") from None
             moved = True
+            link.heard = time.monotonic()
             if link.hdr_got == wire.FRAME_HEAD and not link.checked:
                 self._check(link, exp)
                 link.checked = True
@@ -902,15 +905,16 @@ class Fabric:
         return err
 
     def _blocker(self, told: Link) -> Link | None:
-        """The peer this rank is waiting for data from in its operation, when a peer (on link
-        ``told``) gave up waiting for this rank while it was running and had waited, with no
-        data moving, for at least half of MLX_TIMEOUT: the rank to blame. None when this rank
-        itself was stopped or starved, or came late to the operation (it is the one the peers
-        waited for), or expects nothing from another peer."""
-        if self.stalled_error("") is not None or time.monotonic() - self.quiet_since < 0.5 * self.timeout:
+        """The peer this rank has been waiting for, with nothing from it, for at least half
+        of MLX_TIMEOUT, when a peer (on link ``told``) gave up waiting for this rank while it
+        ran: the rank to blame. None when this rank itself was stopped or starved, or came
+        late to the operation (it is the one the peers waited for)."""
+        if self.stalled_error("") is not None:
             return None
+        now = time.monotonic()
         for lk in self.links.values():
-            if lk is not told and not lk.closed and (lk.cur is not None or lk.expect):
+            waiting = lk.cur is not None or lk.expect
+            if lk is not told and not lk.closed and waiting and now - lk.heard >= 0.5 * self.timeout:
                 return lk
         return None
 

@@ -583,7 +583,7 @@ class ShmGroup:
                 raise CommTimeoutError(
                     f"rank {self.fabric.rank}: {who} (same host, shared memory) did not join "
                     f"{call.describe()} in group {call.label} for {self.timeout:g} s. "
-                    f"{'It is' if len(lagging) == 1 else 'They are'} stuck, slower than MLX_TIMEOUT, "
+                    f"{'It is' if len(lagging) == 1 else 'They are'} stuck, slower than MLX_TIMEOUT={self.timeout:g}, "
                     "or calling a different operation.",
                     peer=lagging[0] if lagging else None,
                 )
