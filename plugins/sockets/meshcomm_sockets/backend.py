@@ -257,7 +257,7 @@ class SocketsBackend(MeshGroup):
         # named by a peer's timeout while this process itself did not run (stopped, starved): the
         # others went on without it (named without that, it may only be blamed for a third
         # rank's silence: the agreement finds out)
-        stalled = self.fabric.stalled_error("") is not None
+        stalled = self.fabric.stalled()
         if isinstance(failure, CommTimeoutError) and failure.peer == self.fabric.rank and stalled:
             raise CommTimeoutError(
                 f"rank {self.fabric.rank}: {what}: the other ranks gave up on this rank earlier ({failure}); "

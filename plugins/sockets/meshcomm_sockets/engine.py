@@ -252,7 +252,8 @@ class Link:
         self.seal_payload = True
         #: the peer said its program ended normally (an ABORT frame of kind wire.ENDED)
         self.ended = False
-        #: when this rank began to wait for the peer's data, or last received some (monotonic)
+        #: when this rank began to wait for the peer's data, or last received a whole frame of it
+        #: (monotonic; set by post_recv, _short and _recv)
         self.heard = 0.0
         self.send_mac = wire.Mac(send_key)
         self.recv_mac = wire.Mac(recv_key)
@@ -474,11 +475,12 @@ class Fabric:
         state, its spin spent."""
         if out is not None and payload is not None:
             self._send_frame(link, out, payload)
+        start = time.monotonic()
         if inc is not None and target is not None:
             link.cur = _Expect(inc, target, None, self._seals(link, len(target)))
             link.hdr_got = link.got = link.tail_got = 0
             link.checked = False
-        start = time.monotonic()
+            link.heard = start  # the wait for this peer begins
         until, yielding = start + self.spin, self.yielding
         while True:
             if link.cur is not None:
@@ -614,16 +616,26 @@ class Fabric:
         if over > _STALL:
             self.stall = (now, over)
 
-    def stalled_error(self, what: str) -> CommTimeoutError | None:
-        """The error to raise instead of blaming a peer when this rank itself was not running
-        for long enough that its peers may have given up on it (``what``: what went wrong)."""
+    def _stalled_how(self) -> str | None:
+        """How this rank itself was not running lately, long enough that its peers may have
+        given up on it (stopped and resumed, or starved), or None."""
         ended, took = self.stall
         now = time.monotonic()
         if _resumed[0] and now - _resumed[0] <= 5.0:
-            how = f"was stopped (SIGSTOP or Ctrl-Z) and resumed {now - _resumed[0]:.1f} s ago"
-        elif took >= max(_STALL, 0.5 * self.timeout) and now - ended <= 5.0:
-            how = f"did not run for {took:.1f} s (it was stopped, or starved of CPU)"
-        else:
+            return f"was stopped (SIGSTOP or Ctrl-Z) and resumed {now - _resumed[0]:.1f} s ago"
+        if took >= max(_STALL, 0.5 * self.timeout) and now - ended <= 5.0:
+            return f"did not run for {took:.1f} s (it was stopped, or starved of CPU)"
+        return None
+
+    def stalled(self) -> bool:
+        """Whether this rank itself was not running lately (see :meth:`stalled_error`)."""
+        return self._stalled_how() is not None
+
+    def stalled_error(self, what: str) -> CommTimeoutError | None:
+        """The error to raise instead of blaming a peer when this rank itself was not running
+        for long enough that its peers may have given up on it (``what``: what went wrong)."""
+        how = self._stalled_how()
+        if how is None:
             return None
         return CommTimeoutError(
             f"rank {self.rank}: this rank {how}, and then {what}: the peers gave up waiting for this rank: "
@@ -782,7 +794,6 @@ class Fabric:
                     raise
                 raise self._lost(link, f"receive failed ({exc.strerror})") from None
             moved = True
-            link.heard = time.monotonic()
             if link.hdr_got == wire.FRAME_HEAD and not link.checked:
                 self._check(link, exp)
                 link.checked = True
@@ -791,6 +802,7 @@ class Fabric:
                     raise self._forged(link, "payload", exp)
                 link.cur = None
                 link.recv_ctr += 1
+                link.heard = time.monotonic()
                 if exp.done is not None:
                     exp.done()
 
@@ -909,7 +921,7 @@ class Fabric:
         of MLX_TIMEOUT, when a peer (on link ``told``) gave up waiting for this rank while it
         ran: the rank to blame. None when this rank itself was stopped or starved, or came
         late to the operation (it is the one the peers waited for)."""
-        if self.stalled_error("") is not None:
+        if self.stalled():
             return None
         now = time.monotonic()
         for lk in self.links.values():
