@@ -221,13 +221,18 @@ def test_out_in_place_and_overlap_rules():
         y = np.arange(6.0)
         with pytest.raises(ValueError, match="overlaps"):
             mc.all_sum(y[:3], out=y[1:4], group=g)
+        z = np.arange(6.0) + g.rank()
+        assert mc.all_sum(z[:3], out=z[0:3], group=g).base is z  # the same memory is x itself
+        assert z[3:].tolist() == (np.arange(3.0, 6.0) + g.rank()).tolist()
         with pytest.raises(ValueError, match="only all_sum"):
             mc.all_to_all(y, out=y, group=g)
         b = np.full(4, g.rank(), np.int16)
         assert mc.broadcast(b, 1, out=b, group=g) is b
-        return x, b
+        return x, b, z
 
-    (x0, b0), (x1, b1) = run_threaded(2, body)
+    (x0, b0, z0), (x1, b1, z1) = run_threaded(2, body)
+    np.testing.assert_array_equal(z0[:3], np.arange(3.0) * 2 + 1)
+    np.testing.assert_array_equal(z1[:3], z0[:3])
     np.testing.assert_array_equal(x0, np.arange(6.0) * 2 + 1)
     np.testing.assert_array_equal(x1, x0)
     assert b0.tolist() == b1.tolist() == [1] * 4

@@ -85,6 +85,9 @@ def main() -> None:
             out = torch.empty(2 * n, 3)
             assert mc.all_sum(make(mine), out=out) is out
             same(out, total, kind, "torch all_sum out=")
+            t = make(mine)  # the same tensor as x and out: in place, as torch's own all_reduce
+            assert mc.all_sum(t, out=t) is t
+            same(t, total, kind, "torch all_sum(t, out=t)")
     print(f"CHECKED {checked}", flush=True)
 
 

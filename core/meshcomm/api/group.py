@@ -96,6 +96,17 @@ class _World:
         self.replaced: Callable[[Group, Group], None] | None = None
 
 
+def _same_array(out: np.ndarray, x: np.ndarray) -> bool:
+    """``out`` is ``x`` under another name: a view of exactly its memory, shape and dtype
+    (``x[...]``, or what a framework's tensor gives each time it is read as NumPy)."""
+    return (
+        out.shape == x.shape
+        and out.strides == x.strides
+        and out.dtype == x.dtype
+        and out.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+    )
+
+
 class Group:
     """The ranks that take part in a collective. Get one from ``meshcomm.init()`` or ``split``.
 
@@ -848,7 +859,8 @@ class Group:
         self, op: str, out: Any, shape: tuple[int, ...], dtype: np.dtype, x: Any, *, in_place: bool = False
     ) -> np.ndarray | None:
         """``out`` if it can take the result (exact shape and dtype, C-contiguous, writable,
-        not overlapping ``x`` unless ``in_place`` allows ``out is x``), else a ValueError."""
+        not overlapping ``x`` unless ``in_place`` allows ``out=x``: ``x`` itself or another view of
+        exactly its memory, such as ``t.numpy()`` of the tensor passed as ``x``), else a ValueError."""
         if out is None:
             return None
 
@@ -866,7 +878,7 @@ class Group:
             raise ValueError(f"{op}: out is not C-contiguous on rank {self._rank}; {fix()}")
         if not out.flags.writeable:
             raise ValueError(f"{op}: out is read-only on rank {self._rank}; {fix()}")
-        if out is x:
+        if out is x or (isinstance(x, np.ndarray) and _same_array(out, x)):
             if not in_place:
                 raise ValueError(
                     f"{op}: out cannot be x itself (only all_sum, all_max, all_min and broadcast "

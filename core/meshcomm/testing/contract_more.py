@@ -182,6 +182,10 @@ def check_out(g: mc.Group) -> None:
     assert mc.all_sum(y, group=g, out=y) is y
     _same(y, _expect("sum", inputs), "all_sum(x, out=x)", r)
     y = x.copy()
+    view = y[...]  # another view of exactly x's memory is x itself
+    assert mc.all_max(y, group=g, out=view) is view
+    _same(y, _expect("max", inputs), "all_max(x, out=x[...])", r)
+    y = x.copy()
     assert mc.all_min(y, group=g, out=y) is y
     _same(y, _expect("min", inputs), "all_min(x, out=x)", r)
     y = x.copy()
