@@ -204,16 +204,19 @@ def _extreme_inputs(dt: np.dtype, n: int) -> list[np.ndarray]:
 
 def test_p2p_tags_are_distinct_and_fit_in_31_bits() -> None:
     """Two messages get the same tag only if dtype and count agree (below BIG), so gloo never pairs
-    a send with a recv of another size; tags are non-negative 31-bit ints (torch's int tag)."""
+    a send with a recv of another size, nor with a segment of a two-rank all-reduce; tags are
+    non-negative 31-bit ints (torch's int tag)."""
     from meshcomm.protocol.dtypes import SUPPORTED
-    from meshcomm_gloo.calls import BIG, p2p_tag
+    from meshcomm_gloo.calls import BIG, p2p_tag, pair_tag
 
     counts = [1, 2, 3, 4, 5, 1000, BIG - 1]
     tags = {(dt.str, c): p2p_tag(dt, c) for dt in SUPPORTED for c in counts}
     assert len(set(tags.values())) == len(tags)
     big = {p2p_tag(dt, BIG + k, part) for dt in SUPPORTED for k in (0, 7) for part in (0, 1)}
     assert len(big) == 2 * len(SUPPORTED) and not big & set(tags.values())
-    assert all(0 <= t < 2**31 for t in [*tags.values(), *big])
+    pair = {pair_tag(phase, j) for phase in (0, 1) for j in range(1 << 12)}  # 8 GiB halves in 2 MiB segments
+    assert len(pair) == 2 << 12 and not pair & (big | set(tags.values()))
+    assert all(0 <= t < 2**31 for t in [*tags.values(), *big, *pair])
 
 
 def test_call_records_compare_and_round_trip() -> None:
@@ -245,6 +248,25 @@ def test_gloo_address_is_traced_to_a_rank() -> None:
 # -- gloo-specific behaviour on real ranks ---------------------------------------------
 def test_dtype_fallbacks_on_three_ranks() -> None:
     run(3, "_w_dtypes")
+
+
+def test_two_ranks_reduce_large_arrays_by_exchanging_halves() -> None:
+    """A two-rank all-reduce of 8 MiB or more into a new array runs meshcomm_gloo.pairsum
+    (no copy of the input): every dtype and op it takes matches NumPy bit for bit on both
+    ranks, the rest keep gloo's all-reduce, out=x stays in place, and a mismatched call is
+    still caught before any data moves."""
+    run(2, "_w_pair", {"MLX_TIMEOUT": "20"})
+
+
+def test_dead_peer_in_a_two_rank_exchange_is_named() -> None:
+    timeout = 20.0
+    res = finish(start(2, [str(HERE), "_w_dead", "kill", "pair"], {"MLX_TIMEOUT": str(timeout)}), timeout=90)
+    assert res[1][0] == -signal.SIGKILL, f"rank 1 should have killed itself: {res[1]}"
+    _all_ok(res[:1])
+    out = res[0][1]
+    assert "RAISED PeerLostError peer=1" in out and "all_sum" in out, out + res[0][2][-2000:]
+    took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+    assert took < timeout, f"rank 0 took {took:.1f} s; it must not wait for the timeout"
 
 
 def test_split_makes_real_subgroups() -> None:
@@ -539,6 +561,58 @@ def _w_dtypes() -> None:
     print("dtypes ok")
 
 
+def _w_pair() -> None:
+    import hashlib
+
+    import meshcomm as mc
+    from meshcomm.protocol.dtypes import SUPPORTED
+    from meshcomm_gloo import pairsum
+    from meshcomm_gloo.codecs import plan_for
+
+    g = mc.init(strict=True, backend="gloo")
+    n, r = g.size(), g.rank()
+    exchanges = []
+    reduce = pairsum.pair_reduce
+    pairsum.pair_reduce = lambda *a: (exchanges.append(1), reduce(*a))[1]
+    fns = {"sum": (mc.all_sum, np.add), "max": (mc.all_max, np.maximum), "min": (mc.all_min, np.minimum)}
+    taken = set()
+    for dt in SUPPORTED:
+        small = _extreme_inputs(dt, n)
+        # odd and past a whole number of segments, so the halves and their last segments differ in length
+        count = pairsum.MIN_BYTES // dt.itemsize + 3
+        inputs = [np.resize(x, count) for x in small]
+        for op, (fn, f) in fns.items():
+            with np.errstate(all="ignore"):
+                want = f(inputs[0], inputs[1]).astype(dt)
+            kept = inputs[r].copy()
+            before = len(exchanges)
+            got = fn(inputs[r], group=g)
+            pair = pairsum.fits(n, inputs[r].nbytes, plan_for(dt, op))
+            where = f"rank {r}: all_{op}({dt}, {inputs[r].nbytes} B), pairsum.fits={pair}"
+            assert len(exchanges) - before == pair, f"{where}: {len(exchanges) - before} exchanges"
+            assert np.array_equal(got, want, equal_nan=dt.kind in "fcV"), f"{where}: {got[:8]} != {want[:8]}"
+            assert np.array_equal(inputs[r], kept, equal_nan=dt.kind in "fcV"), f"{where}: the input changed"
+            digest = np.frombuffer(hashlib.sha256(got.tobytes()).digest(), np.uint8)
+            both = mc.all_gather(digest, group=g).reshape(n, -1)
+            assert (both == both[0]).all(), f"{where}: not bit-identical on both ranks"
+            if pair:
+                taken.add((dt.name, op))
+    assert {("float32", "sum"), ("float64", "sum"), ("int64", "sum"), ("complex64", "sum")} <= taken, taken
+    x = np.full(pairsum.MIN_BYTES // 4, r + 1, np.float32)
+    before = len(exchanges)
+    out = np.empty_like(x)
+    assert mc.all_sum(x, group=g, out=out) is out and (out == 3).all()
+    assert len(exchanges) - before == 1, "out= a separate array takes the exchange"
+    assert mc.all_sum(x, group=g, out=x) is x and (x == 3).all()
+    assert len(exchanges) - before == 1, "out=x reduces in place in gloo's all-reduce"
+    with pytest.raises(mc.CollectiveMismatchError) as err:
+        (mc.all_sum if r == 0 else mc.all_max)(x, group=g)
+    assert "all_sum" in str(err.value) and "all_max" in str(err.value), err.value
+    assert len(exchanges) - before == 1, "a mismatched call started an exchange"
+    assert (mc.all_sum(x, group=g) == 6).all()
+    print("pair ok")
+
+
 def _w_mixed_paths() -> None:
     import meshcomm as mc
     from meshcomm_gloo.checkline import BLOCKS_MAX
@@ -641,15 +715,22 @@ def _w_dead() -> None:
         from meshcomm_gloo.liveness import RankProcess
 
         g.transport._peers[:] = [RankProcess(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
+    victim = g.size() - 1
+    if "pair" in sys.argv[3:]:  # arrays a two-rank group reduces by exchanging halves
+        from meshcomm_gloo.pairsum import MIN_BYTES
+
+        x = np.ones(MIN_BYTES // 4, np.float32)
+    else:
+        x = np.ones(1024, np.float32)
     mc.all_sum(np.ones(8), group=g)
     threads = len(os.listdir("/proc/self/task"))  # with the world's ProcessGroupGloo and its threads
-    if r == 2:
+    if r == victim:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         for _ in range(1_000_000):
-            mc.all_sum(np.ones(1024, np.float32), group=g)
+            mc.all_sum(x, group=g)
         print("NO ERROR")
     except mc.DistributedError as exc:
         peer = getattr(exc, "peer", None)
@@ -657,7 +738,7 @@ def _w_dead() -> None:
         if mode == "stop" and r == 0:
             # keep the store up until rank 2, resumed by the test, has ended: its explanation reads
             # the others' records there (a fixed sleep raced rank 2's own MLX_TIMEOUT wait)
-            _wait_ended(g.transport._peers[2].pid, limit=60)
+            _wait_ended(g.transport._peers[victim].pid, limit=60)
     # the failed group's process group goes with the error (not at interpreter exit, where
     # freeing one can abort the process): its worker threads end
     gc.collect()

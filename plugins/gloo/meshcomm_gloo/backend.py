@@ -12,7 +12,6 @@ import contextlib
 import json
 import socket
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -32,6 +31,7 @@ from meshcomm.plugin import (
     in_place,
 )
 
+from . import pairsum
 from .calls import BIG, Call, conflicts, dtype_code, p2p_tag
 from .checkline import CheckLine, PeerClosed
 from .codecs import Plan, plan_for
@@ -42,30 +42,13 @@ from .records import Records
 from .rendezvous import connect
 from .smallreduce import line_key, on_line, reduce_rows
 from .survivors import agree_in_store
+from .tensors import tensor
 
 __all__ = ["GlooBackend"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_TORCH = {
-    name: getattr(torch, name)
-    for name in ("int8", "uint8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
-}
 #: seconds a rank whose operation timed out waits for the others' failure records
 _RECORD_WAIT = 2.0
-
-
-def _tensor(buf: np.ndarray, wire: np.dtype | None = None, torch_name: str | None = None) -> torch.Tensor:
-    """A tensor sharing ``buf``'s memory, seen as ``wire`` (bytes by default)."""
-    arr = buf.view(wire if wire is not None else np.uint8)
-    if arr.flags.writeable:
-        t = torch.from_numpy(arr)
-    else:  # gloo only reads send buffers; silence torch's "not writable" warning
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(arr)
-    if torch_name is not None and t.dtype != _TORCH[torch_name]:
-        t = t.view(_TORCH[torch_name])
-    return t
 
 
 #: the status a rank leaves when it closes its world group normally (its program ended, or
@@ -383,8 +366,8 @@ class GlooBackend(Backend):
         works = []
         if n >= BIG:
             head = np.array([dtype_code(buf.dtype), n], dtype=np.int64)
-            works.append(pg.send([_tensor(head)], dst, p2p_tag(buf.dtype, n, 0)))
-        works.append(pg.send([_tensor(buf)], dst, p2p_tag(buf.dtype, n, 1)))
+            works.append(pg.send([tensor(head)], dst, p2p_tag(buf.dtype, n, 0)))
+        works.append(pg.send([tensor(buf)], dst, p2p_tag(buf.dtype, n, 1)))
         return works
 
     def _recv_into(self, pg: Any, buf: np.ndarray, src: int, call: Call) -> None:
@@ -392,14 +375,14 @@ class GlooBackend(Backend):
         n = buf.size
         if n >= BIG:
             head = np.zeros(2, dtype=np.int64)
-            pg.recv([_tensor(head)], src, p2p_tag(buf.dtype, n, 0)).wait()
+            pg.recv([tensor(head)], src, p2p_tag(buf.dtype, n, 0)).wait()
             if int(head[1]) != n or int(head[0]) != dtype_code(buf.dtype):
                 raise CollectiveMismatchError(
                     f"[gloo] {self._where()}: {self._named(call).describe()}: rank {src} sent {int(head[1])} elements "
                     f"({buf.dtype.name} on both ranks) but this rank expects {n}; a recv must match its "
                     "send's shape and dtype"
                 )
-        pg.recv([_tensor(buf)], src, p2p_tag(buf.dtype, n, 1)).wait()
+        pg.recv([tensor(buf)], src, p2p_tag(buf.dtype, n, 1)).wait()
 
     def send(self, buf: np.ndarray, dst: int) -> None:
         if not buf.nbytes:
@@ -458,12 +441,15 @@ class GlooBackend(Backend):
         call = self._coll(f"all_{op}", sendbuf)
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
             if not in_place(sendbuf, recvbuf):
+                if pairsum.fits(self._size, sendbuf.nbytes, plan):
+                    self._pair_reduce(sendbuf, recvbuf, plan, call)
+                    return
                 recvbuf[...] = sendbuf
-            self._allreduce(_tensor(recvbuf, plan.wire, plan.torch), plan, call)
+            self._allreduce(tensor(recvbuf, plan.wire, plan.torch), plan, call)
             return
         encode, decode = plan.codec
         wire = encode(sendbuf)
-        self._allreduce(_tensor(wire, plan.wire, plan.torch), plan, call)
+        self._allreduce(tensor(wire, plan.wire, plan.torch), plan, call)
         decode(wire, recvbuf)
 
     def _line_all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
@@ -488,6 +474,17 @@ class GlooBackend(Backend):
             )
         reduce_rows(table, sendbuf.dtype, op, self._rank, recvbuf)
 
+    def _pair_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, plan: Plan, call: Call) -> None:
+        """A two-rank all-reduce into a separate result without copying the input (:mod:`.pairsum`)."""
+        pg = self._usable(call)
+        if self.call_key is not None:
+            self._checked(call)
+        x, out = sendbuf.reshape(-1).view(plan.wire), recvbuf.reshape(-1).view(plan.wire)
+        try:
+            pairsum.pair_reduce(pg, self._rank, x, out, plan.op)
+        except RuntimeError as exc:
+            raise self._fail(exc, call, None) from None
+
     def _allreduce(self, t: torch.Tensor, plan: Plan, call: Call) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[plan.op]  # type: ignore[assignment]  # torch's stubs: RedOpType vs ReduceOp
@@ -503,11 +500,11 @@ class GlooBackend(Backend):
         algorithms.reduce_scatter_by_all_reduce(self, sendbuf, recvbuf, op)
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        src, out = _tensor(sendbuf), _tensor(recvbuf)
+        src, out = tensor(sendbuf), tensor(recvbuf)
         self._run(self._coll("all_gather", sendbuf), lambda pg: pg._allgather_base(out, src))
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
-        t = _tensor(buf)
+        t = tensor(buf)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
@@ -518,16 +515,16 @@ class GlooBackend(Backend):
         )
 
     def all_to_all(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        src, out = _tensor(sendbuf), _tensor(recvbuf)
+        src, out = tensor(sendbuf), tensor(recvbuf)
         self._run(
             self._coll("all_to_all", sendbuf), lambda pg: pg.alltoall_base(out, src, [], [], dist.AllToAllOptions())
         )
 
     def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> None:
-        src = _tensor(sendbuf)
+        src = tensor(sendbuf)
         opts = dist.GatherOptions()
         opts.rootRank = root
-        outs = [] if recvbuf is None else [list(_tensor(recvbuf).tensor_split(self._size))]
+        outs = [] if recvbuf is None else [list(tensor(recvbuf).tensor_split(self._size))]
         self._run(
             self._coll("gather", sendbuf, root),
             lambda pg: pg.gather(outs, [src], opts),
@@ -535,10 +532,10 @@ class GlooBackend(Backend):
         )
 
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> None:
-        out = _tensor(recvbuf)
+        out = tensor(recvbuf)
         opts = dist.ScatterOptions()
         opts.rootRank = root
-        ins = [] if sendbuf is None else [list(_tensor(sendbuf).tensor_split(self._size))]
+        ins = [] if sendbuf is None else [list(tensor(sendbuf).tensor_split(self._size))]
         self._run(
             self._coll("scatter", recvbuf, root),
             lambda pg: pg.scatter([out], ins, opts),

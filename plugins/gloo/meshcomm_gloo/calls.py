@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from meshcomm.plugin import dtype_code
 
-__all__ = ["Call", "BIG", "p2p_tag", "conflicts", "dtype_code"]
+__all__ = ["Call", "BIG", "p2p_tag", "pair_tag", "conflicts", "dtype_code"]
 
 #: element counts from here on travel with a header instead of in the tag
 BIG = 1 << 25
@@ -41,6 +41,12 @@ def p2p_tag(dtype: np.dtype, count: int, part: int = 0) -> int:
     if count < BIG:
         return (code << 25) | count
     return (1 << 30) | (code << 25) | part
+
+
+def pair_tag(phase: int, segment: int) -> int:
+    """The gloo tag of one segment of a two-rank all-reduce (:mod:`.pairsum`): bit 30 with
+    dtype code 0, which no :func:`p2p_tag` uses; ``phase`` 0 carries inputs, 1 sums."""
+    return (1 << 30) | (phase << 24) | segment
 
 
 def _name(dtype: Any) -> str:

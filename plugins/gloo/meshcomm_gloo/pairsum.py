@@ -1,0 +1,75 @@
+"""The all-reduce of a two-rank group into a separate result, with no copy of the input.
+
+torch's process group reduces only in place, so the new array ``all_sum(x)`` returns
+costs a copy of ``x`` before gloo's own all-reduce (16 MiB: a 2.1-2.6 ms copy in a call of
+about 20 ms on a 2-core machine). Two ranks need neither the copy nor a ring: each sends
+the other the half of its input that the other owns, adds the half it receives to its own
+half straight into the result, and sends that sum back. The halves travel in segments, so
+adding one segment overlaps the transfer of the next.
+
+Used where NumPy's reduction on the wire dtype is the one gloo would do bit for bit
+(integers, float32 and float64; see :func:`fits`); the two ranks' results are the same
+bits, as each half is reduced once, by its owner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .calls import pair_tag
+from .codecs import Plan
+from .tensors import tensor
+
+__all__ = ["MIN_BYTES", "SEGMENT_BYTES", "fits", "pair_reduce"]
+
+#: from this size on a two-rank all-reduce into a new array exchanges halves (below it,
+#: gloo's all-reduce of a copy measured as fast or faster: the copy is cheap there)
+MIN_BYTES = 8 << 20
+#: the unit of transfer and addition; each is one gloo send/recv pair
+SEGMENT_BYTES = 2 << 20
+
+_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+#: wire dtypes whose NumPy reduction is gloo's (float16/bfloat16 round through float32)
+_EXACT = frozenset(np.dtype(t) for t in ("int8", "uint8", "int32", "int64", "float32", "float64"))
+
+
+def fits(size: int, nbytes: int, plan: Plan) -> bool:
+    """Whether an all-reduce of ``nbytes`` into a separate result goes through :func:`pair_reduce`."""
+    return size == 2 and nbytes >= MIN_BYTES and plan.codec is None and not plan.generic and plan.wire in _EXACT
+
+
+def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str) -> None:
+    """Reduce 1-D ``x`` (this rank's) with the peer's into ``out`` over ``pg``'s send/recv.
+
+    Rank 0 owns the first half, rank 1 the second. Every receive is posted before any
+    wait, so neither rank's sends can block the other's; gloo's errors (a lost peer, the
+    group's timeout) come out of the waits as torch's RuntimeError."""
+    peer = 1 - rank
+    n = x.size
+    half = n // 2
+    mine, theirs = ((0, half), (half, n)) if rank == 0 else ((half, n), (0, half))
+    per = max(1, SEGMENT_BYTES // x.itemsize)
+    tmp = np.empty(mine[1] - mine[0], x.dtype)
+    reduce = _REDUCE[op]
+    sends = []
+    incoming = []
+    for j, lo in enumerate(range(mine[0], mine[1], per)):
+        hi = min(lo + per, mine[1])
+        part = tmp[lo - mine[0] : hi - mine[0]]
+        incoming.append((pg.recv([tensor(part)], peer, pair_tag(0, j)), lo, hi, part))
+    results = [
+        pg.recv([tensor(out[lo : min(lo + per, theirs[1])])], peer, pair_tag(1, j))
+        for j, lo in enumerate(range(theirs[0], theirs[1], per))
+    ]
+    for j, lo in enumerate(range(theirs[0], theirs[1], per)):
+        sends.append(pg.send([tensor(x[lo : min(lo + per, theirs[1])])], peer, pair_tag(0, j)))
+    for j, (work, lo, hi, part) in enumerate(incoming):
+        work.wait()
+        reduce(x[lo:hi], part, out=out[lo:hi])
+        sends.append(pg.send([tensor(out[lo:hi])], peer, pair_tag(1, j)))
+    for work in results:
+        work.wait()
+    for work in sends:
+        work.wait()
