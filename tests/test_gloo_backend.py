@@ -599,7 +599,8 @@ def _w_pair() -> None:
             assert (both == both[0]).all(), f"{where}: not bit-identical on both ranks"
             if pair:
                 taken.add((dt.name, op))
-    assert {("float32", "sum"), ("float64", "sum"), ("int64", "sum"), ("complex64", "sum"), ("bool", "max")} <= taken, taken
+    must = {("float32", "sum"), ("float64", "sum"), ("int64", "sum"), ("complex64", "sum"), ("bool", "max")}
+    assert must <= taken, taken
     x = np.full(pairsum.MIN_BYTES // 4, r + 1, np.float32)
     before = len(exchanges)
     out = np.empty_like(x)
