@@ -5,8 +5,9 @@ back-to-back calls of either side alternate (the order flips every round), and t
 median block time per call is reported, the slowest rank's. The raw side is what a torch user writes:
 ``init_process_group("gloo")`` then ``dist.all_reduce(tensor)`` in place on a tensor
 viewing the NumPy buffer. ``mc.all_sum(x)`` must leave the input untouched and return a
-new array, so it copies the buffer once per call; ``mc.all_sum(x, out=x)`` reduces in
-place like torch (the "out=x" column).
+new array, so it copies the buffer once per call (except on 2 ranks from 8 MiB, where the
+ranks exchange halves instead, ``meshcomm_gloo.pairsum``); ``mc.all_sum(x, out=x)`` reduces
+in place like torch (the "out=x" column).
 
 Usage::
 
