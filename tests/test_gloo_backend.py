@@ -256,7 +256,8 @@ def test_two_ranks_reduce_large_arrays_by_exchanging_halves() -> None:
     """A two-rank all-reduce of 8 MiB or more into a new array runs meshcomm_gloo.pairsum
     (no copy of the input): every dtype and op it takes matches NumPy bit for bit on both
     ranks, the rest keep gloo's all-reduce, out=x stays in place, and a mismatched call is
-    still caught before any data moves."""
+    still caught before any data moves; a sum_scatter above the channel's bound is its
+    first half."""
     run(2, "_w_pair", {"MLX_TIMEOUT": "20"})
 
 
@@ -573,7 +574,7 @@ def _w_pair() -> None:
     n, r = g.size(), g.rank()
     exchanges = []
     reduce = pairsum.pair_reduce
-    pairsum.pair_reduce = lambda *a: (exchanges.append(1), reduce(*a))[1]
+    pairsum.pair_reduce = lambda *a, **k: (exchanges.append(1), reduce(*a, **k))[1]
     fns = {"sum": (mc.all_sum, np.add), "max": (mc.all_max, np.maximum), "min": (mc.all_min, np.minimum)}
     taken = set()
     for dt in SUPPORTED:
@@ -601,6 +602,21 @@ def _w_pair() -> None:
                 taken.add((dt.name, op))
     must = {("float32", "sum"), ("float64", "sum"), ("int64", "sum"), ("complex64", "sum"), ("bool", "max")}
     assert must <= taken, taken
+    # sum_scatter above what the channel reduces: each rank's block is the half it owns
+    from meshcomm_gloo.checkline import BLOCKS_MAX
+
+    for dt in map(np.dtype, ("float32", "int64", "complex64", "bool", "float16", "uint16")):
+        small = _extreme_inputs(dt, n)
+        inputs = [np.resize(x, BLOCKS_MAX // dt.itemsize + 2 * 7) for x in small]  # an odd block
+        with np.errstate(all="ignore"):
+            full = np.add(inputs[0], inputs[1]).astype(dt)
+        m = full.size // n
+        before = len(exchanges)
+        got = mc.sum_scatter(inputs[r], group=g)
+        pair = pairsum.exact(n, plan_for(dt, "sum"))
+        where = f"rank {r}: sum_scatter({dt}, {inputs[r].nbytes} B), pairsum.exact={pair}"
+        assert len(exchanges) - before == pair, f"{where}: {len(exchanges) - before} exchanges"
+        assert np.array_equal(got, full[r * m : (r + 1) * m], equal_nan=True), f"{where}: {got[:8]}"
     x = np.full(pairsum.MIN_BYTES // 4, r + 1, np.float32)
     before = len(exchanges)
     out = np.empty_like(x)

@@ -474,14 +474,17 @@ class GlooBackend(Backend):
             )
         reduce_rows(table, sendbuf.dtype, op, self._rank, recvbuf)
 
-    def _pair_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, plan: Plan, call: Call) -> None:
-        """A two-rank all-reduce into a separate result without copying the input (:mod:`.pairsum`)."""
+    def _pair_reduce(
+        self, sendbuf: np.ndarray, recvbuf: np.ndarray, plan: Plan, call: Call, *, scatter: bool = False
+    ) -> None:
+        """A two-rank all-reduce into a separate result, or reduce-scatter, without copying the
+        input (:mod:`.pairsum`)."""
         pg = self._usable(call)
         if self.call_key is not None:
             self._checked(call)
         x, out = sendbuf.reshape(-1).view(plan.wire), recvbuf.reshape(-1).view(plan.wire)
         try:
-            pairsum.pair_reduce(pg, self._rank, x, out, plan.op)
+            pairsum.pair_reduce(pg, self._rank, x, out, plan.op, scatter=scatter)
         except RuntimeError as exc:
             raise self._fail(exc, call, None) from None
 
@@ -491,12 +494,18 @@ class GlooBackend(Backend):
         self._run(call, lambda pg: pg.allreduce([t], opts))
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: str) -> None:
-        """An all-reduce of a copy, then this rank's block.
+        """An all-reduce of a copy, then this rank's block; on two ranks, above what the
+        channel reduces, an exchange of halves straight into the block (:mod:`.pairsum`).
 
         torch 2.13's gloo ``reduce_scatter_tensor`` works but is several times slower than
         its all-reduce of the whole buffer (docs/backends/gloo.md has the numbers), so the
         all-reduce, which moves at most twice the bytes, is the faster native path.
         """
+        plan = plan_for(sendbuf.dtype, op)
+        if pairsum.exact(self._size, plan) and not (self._line is not None and on_line(sendbuf, op, self._size)):
+            # recorded as the all-reduce it stands for, as the other paths record it
+            self._pair_reduce(sendbuf, recvbuf, plan, self._coll(f"all_{op}", sendbuf), scatter=True)
+            return
         algorithms.reduce_scatter_by_all_reduce(self, sendbuf, recvbuf, op)
 
     def all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:

@@ -7,8 +7,11 @@ the other the half of its input that the other owns, adds the half it receives t
 half straight into the result, and sends that sum back. The halves travel in segments, so
 adding one segment overlaps the transfer of the next.
 
+A reduce-scatter (``sum_scatter``) of two ranks is the first half of that: each rank's
+block is the half it owns, so the sums are not sent back.
+
 Used where NumPy's reduction on the wire dtype is the one gloo would do bit for bit
-(integers, float32 and float64; see :func:`fits`); the two ranks' results are the same
+(integers, float32 and float64; see :func:`exact`); the two ranks' results are the same
 bits, as each half is reduced once, by its owner.
 """
 
@@ -22,7 +25,7 @@ from .calls import pair_tag
 from .codecs import Plan
 from .tensors import tensor
 
-__all__ = ["MIN_BYTES", "SEGMENT_BYTES", "fits", "pair_reduce"]
+__all__ = ["MIN_BYTES", "SEGMENT_BYTES", "exact", "fits", "pair_reduce"]
 
 #: from this size on a two-rank all-reduce into a new array exchanges halves (below it,
 #: gloo's all-reduce of a copy measured as fast or faster: the copy is cheap there)
@@ -35,21 +38,28 @@ _REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 _EXACT = frozenset(np.dtype(t) for t in ("int8", "uint8", "int32", "int64", "float32", "float64"))
 
 
+def exact(size: int, plan: Plan) -> bool:
+    """Whether a reduction by ``plan`` on ``size`` ranks can run here, bit for bit as gloo's."""
+    return size == 2 and plan.codec is None and not plan.generic and plan.wire in _EXACT
+
+
 def fits(size: int, nbytes: int, plan: Plan) -> bool:
     """Whether an all-reduce of ``nbytes`` into a separate result goes through :func:`pair_reduce`."""
-    return size == 2 and nbytes >= MIN_BYTES and plan.codec is None and not plan.generic and plan.wire in _EXACT
+    return nbytes >= MIN_BYTES and exact(size, plan)
 
 
-def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str) -> None:
+def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str, *, scatter: bool = False) -> None:
     """Reduce 1-D ``x`` (this rank's) with the peer's into ``out`` over ``pg``'s send/recv.
 
-    Rank 0 owns the first half, rank 1 the second. Every receive is posted before any
-    wait, so neither rank's sends can block the other's; gloo's errors (a lost peer, the
-    group's timeout) come out of the waits as torch's RuntimeError."""
+    Rank 0 owns the first half, rank 1 the second; with ``scatter`` ``out`` is only this
+    rank's half (a reduce-scatter). Every receive is posted before any wait, so neither
+    rank's sends can block the other's; gloo's errors (a lost peer, the group's timeout)
+    come out of the waits as torch's RuntimeError."""
     peer = 1 - rank
     n = x.size
     half = n // 2
     mine, theirs = ((0, half), (half, n)) if rank == 0 else ((half, n), (0, half))
+    base = mine[0] if scatter else 0  # the index of x that out[0] stands for
     per = max(1, SEGMENT_BYTES // x.itemsize)
     tmp = np.empty(mine[1] - mine[0], x.dtype)
     reduce = _REDUCE[op]
@@ -59,16 +69,21 @@ def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str) -> 
         hi = min(lo + per, mine[1])
         part = tmp[lo - mine[0] : hi - mine[0]]
         incoming.append((pg.recv([tensor(part)], peer, pair_tag(0, j)), lo, hi, part))
-    results = [
-        pg.recv([tensor(out[lo : min(lo + per, theirs[1])])], peer, pair_tag(1, j))
-        for j, lo in enumerate(range(theirs[0], theirs[1], per))
-    ]
+    results = (
+        []
+        if scatter
+        else [
+            pg.recv([tensor(out[lo : min(lo + per, theirs[1])])], peer, pair_tag(1, j))
+            for j, lo in enumerate(range(theirs[0], theirs[1], per))
+        ]
+    )
     for j, lo in enumerate(range(theirs[0], theirs[1], per)):
         sends.append(pg.send([tensor(x[lo : min(lo + per, theirs[1])])], peer, pair_tag(0, j)))
     for j, (work, lo, hi, part) in enumerate(incoming):
         work.wait()
-        reduce(x[lo:hi], part, out=out[lo:hi])
-        sends.append(pg.send([tensor(out[lo:hi])], peer, pair_tag(1, j)))
+        reduce(x[lo:hi], part, out=out[lo - base : hi - base])
+        if not scatter:
+            sends.append(pg.send([tensor(out[lo:hi])], peer, pair_tag(1, j)))
     for work in results:
         work.wait()
     for work in sends:
