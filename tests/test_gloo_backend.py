@@ -209,15 +209,22 @@ def test_p2p_tags_are_distinct_and_fit_in_31_bits() -> None:
     a send with a recv of another size, nor with a segment of a two-rank all-reduce; tags are
     non-negative 31-bit ints (torch's int tag)."""
     from meshcomm.protocol.dtypes import SUPPORTED
-    from meshcomm_gloo.calls import BIG, p2p_tag, pair_tag
+    from meshcomm_gloo.calls import BIG, MAX_SEGMENTS, call_code, p2p_tag, pair_tag
 
     counts = [1, 2, 3, 4, 5, 1000, BIG - 1]
     tags = {(dt.str, c): p2p_tag(dt, c) for dt in SUPPORTED for c in counts}
     assert len(set(tags.values())) == len(tags)
     big = {p2p_tag(dt, BIG + k, part) for dt in SUPPORTED for k in (0, 7) for part in (0, 1)}
     assert len(big) == 2 * len(SUPPORTED) and not big & set(tags.values())
-    pair = {pair_tag(phase, j) for phase in (0, 1) for j in range(1 << 12)}  # 8 GiB halves in 2 MiB segments
-    assert len(pair) == 2 << 12 and not pair & (big | set(tags.values()))
+    codes = {
+        call_code(np.dtype(dt), c, op, sc)
+        for dt in ("float32", "int64")
+        for c in (1, 2, 3)
+        for op in ("sum", "max")
+        for sc in (False, True)
+    }
+    pair = {pair_tag(phase, j, code) for phase in (0, 1) for j in range(MAX_SEGMENTS) for code in codes}
+    assert len(codes) == 24 and len(pair) == 2 * MAX_SEGMENTS * len(codes) and not pair & (big | set(tags.values()))
     assert all(0 <= t < 2**31 for t in [*tags.values(), *big, *pair])
 
 
@@ -268,6 +275,7 @@ def test_dead_peer_in_a_two_rank_exchange_is_named() -> None:
     _all_ok(res[:1])
     out = res[0][1]
     assert "RAISED PeerLostError peer=1" in out and "all_sum" in out, out + res[0][2][-2000:]
+    assert "the call check before it" not in out, f"rank 0 failed in the call check, not the exchange: {out}"
     took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
     assert took < timeout, f"rank 0 took {took:.1f} s; it must not wait for the timeout"
 
@@ -623,11 +631,18 @@ def _w_pair() -> None:
     assert mc.all_sum(x, group=g, out=out) is out and (out == 3).all()
     assert len(exchanges) - before == 1, "out= a separate array takes the exchange"
     assert mc.all_sum(x, group=g, out=x) is x and (x == 3).all()
-    assert len(exchanges) - before == 1, "out=x reduces in place in gloo's all-reduce"
+    assert len(exchanges) - before == 2, "out=x exchanges halves too, in place"
+    # ranks may differ in out=: they still meet (each chooses the path from what they share)
+    y = np.full(pairsum.MIN_BYTES // 4 + 5, r + 1, np.int64)
+    z = mc.all_sum(y, group=g, out=y if r == 1 else None)
+    assert (z == 3).all() and (z is y) == (r == 1) and (y == (3 if r == 1 else 1)).all()
+    assert len(exchanges) - before == 3
+    x[:] = 3
+    before = len(exchanges)
     with pytest.raises(mc.CollectiveMismatchError) as err:
         (mc.all_sum if r == 0 else mc.all_max)(x, group=g)
     assert "all_sum" in str(err.value) and "all_max" in str(err.value), err.value
-    assert len(exchanges) - before == 1, "a mismatched call started an exchange"
+    assert len(exchanges) == before, "a mismatched call started an exchange"
     assert (mc.all_sum(x, group=g) == 6).all()
     print("pair ok")
 
@@ -735,15 +750,22 @@ def _w_dead() -> None:
 
         g.transport._peers[:] = [RankProcess(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
     victim = g.size() - 1
-    if "pair" in sys.argv[3:]:  # arrays a two-rank group reduces by exchanging halves
-        from meshcomm_gloo.pairsum import MIN_BYTES
+    inside = "pair" in sys.argv[3:]  # the victim dies inside a two-rank exchange of halves
+    if inside:
+        from meshcomm_gloo import pairsum
 
-        x = np.ones(MIN_BYTES // 4, np.float32)
+        x = np.ones(pairsum.MIN_BYTES // 4, np.float32)
+        if r == victim:  # after the call check, which the others then have passed too
+
+            def die(*args: object, **kw: object) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            pairsum.pair_reduce = die
     else:
         x = np.ones(1024, np.float32)
     mc.all_sum(np.ones(8), group=g)
     threads = len(os.listdir("/proc/self/task"))  # with the world's ProcessGroupGloo and its threads
-    if r == victim:
+    if r == victim and not inside:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     t0 = time.monotonic()

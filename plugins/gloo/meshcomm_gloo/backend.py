@@ -439,11 +439,11 @@ class GlooBackend(Backend):
             algorithms.all_reduce(self, sendbuf, recvbuf, op)
             return
         call = self._coll(f"all_{op}", sendbuf)
+        if pairsum.fits(self._size, sendbuf.nbytes, plan):  # also in place: ranks may differ in out=
+            self._pair_reduce(sendbuf, recvbuf, plan, call)
+            return
         if plan.codec is None:  # reduce in place in the output, viewed as the wire dtype
             if not in_place(sendbuf, recvbuf):
-                if pairsum.fits(self._size, sendbuf.nbytes, plan):
-                    self._pair_reduce(sendbuf, recvbuf, plan, call)
-                    return
                 recvbuf[...] = sendbuf
             self._allreduce(tensor(recvbuf, plan.wire, plan.torch), plan, call)
             return
@@ -477,8 +477,8 @@ class GlooBackend(Backend):
     def _pair_reduce(
         self, sendbuf: np.ndarray, recvbuf: np.ndarray, plan: Plan, call: Call, *, scatter: bool = False
     ) -> None:
-        """A two-rank all-reduce into a separate result, or reduce-scatter, without copying the
-        input (:mod:`.pairsum`)."""
+        """A two-rank all-reduce (into a separate result or in place) or reduce-scatter without
+        copying the input (:mod:`.pairsum`)."""
         pg = self._usable(call)
         if self.call_key is not None:
             self._checked(call)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from meshcomm.plugin import dtype_code
 
-__all__ = ["Call", "BIG", "p2p_tag", "pair_tag", "conflicts", "dtype_code"]
+__all__ = ["Call", "BIG", "MAX_SEGMENTS", "p2p_tag", "pair_tag", "call_code", "conflicts", "dtype_code"]
 
 #: element counts from here on travel with a header instead of in the tag
 BIG = 1 << 25
@@ -43,10 +43,21 @@ def p2p_tag(dtype: np.dtype, count: int, part: int = 0) -> int:
     return (1 << 30) | (code << 25) | part
 
 
-def pair_tag(phase: int, segment: int) -> int:
+#: segments per half of a two-rank all-reduce that :func:`pair_tag` can number
+MAX_SEGMENTS = 1 << 12
+
+
+def call_code(wire: np.dtype, count: int, op: str, scatter: bool) -> int:
+    """11 bits of a two-rank all-reduce's wire dtype, element count, op and kind, for :func:`pair_tag`."""
+    kind = ("sum", "max", "min").index(op) * 2 + scatter
+    return (dtype_code(wire) * 0x9E3779B1 ^ count * 0x85EBCA77 ^ kind * 0xC2B2AE3D) % 2039
+
+
+def pair_tag(phase: int, segment: int, call: int) -> int:
     """The gloo tag of one segment of a two-rank all-reduce (:mod:`.pairsum`): bit 30 with
-    dtype code 0, which no :func:`p2p_tag` uses; ``phase`` 0 carries inputs, 1 sums."""
-    return (1 << 30) | (phase << 24) | segment
+    dtype code 0, which no :func:`p2p_tag` uses; ``phase`` 0 carries inputs, 1 sums; ``call``
+    (:func:`call_code`) keeps the segments of calls that differ apart."""
+    return (1 << 30) | (phase << 23) | (call << 12) | segment
 
 
 def _name(dtype: Any) -> str:

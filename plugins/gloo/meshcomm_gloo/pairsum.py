@@ -1,11 +1,14 @@
-"""The all-reduce of a two-rank group into a separate result, with no copy of the input.
+"""The all-reduce of a two-rank group with no copy of the input.
 
 torch's process group reduces only in place, so the new array ``all_sum(x)`` returns
 costs a copy of ``x`` before gloo's own all-reduce (16 MiB: a 2.1-2.6 ms copy in a call of
 about 20 ms on a 2-core machine). Two ranks need neither the copy nor a ring: each sends
 the other the half of its input that the other owns, adds the half it receives to its own
 half straight into the result, and sends that sum back. The halves travel in segments, so
-adding one segment overlaps the transfer of the next.
+adding one segment overlaps the transfer of the next. The result may be the input itself
+(``out=x``), and must be allowed to: each rank chooses this path from what every rank
+shares (group size, dtype, op, size), never from its own ``out=``, so that ranks that
+differ in ``out=`` still meet.
 
 A reduce-scatter (``sum_scatter``) of two ranks is the first half of that: each rank's
 block is the half it owns, so the sums are not sent back.
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .calls import pair_tag
+from .calls import MAX_SEGMENTS, call_code, pair_tag
 from .codecs import Plan
 from .tensors import tensor
 
@@ -52,15 +55,26 @@ def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str, *, 
     """Reduce 1-D ``x`` (this rank's) with the peer's into ``out`` over ``pg``'s send/recv.
 
     Rank 0 owns the first half, rank 1 the second; with ``scatter`` ``out`` is only this
-    rank's half (a reduce-scatter). Every receive is posted before any wait, so neither
-    rank's sends can block the other's; gloo's errors (a lost peer, the group's timeout)
-    come out of the waits as torch's RuntimeError."""
+    rank's half (a reduce-scatter). ``out`` may be ``x`` (in place): the peer's sums land on
+    a segment of this rank's input only after the peer has received that whole segment.
+    Every receive is posted before any wait, so neither rank's sends can block the other's;
+    gloo's errors (a lost peer, the group's timeout) come out of the waits as torch's
+    RuntimeError. Tags carry a code of the call's size, dtype and op (:func:`.calls.pair_tag`),
+    so ranks whose calls differ (call checks turned off) wait for the timeout instead of
+    pairing their segments."""
     peer = 1 - rank
     n = x.size
     half = n // 2
     mine, theirs = ((0, half), (half, n)) if rank == 0 else ((half, n), (0, half))
     base = mine[0] if scatter else 0  # the index of x that out[0] stands for
-    per = max(1, SEGMENT_BYTES // x.itemsize)
+    # at most MAX_SEGMENTS per half: the segment's number has that many tags
+    per = max(
+        1,
+        SEGMENT_BYTES // x.itemsize,
+        -(-(mine[1] - mine[0]) // MAX_SEGMENTS),
+        -(-(theirs[1] - theirs[0]) // MAX_SEGMENTS),
+    )
+    call = call_code(x.dtype, n, op, scatter)
     tmp = np.empty(mine[1] - mine[0], x.dtype)
     reduce = _REDUCE[op]
     sends = []
@@ -68,22 +82,23 @@ def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str, *, 
     for j, lo in enumerate(range(mine[0], mine[1], per)):
         hi = min(lo + per, mine[1])
         part = tmp[lo - mine[0] : hi - mine[0]]
-        incoming.append((pg.recv([tensor(part)], peer, pair_tag(0, j)), lo, hi, part))
+        incoming.append((pg.recv([tensor(part)], peer, pair_tag(0, j, call)), lo, hi, part))
     results = (
         []
         if scatter
         else [
-            pg.recv([tensor(out[lo : min(lo + per, theirs[1])])], peer, pair_tag(1, j))
+            pg.recv([tensor(out[lo : min(lo + per, theirs[1])])], peer, pair_tag(1, j, call))
             for j, lo in enumerate(range(theirs[0], theirs[1], per))
         ]
     )
     for j, lo in enumerate(range(theirs[0], theirs[1], per)):
-        sends.append(pg.send([tensor(x[lo : min(lo + per, theirs[1])])], peer, pair_tag(0, j)))
+        sends.append(pg.send([tensor(x[lo : min(lo + per, theirs[1])])], peer, pair_tag(0, j, call)))
     for j, (work, lo, hi, part) in enumerate(incoming):
         work.wait()
-        reduce(x[lo:hi], part, out=out[lo - base : hi - base])
+        with np.errstate(all="ignore"):  # inf - inf: NaN as gloo gives it, without NumPy's warning
+            reduce(x[lo:hi], part, out=out[lo - base : hi - base])
         if not scatter:
-            sends.append(pg.send([tensor(out[lo:hi])], peer, pair_tag(1, j)))
+            sends.append(pg.send([tensor(out[lo:hi])], peer, pair_tag(1, j, call)))
     for work in results:
         work.wait()
     for work in sends:
