@@ -30,8 +30,8 @@ from .tensors import tensor
 
 __all__ = ["MIN_BYTES", "SEGMENT_BYTES", "exact", "fits", "pair_reduce"]
 
-#: from this size on a two-rank all-reduce into a new array exchanges halves (below it,
-#: gloo's all-reduce of a copy measured as fast or faster: the copy is cheap there)
+#: from this size on a two-rank all-reduce exchanges halves (below it, gloo's all-reduce of
+#: a copy measured as fast or faster: the copy is cheap there)
 MIN_BYTES = 8 << 20
 #: the unit of transfer and addition; each is one gloo send/recv pair
 SEGMENT_BYTES = 2 << 20
@@ -47,7 +47,7 @@ def exact(size: int, plan: Plan) -> bool:
 
 
 def fits(size: int, nbytes: int, plan: Plan) -> bool:
-    """Whether an all-reduce of ``nbytes`` into a separate result goes through :func:`pair_reduce`."""
+    """Whether an all-reduce of ``nbytes`` (into a new result or in place) goes through :func:`pair_reduce`."""
     return nbytes >= MIN_BYTES and exact(size, plan)
 
 
@@ -75,24 +75,23 @@ def pair_reduce(pg: Any, rank: int, x: np.ndarray, out: np.ndarray, op: str, *, 
         -(-(theirs[1] - theirs[0]) // MAX_SEGMENTS),
     )
     call = call_code(x.dtype, n, op, scatter)
+
+    def segments(span: tuple[int, int]) -> list[tuple[int, int]]:
+        return [(lo, min(lo + per, span[1])) for lo in range(span[0], span[1], per)]
+
     tmp = np.empty(mine[1] - mine[0], x.dtype)
     reduce = _REDUCE[op]
-    sends = []
     incoming = []
-    for j, lo in enumerate(range(mine[0], mine[1], per)):
-        hi = min(lo + per, mine[1])
+    for j, (lo, hi) in enumerate(segments(mine)):
         part = tmp[lo - mine[0] : hi - mine[0]]
         incoming.append((pg.recv([tensor(part)], peer, pair_tag(0, j, call)), lo, hi, part))
+    owed = segments(theirs)
     results = (
         []
         if scatter
-        else [
-            pg.recv([tensor(out[lo : min(lo + per, theirs[1])])], peer, pair_tag(1, j, call))
-            for j, lo in enumerate(range(theirs[0], theirs[1], per))
-        ]
+        else [pg.recv([tensor(out[lo:hi])], peer, pair_tag(1, j, call)) for j, (lo, hi) in enumerate(owed)]
     )
-    for j, lo in enumerate(range(theirs[0], theirs[1], per)):
-        sends.append(pg.send([tensor(x[lo : min(lo + per, theirs[1])])], peer, pair_tag(0, j, call)))
+    sends = [pg.send([tensor(x[lo:hi])], peer, pair_tag(0, j, call)) for j, (lo, hi) in enumerate(owed)]
     for j, (work, lo, hi, part) in enumerate(incoming):
         work.wait()
         with np.errstate(all="ignore"):  # inf - inf: NaN as gloo gives it, without NumPy's warning
