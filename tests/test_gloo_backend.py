@@ -421,6 +421,20 @@ def test_missing_rank_times_out_at_start_up() -> None:
     assert rc != 0 and "CommTimeoutError" in err and "MLX_WORLD_SIZE" in err, err[-2000:]
 
 
+def test_rank_dying_in_the_mesh_connection_is_named_within_the_timeout() -> None:
+    """Rank 1 dies after it published its address, while rank 0 has not connected yet: rank 0
+    raises PeerLostError naming rank 1 well within MLX_TIMEOUT (gloo alone waited 40 s for a
+    dead member's connection with an 8 s timeout, or named no rank)."""
+    timeout = 8.0
+    res = finish(start(2, [str(HERE), "_w_mesh_death"], {"MLX_TIMEOUT": str(timeout)}), timeout=90)
+    rc, out, err = res[0]
+    assert rc == 0, err[-3000:]
+    assert "RAISED PeerLostError peer=1" in out and "rank 1 (world rank 1, pid" in out, out + err[-2000:]
+    took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+    assert took < timeout, f"rank 0 took {took:.1f} s to give up on a dead rank 1 (MLX_TIMEOUT={timeout:g})"
+    assert res[1][0] == -signal.SIGKILL, res[1]
+
+
 # -- settings, environment, launcher (in process) ----------------------------------------
 def test_environment_says_what_is_missing() -> None:
     from meshcomm.runtime.config import Config, load_settings
@@ -849,6 +863,42 @@ def _w_leave() -> None:
         print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}", flush=True)
 
 
+def _w_mesh_death() -> None:
+    """Rank 1 is SIGKILLed 1 s into gloo's mesh connection (its address is in the store by then);
+    rank 0 sleeps 2 s after admission, then connects, and reports what it raises."""
+    import threading
+
+    import meshcomm as mc
+    from meshcomm_gloo import admission, rendezvous
+
+    rank = int(os.environ["MLX_RANK"])
+    woke: list[float] = []
+    if rank == 0:
+        admit = admission.admit
+
+        def admit_then_sleep(*args: object) -> object:
+            peers = admit(*args)  # type: ignore[arg-type]
+            time.sleep(2.0)
+            woke.append(time.monotonic())
+            return peers
+
+        admission.admit = admit_then_sleep  # type: ignore[assignment]
+    else:
+        make_group = rendezvous.make_group
+
+        def die_while_connecting(*args: object) -> object:
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return make_group(*args)  # type: ignore[arg-type]
+
+        rendezvous.make_group = die_while_connecting  # type: ignore[assignment]
+    try:
+        mc.init(strict=True, backend="gloo")
+        print("NO ERROR")
+    except mc.DistributedError as exc:
+        took = time.monotonic() - woke[0]
+        print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)} after {took:.1f}s: {exc}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
 
@@ -857,8 +907,8 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("still_connecting", [True, False])
 def test_agreement_waits_past_two_timeouts_only_for_a_rank_still_connecting(still_connecting: bool) -> None:
     """The survivors' agreement gives up on a rank after twice MLX_TIMEOUT, unless that rank
-    is still connecting to the world being rebuilt (gloo's connect to a member that died
-    after it published its address lasts 5 timeouts on some ranks and 1 on the others)."""
+    is still connecting to the world being rebuilt (its connect may take three timeouts: gloo's
+    mesh, the endpoints, the call-check channel)."""
     import threading
 
     import torch.distributed as dist

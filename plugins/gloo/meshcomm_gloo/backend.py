@@ -568,8 +568,11 @@ class GlooBackend(Backend):
         prefix = f"{self._prefix}/split{self._splits}/color{color}"
         label = f"split {self._splits} (color {color}) of the {self._label}"
         sub_rank, sub_size = plan.rank, len(members)
+        world = [self._members[q] for q in members]
         try:
-            pg, ends, line = connect(self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname)
+            pg, ends, line = connect(
+                self._store, prefix, sub_rank, sub_size, self.timeout, self._ifname, self._peers, world
+            )
         except DistributedError:  # e.g. a forged address in the store (StoreAuthError): keep it as it is
             raise
         except RuntimeError as exc:
@@ -590,7 +593,7 @@ class GlooBackend(Backend):
             self._ifname,
             label,
             self._peers,
-            [self._members[q] for q in members],
+            world,
             ends,
             line,
             self._spin,
@@ -703,7 +706,8 @@ class GlooBackend(Backend):
         marker = _connecting_key(prefix, members[rank])
         try:
             self._store.set(marker, "1")  # the next agreement waits longer for a rank still connecting
-            pg, ends, line = connect(self._store, prefix, rank, len(members), self.timeout, self._ifname)
+            size = len(members)
+            pg, ends, line = connect(self._store, prefix, rank, size, self.timeout, self._ifname, peers, members)
         except RuntimeError as exc:
             # the mark stays until this rank is in the new world's agreement: taken off now, the
             # others could look between its connect and its arrival and give up on it

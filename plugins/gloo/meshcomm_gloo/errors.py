@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
-__all__ = ["translate", "first_line", "StoreAuthError"]
+__all__ = ["translate", "first_line", "StoreAuthError", "ConnectAbandoned"]
 
 _LOST = (
     "connection closed",
@@ -41,6 +41,17 @@ class StoreAuthError(DistributedError):
         self.replayed = replayed
 
 
+class ConnectAbandoned(RuntimeError):
+    """meshcomm stopped waiting for gloo's mesh connection (:mod:`.meshwait`): a member on this
+    host died (``suspects``: (group rank, description) each) or the deadline passed. Its text
+    reads like gloo's ("connection closed" / "timed out"), so :func:`translate` turns it into
+    PeerLostError or CommTimeoutError."""
+
+    def __init__(self, message: str, suspects: list[tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.suspects = suspects
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("Exception raised from")]
@@ -63,7 +74,8 @@ def translate(
     """
     said = first_line(exc)
     low = said.lower()
-    suspects = suspects or []
+    suspects = suspects or (exc.suspects if isinstance(exc, ConnectAbandoned) else [])
+    told = "meshcomm stopped waiting" if isinstance(exc, ConnectAbandoned) else "gloo said"
     if peer is None and len(suspects) == 1:
         peer = suspects[0][0]
     target = f"rank {peer}" if peer is not None else "a peer"
@@ -73,17 +85,17 @@ def translate(
         findings = " (gloo does not say which rank, and no rank on this host is dead or stopped)"
     else:
         findings = ""
-    if any(s in low for s in _TIMEOUT):
+    if any(s in low for s in _TIMEOUT) and "connection refused" not in low:  # refused: the peer is gone
         return CommTimeoutError(
             f"[gloo] {where}: {op} timed out: {target} did not answer within {timeout:g} s "
-            f"(MLX_TIMEOUT){findings}. gloo said: {said}. A rank may have skipped this call, be stuck, "
+            f"(MLX_TIMEOUT){findings}. {told}: {said}. A rank may have skipped this call, be stuck, "
             "or be too slow; raise MLX_TIMEOUT if it is only slow.",
             peer=peer,
         )
     if any(s in low for s in _LOST):
         return PeerLostError(
             f"[gloo] {where}: {op} failed: lost the connection to {target}, which probably crashed or "
-            f"exited{findings}. gloo said: {said}. Check that rank's output; this group cannot be used any more.",
+            f"exited{findings}. {told}: {said}. Check that rank's output; this group cannot be used any more.",
             peer=peer,
         )
     return DistributedError(f"[gloo] {where}: {op} failed: {type(exc).__name__}: {said}")

@@ -80,7 +80,8 @@ def factory(config: Config, settings: Any) -> Backend:
     from .admission import admit, note_rejection, rejection_of_others
     from .backend import GlooBackend
     from .errors import StoreAuthError, translate
-    from .liveness import spin_for
+    from .liveness import RankProcess, spin_for
+    from .meshwait import dead_members
     from .rendezvous import WORLD_PREFIX, connect, device_of, make_store
     from .session import open_session
 
@@ -90,9 +91,10 @@ def factory(config: Config, settings: Any) -> Backend:
     if config.join:
         return _join(config, settings)
     store, rank, size, where = make_store(config, settings)
+    peers: list[RankProcess] = []
     try:
         peers = admit(store, rank, size, open_session(store, rank, size))
-        pg, ends, line = connect(store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings))
+        pg, ends, line = connect(store, WORLD_PREFIX, rank, size, config.timeout, device_of(settings), peers)
     except StoreAuthError as exc:
         note_rejection(store, rank, str(exc))
         raise
@@ -116,6 +118,7 @@ def factory(config: Config, settings: Any) -> Backend:
             where=f"rank {rank} of the world group (size {size}, {where})",
             op="start-up (connecting to every rank)",
             timeout=config.timeout,
+            suspects=dead_members(peers, list(range(size)), rank),
         ) from exc
     return GlooBackend(
         pg,
@@ -147,7 +150,16 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
     place = ask_to_join(store, config.timeout)
     store.set_timeout(datetime.timedelta(seconds=config.timeout))
     try:
-        pg, ends, line = connect(store, place.prefix, place.rank, place.size, config.timeout, device_of(settings))
+        pg, ends, line = connect(
+            store,
+            place.prefix,
+            place.rank,
+            place.size,
+            config.timeout,
+            device_of(settings),
+            place.peers,
+            place.members,
+        )
     except RuntimeError as exc:
         raise translate(
             exc,

@@ -20,7 +20,8 @@ from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .checkline import CheckLine, open_line
-from .liveness import endpoints
+from .liveness import RankProcess, endpoints
+from .meshwait import build_watched, dead_members
 from .placing import is_address, resolve
 from .sealing import Sealer
 from .settings import GlooSettings
@@ -146,16 +147,31 @@ def make_group(store: Any, prefix: str, rank: int, size: int, timeout: float, if
 
 
 def connect(
-    store: Any, prefix: str, rank: int, size: int, timeout: float, ifname: str | None
+    store: Any,
+    prefix: str,
+    rank: int,
+    size: int,
+    timeout: float,
+    ifname: str | None,
+    peers: list[RankProcess] | None = None,
+    members: list[int] | None = None,
 ) -> tuple[Any, list[set[str]], CheckLine | None]:
     """:func:`make_group`, plus every member's TCP endpoints of that group (index = group rank)
     and this rank's call-check channel (:mod:`.checkline`; None in a group of one).
 
+    gloo's connection is watched (:mod:`.meshwait`): it is given up with ConnectAbandoned after
+    ``timeout`` or as soon as a member on this host exits (``peers``: every world rank's
+    process; ``members[i]``: the world rank of group rank ``i``, default ``range(size)``).
     The endpoints let a failure's address ("closed by peer [ip]:port") be traced to a rank
     (:func:`.liveness.owner`); an empty list when they could not be learnt.
     """
+    world = list(range(size)) if members is None else members
     before = endpoints()
-    pg = make_group(store, prefix, rank, size, timeout, ifname)
+    pg = build_watched(
+        lambda: make_group(store, prefix, rank, size, timeout, ifname),
+        timeout,
+        lambda: dead_members(peers or [], world, rank),
+    )
     mine = endpoints() - before
     ends: list[set[str]] = []
     try:

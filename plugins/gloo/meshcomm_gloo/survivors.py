@@ -8,9 +8,8 @@ or a zombie on this host, or it left a status record saying its program failed o
 ended), for ranks it timed out on only :data:`SUSPECT_GRACE` seconds, for the rest twice
 ``MLX_TIMEOUT`` (gloo does not tell every rank of a loss at once: a survivor whose peers
 are alive learns of it only when its own operation times out), and for a rank still
-connecting to this world up to :data:`CONNECTING_TIMEOUTS` times ``MLX_TIMEOUT`` (a member
-that died after it published its address makes some ranks' connect last 5 timeouts, the
-others' only one); then the first one done
+connecting to this world up to :data:`CONNECTING_TIMEOUTS` times ``MLX_TIMEOUT`` (its
+connect may take three); then the first one done
 proposes the ranks it saw with one compare-and-set, which every survivor reads back: one
 decision for all. A rank not in
 it raises (the others went on without it). ``shrink`` then makes a ProcessGroupGloo of
@@ -35,9 +34,10 @@ __all__ = ["agree_in_store", "SUSPECT_GRACE", "CONNECTING_TIMEOUTS"]
 #: a third rank's silence: then it writes within milliseconds)
 SUSPECT_GRACE = 0.5
 #: how many MLX_TIMEOUTs the agreement waits for a member still connecting to this world:
-#: gloo fails a connection to a member that died after it published its address only after
-#: 5 timeouts (measured: 15.0 s at MLX_TIMEOUT=3, 30.0 s at 6), one timeout more for slack
-CONNECTING_TIMEOUTS = 6
+#: its connect waits for gloo's mesh at most one timeout and a second (:mod:`.meshwait`;
+#: gloo alone waits 5 for a member that died after it published its address), then for the
+#: exchange of endpoints and the call-check channel, one each; one more for slack
+CONNECTING_TIMEOUTS = 4
 _POLL = 0.005
 
 
