@@ -255,6 +255,25 @@ def test_gloo_address_is_traced_to_a_rank() -> None:
 
 
 # -- gloo-specific behaviour on real ranks ---------------------------------------------
+def test_only_ranks_with_this_host_key_are_looked_up_in_proc() -> None:
+    """A rank on a host of the same name but another boot or PID namespace (a container with the
+    host's network, another machine of that name) is never declared dead from this /proc."""
+    import socket
+
+    from meshcomm.plugin import host_key
+    from meshcomm_gloo.liveness import RankProcess, suspects
+    from meshcomm_gloo.meshwait import dead_members
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid is free
+    name = socket.gethostname()
+    here = [RankProcess.here(), RankProcess(name, gone.pid, host_key())]
+    elsewhere = [RankProcess.here(), RankProcess(name, gone.pid, host_key() ^ 1)]
+    assert suspects(here, [0, 1], 0) == [(1, f"rank 1 (world rank 1, pid {gone.pid}) is gone")]
+    assert dead_members(here, [0, 1], 0) == suspects(here, [0, 1], 0)
+    assert suspects(elsewhere, [0, 1], 0) == [] and dead_members(elsewhere, [0, 1], 0) == []
+
+
 def test_dtype_fallbacks_on_three_ranks() -> None:
     run(3, "_w_dtypes")
 
@@ -762,7 +781,7 @@ def _w_dead() -> None:
     if sys.argv[3:] == ["remote"]:  # every rank looks as if it ran on another host: no /proc lookups
         from meshcomm_gloo.liveness import RankProcess
 
-        g.transport._peers[:] = [RankProcess(f"elsewhere-{q}", p.pid) for q, p in enumerate(g.transport._peers)]
+        g.transport._peers[:] = [RankProcess(f"elsewhere-{q}", p.pid, -1 - q) for q, p in enumerate(g.transport._peers)]
     victim = g.size() - 1
     inside = "pair" in sys.argv[3:]  # the victim dies inside a two-rank exchange of halves
     if inside:

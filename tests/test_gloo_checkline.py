@@ -375,9 +375,9 @@ def test_ranks_poll_before_they_sleep_only_where_the_host_has_a_core_for_each() 
     from meshcomm_gloo.liveness import RankProcess, spin_for
 
     cores = os.cpu_count() or 1
-    alone = [RankProcess("a", 1)] + [RankProcess(f"b{q}", q) for q in range(cores + 3)]
+    alone = [RankProcess("a", 1, 1)] + [RankProcess("b", q, 2) for q in range(cores + 3)]
     assert spin_for(50.0, alone, 0) == pytest.approx(50e-6)  # the only rank on host a
-    crowded = [RankProcess("a", q) for q in range(cores + 1)]
+    crowded = [RankProcess("a", q, 1) for q in range(cores + 1)]
     assert spin_for(50.0, crowded, 0) == 0.0
     assert spin_for(50.0, crowded[:cores], 0) == pytest.approx(50e-6)
     assert spin_for(0.0, alone, 0) == 0.0

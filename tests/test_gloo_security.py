@@ -353,11 +353,15 @@ def test_stranger_writing_a_rank_record_is_refused(mode: str) -> None:
 
 def test_stranger_forging_gloo_address_is_refused() -> None:
     """Rank 1's start-up record is genuine (written with the secret); its gloo address is a stranger's."""
+    import json
+
+    from meshcomm_gloo.liveness import RankProcess
+
     port = _free_port()
     with ranks(2, port, only=[0]) as procs:
         stranger = _client(port, 2, counts=False)
         fake = _fake_rank(port, 2)
-        _rank_1_session(fake).set("meshcomm/proc/1", f"{os.uname().nodename} {os.getpid()}")
+        _rank_1_session(fake).set("meshcomm/proc/1", json.dumps(RankProcess.here().encode()))
         stranger.set("meshcomm/world/0/1", b"\x00" * 64)
         rc, out, err = finish(procs)[0]
         del stranger, fake

@@ -31,7 +31,8 @@ What is here, by job:
   rendezvous address from any launcher family; :data:`FAMILIES` names each family's
   variables, :data:`MPI_FAMILIES` the MPI launchers among them); :func:`host_cores` and
   :func:`crowded` (more of the job's ranks on this host than cores: waiting ranks must
-  not poll);
+  not poll); :func:`host_key` (equal for processes that can look each other up in
+  ``/proc``);
 * ``meshcomm launch`` support: :data:`LauncherSupport` (:class:`RankEnvLauncher` or
   :class:`ExternalLauncher`, optionally :class:`CleanupLauncher`), :class:`JobSpec`,
   :class:`RankPlace`, and :func:`check_env_name` / :func:`secret_names` for commands
@@ -81,7 +82,7 @@ from .runtime.launchspec import (
 )
 from .runtime.launchvars import FAMILIES, MPI_FAMILIES, Family
 from .runtime.lifetime import die_with_parent
-from .runtime.placement import Coordinator, Placement, coordinator, crowded, host_cores, placement
+from .runtime.placement import Coordinator, Placement, coordinator, crowded, host_cores, host_key, placement
 
 if TYPE_CHECKING:  # resolved by __getattr__ at run time
     from .protocol.dtypes import SUPPORTED, bfloat16
@@ -120,6 +121,7 @@ __all__ = [
     "Family",
     "host_cores",
     "crowded",
+    "host_key",
     # meshcomm launch
     "LauncherSupport",
     "RankEnvLauncher",

@@ -12,8 +12,11 @@ serves its store there), else one derived from the Slurm step.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +32,7 @@ __all__ = [
     "expand_hostlist",
     "host_cores",
     "crowded",
+    "host_key",
     "FAMILIES",
 ]
 
@@ -42,6 +46,26 @@ def crowded(local_ranks: int) -> bool:
     """Whether this host runs more of the job's ranks than it has cores: a waiting rank
     that polls would then take the core the rank it waits for needs."""
     return local_ranks > host_cores()
+
+
+@functools.cache
+def host_key() -> int:
+    """A 62-bit number equal exactly for processes that can see each other in ``/proc``: same
+    host name, same boot and same PID namespace. A host name alone is not enough: containers
+    with the host's network share its name but not its processes, and two machines may share
+    a name; a peer's pid is looked up only where this key matches."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            parts.append(fh.read().strip())
+    except OSError:
+        parts.append("-")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append("-")
+    digest = hashlib.sha256("\0".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Before the group forms: every rank proves the job secret and learns where the others run.
 
-Each rank writes ``meshcomm/proc/<rank>`` (``host pid``, sealed with the job secret over this
-start-up's nonce by the :class:`.authstore.AuthStore`, see :mod:`.session`) and reads every
+Each rank writes ``meshcomm/proc/<rank>`` (host, pid and host key, sealed with the job secret over
+this start-up's nonce by the :class:`.authstore.AuthStore`, see :mod:`.session`) and reads every
 other rank's. A record whose tag does not verify names its rank: with three or more ranks, a
 rank that cannot verify anyone has the wrong secret itself, and the others name it. A rank
 that refused rank 0's nonce writes its refusal in its record instead, sealed over its own
@@ -13,8 +13,7 @@ stopped (:func:`rejection_of_others`).
 from __future__ import annotations
 
 import datetime
-import os
-import socket
+import json
 from typing import Any
 
 from meshcomm.plugin import DistributedError
@@ -30,7 +29,8 @@ _REJECTED = "meshcomm/rejected/"
 
 
 def admit(store: Any, rank: int, size: int, session: Session) -> list[RankProcess]:
-    """Publish this rank's host and pid and return every world rank's (index = rank).
+    """Publish where this rank runs (:class:`.liveness.RankProcess`); return every world rank's
+    (index = rank).
 
     Raises StoreAuthError (naming the ranks whose records failed the job secret check, or the
     rank that refused this start-up's nonce, and the fix) instead of returning anything a
@@ -39,14 +39,13 @@ def admit(store: Any, rank: int, size: int, session: Session) -> list[RankProces
     if session.refused is not None:  # the others must not wait for this rank's record: it says why
         store.set(f"{_PROC}{rank}", str(session.refused)[:2000])
         raise session.refused
-    store.set(f"{_PROC}{rank}", f"{socket.gethostname()} {os.getpid()}")
+    store.set(f"{_PROC}{rank}", json.dumps(RankProcess.here().encode()))
     peers: list[RankProcess | None] = []
     bad: dict[int, StoreAuthError] = {}
     refusals: dict[int, str] = {}
     for q in range(size):
         try:
-            host, _, pid = store.get(f"{_PROC}{q}").decode().rpartition(" ")
-            peers.append(RankProcess(host, int(pid)))
+            peers.append(RankProcess.decode(json.loads(store.get(f"{_PROC}{q}").decode())))
         except StoreAuthError as exc:
             said = _refusal(store, q, session)
             if said is not None:
@@ -54,7 +53,7 @@ def admit(store: Any, rank: int, size: int, session: Session) -> list[RankProces
             else:  # a forged challenge says more than the refusal it caused
                 bad[q] = session.unanswered.get(q, exc)
             peers.append(None)
-        except (UnicodeDecodeError, ValueError) as exc:  # sealed by a rank, so a bug, not an attack
+        except (UnicodeDecodeError, ValueError, TypeError) as exc:  # sealed by a rank, so a bug, not an attack
             raise DistributedError(f"[gloo] rank {rank}: rank {q}'s start-up record is malformed: {exc}") from exc
     if refusals:
         q = min(refusals)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -617,10 +616,9 @@ class GlooBackend(Backend):
         ended), or on this host a process that is gone or a zombie."""
         ranks = list(world_ranks)
         out = set(self._records.statuses(ranks))
-        here = socket.gethostname()
         for w in ranks:
             p = self._peers[w] if w < len(self._peers) else None
-            if p is not None and p.host == here and process_state(p.pid) in ("gone", "exited (zombie)"):
+            if p is not None and p.local and process_state(p.pid) in ("gone", "exited (zombie)"):
                 out.add(w)
         return out
 
@@ -673,7 +671,7 @@ class GlooBackend(Backend):
         try:
             if self._rank == 0:
                 ready = admit_waiting(store, self._joins, self.timeout)
-                store.set(key, json.dumps([[n, p.host, p.pid] for n, p in ready]))
+                store.set(key, json.dumps([[n, p.encode()] for n, p in ready]))
             decided = json.loads(bytes(store.get(key)).decode())
         except DistributedError:
             raise
@@ -684,7 +682,7 @@ class GlooBackend(Backend):
             ) from None
         if not decided:
             return None
-        joiners = [(int(n), RankProcess(str(h), int(pid))) for n, h, pid in decided]
+        joiners = [(int(n), RankProcess.decode(p)) for n, p in decided]
         peers = self._peers + [p for _, p in joiners]
         members = self._members + [len(self._peers) + i for i in range(len(joiners))]
         prefix = f"{self._prefix}/grown{self._agreements}"

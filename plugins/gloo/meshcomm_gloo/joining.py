@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import secrets
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,14 +65,14 @@ class Admission:
                 "size": self.size,
                 "epoch": self.epoch,
                 "members": self.members,
-                "peers": [[p.host, p.pid] for p in self.peers],
+                "peers": [p.encode() for p in self.peers],
             }
         )
 
     @staticmethod
     def decode(raw: bytes) -> Admission:
         d = json.loads(bytes(raw).decode())
-        peers = [RankProcess(str(h), int(p)) for h, p in d["peers"]]
+        peers = [RankProcess.decode(p) for p in d["peers"]]
         return Admission(str(d["prefix"]), int(d["rank"]), int(d["size"]), int(d["epoch"]), d["members"], peers)
 
 
@@ -121,7 +119,7 @@ def admit_waiting(store: Any, joins: Joins, timeout: float) -> list[tuple[int, R
         except StoreAuthError:
             joins.refused.add(n)
             continue
-        ready.append((n, RankProcess(str(rec["host"]), int(rec["pid"]))))
+        ready.append((n, RankProcess.decode(rec)))
     return ready
 
 
@@ -143,7 +141,7 @@ def ask_to_join(store: Any, timeout: float) -> Admission:
             peer=0,
         )
     store.begin(nonce)
-    store.set(f"{_RECORD}{n}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    store.set(f"{_RECORD}{n}", json.dumps(RankProcess.here().encode()))
     raw = _wait_get(store, f"{_RECORD}{n}/admit", deadline, timeout, "admitted it (called grow())")
     return Admission.decode(raw)
 

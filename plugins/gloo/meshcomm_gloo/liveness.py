@@ -1,10 +1,11 @@
 """Naming the rank behind a gloo failure, since gloo's own messages name only an address.
 
-At start-up every rank publishes ``host pid`` in the rendezvous store and reads
-everyone else's (:func:`.admission.admit`; one small key per rank, read while all ranks
-are certainly up, so no store access is needed later, when rank 0 and its store may be gone). When an
-operation fails, ranks on this host are looked up in ``/proc``: gone, a zombie, or
-stopped. Ranks on other hosts cannot be inspected and are not named.
+At start-up every rank publishes where it runs (host name, pid, host key) in the rendezvous
+store and reads everyone else's (:func:`.admission.admit`; one small key per rank, read while
+all ranks are certainly up, so no store access is needed later, when rank 0 and its store may
+be gone). When an operation fails, ranks on this host (same host key: same boot and PID
+namespace) are looked up in ``/proc``: gone, a zombie, or stopped. Ranks elsewhere cannot be
+inspected there.
 """
 
 from __future__ import annotations
@@ -14,18 +15,41 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from meshcomm.plugin import crowded
+from meshcomm.plugin import crowded, host_key
 
 __all__ = ["RankProcess", "suspects", "endpoints", "owner", "process_state", "spin_for"]
 
 
 @dataclass(frozen=True)
 class RankProcess:
-    """Where one world rank runs."""
+    """Where one world rank runs: its host's name (for messages), its pid, and its
+    :func:`meshcomm.plugin.host_key` (its pid is looked up in ``/proc`` only where that key is
+    this process's)."""
 
     host: str
     pid: int
+    key: int
+
+    @staticmethod
+    def here() -> RankProcess:
+        """This process."""
+        return RankProcess(socket.gethostname(), os.getpid(), host_key())
+
+    @property
+    def local(self) -> bool:
+        """Whether this process can see that one in ``/proc``."""
+        return self.key == host_key()
+
+    def encode(self) -> list[str | int]:
+        """The JSON form (``[host, pid, key]``) of store records."""
+        return [self.host, self.pid, self.key]
+
+    @staticmethod
+    def decode(item: list[Any]) -> RankProcess:
+        host, pid, key = item
+        return RankProcess(str(host), int(pid), int(key))
 
 
 def process_state(pid: int) -> str | None:
@@ -48,10 +72,9 @@ def suspects(peers: list[RankProcess], members: list[int], me: int) -> list[tupl
     """
     if not peers or not Path("/proc").is_dir():
         return []
-    here = socket.gethostname()
     out = []
     for i, world in enumerate(members):
-        if i == me or world >= len(peers) or peers[world].host != here:
+        if i == me or world >= len(peers) or not peers[world].local:
             continue
         state = process_state(peers[world].pid)
         if state is not None:
@@ -127,6 +150,6 @@ def spin_for(spin_us: float, peers: list[RankProcess], world_rank: int) -> float
     the rank it waits for needs)."""
     if not peers or world_rank >= len(peers):
         return 0.0
-    here = peers[world_rank].host
-    local = sum(1 for p in peers if p.host == here)
+    here = peers[world_rank].key
+    local = sum(1 for p in peers if p.key == here)
     return 0.0 if crowded(local) else spin_us * 1e-6

@@ -9,7 +9,7 @@ import os
 import signal
 
 import numpy as np
-from meshcomm.plugin import Backend, BackendUnavailableError, Config, die_with_parent
+from meshcomm.plugin import Backend, BackendUnavailableError, Config, die_with_parent, host_key
 
 from .environment import launched_world_size
 from .settings import MPISettings
@@ -34,7 +34,7 @@ def create_backend(config: Config, settings: MPISettings | None) -> Backend:
     from .backend import MPIBackend
     from .compiled import carried
     from .control import Control
-    from .peers import PeerTable, host_key
+    from .peers import PeerTable
     from .reduce_ops import INTS, OpTable, saturating_sum_dtypes
     from .survivors import fault_tolerant
 

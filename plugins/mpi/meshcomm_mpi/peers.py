@@ -1,38 +1,18 @@
 """Who the other ranks are as processes: pid and host identity, and whether one is alive.
 
-At start-up the ranks exchange (pid, host key). When a peer does not answer, a peer on
-the same host (same boot, same PID namespace) can be looked at directly in ``/proc``:
+At start-up the ranks exchange (pid, :func:`meshcomm.plugin.host_key`). When a peer does not
+answer, a peer on the same host (same boot, same PID namespace) can be looked at in ``/proc``:
 gone or a zombie means it died, state ``T`` means it is stopped (SIGSTOP, a debugger).
 Peers on other hosts cannot be looked at; they are reported as not answering.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import socket
 from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["host_key", "PeerTable"]
-
-
-def host_key() -> int:
-    """A 62-bit number equal for processes that share a host and a PID namespace."""
-    parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            with open(path, encoding="ascii") as fh:
-                parts.append(fh.read().strip())
-        except OSError:
-            parts.append("-")
-    try:
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        parts.append("-")
-    digest = hashlib.sha256("\0".join(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
+__all__ = ["PeerTable"]
 
 
 class PeerTable:
