@@ -149,17 +149,9 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
     store, _rank, _size, where = make_store(config, settings, join=True)
     place = ask_to_join(store, config.timeout)
     store.set_timeout(datetime.timedelta(seconds=config.timeout))
+    p, ifname = place, device_of(settings)
     try:
-        pg, ends, line = connect(
-            store,
-            place.prefix,
-            place.rank,
-            place.size,
-            config.timeout,
-            device_of(settings),
-            place.peers,
-            place.members,
-        )
+        pg, ends, line = connect(store, p.prefix, p.rank, p.size, config.timeout, ifname, p.peers, p.members)
     except RuntimeError as exc:
         raise translate(
             exc,
@@ -174,7 +166,7 @@ def _join(config: Config, settings: GlooSettings) -> Backend:
         place.rank,
         place.size,
         config.timeout,
-        device_of(settings),
+        ifname,
         "world",
         place.peers,
         place.members,
