@@ -80,8 +80,7 @@ def factory(config: Config, settings: Any) -> Backend:
     from .admission import admit, note_rejection, rejection_of_others
     from .backend import GlooBackend
     from .errors import StoreAuthError, translate
-    from .liveness import RankProcess, spin_for
-    from .meshwait import dead_members
+    from .liveness import RankProcess, spin_for, suspects
     from .rendezvous import WORLD_PREFIX, connect, device_of, make_store
     from .session import open_session
 
@@ -118,7 +117,7 @@ def factory(config: Config, settings: Any) -> Backend:
             where=f"rank {rank} of the world group (size {size}, {where})",
             op="start-up (connecting to every rank)",
             timeout=config.timeout,
-            suspects=dead_members(peers, list(range(size)), rank),
+            suspects=suspects(peers, list(range(size)), rank),
         ) from exc
     return GlooBackend(
         pg,
