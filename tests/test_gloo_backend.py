@@ -262,7 +262,6 @@ def test_only_ranks_with_this_host_key_are_looked_up_in_proc() -> None:
 
     from meshcomm.plugin import host_key
     from meshcomm_gloo.liveness import RankProcess, suspects
-    from meshcomm_gloo.meshwait import dead_members
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid is free
@@ -270,8 +269,25 @@ def test_only_ranks_with_this_host_key_are_looked_up_in_proc() -> None:
     here = [RankProcess.here(), RankProcess(name, gone.pid, host_key())]
     elsewhere = [RankProcess.here(), RankProcess(name, gone.pid, host_key() ^ 1)]
     assert suspects(here, [0, 1], 0) == [(1, f"rank 1 (world rank 1, pid {gone.pid}) is gone")]
-    assert dead_members(here, [0, 1], 0) == suspects(here, [0, 1], 0)
-    assert suspects(elsewhere, [0, 1], 0) == [] and dead_members(elsewhere, [0, 1], 0) == []
+    assert suspects(here, [0, 1], 0, dead_only=True) == suspects(here, [0, 1], 0)
+    assert suspects(elsewhere, [0, 1], 0) == [] and suspects(elsewhere, [0, 1], 0, dead_only=True) == []
+
+
+def test_a_stopped_member_is_a_suspect_but_not_dead() -> None:
+    """Start-up stops waiting at once only for a member that exited; a stopped one may resume."""
+    from meshcomm_gloo.liveness import RankProcess, suspects
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        while Path(f"/proc/{stopped.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+            time.sleep(0.01)
+        peers = [RankProcess.here(), RankProcess(RankProcess.here().host, stopped.pid, RankProcess.here().key)]
+        assert suspects(peers, [0, 1], 0) == [(1, f"rank 1 (world rank 1, pid {stopped.pid}) is stopped")]
+        assert suspects(peers, [0, 1], 0, dead_only=True) == []
+    finally:
+        stopped.kill()
+        stopped.wait()
 
 
 def test_dtype_fallbacks_on_three_ranks() -> None:

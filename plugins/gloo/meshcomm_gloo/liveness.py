@@ -65,8 +65,11 @@ def process_state(pid: int) -> str | None:
     return {"Z": "exited (zombie)", "X": "gone", "T": "stopped", "t": "stopped"}.get(code)
 
 
-def suspects(peers: list[RankProcess], members: list[int], me: int) -> list[tuple[int, str]]:
-    """(group rank, description) of the members on this host that are not running normally.
+def suspects(
+    peers: list[RankProcess], members: list[int], me: int, *, dead_only: bool = False
+) -> list[tuple[int, str]]:
+    """(group rank, description) of the members on this host that are not running normally
+    (with ``dead_only``, only those gone or a zombie: a stopped one may resume).
 
     ``members[i]`` is the world rank of group rank ``i``; ``me`` is this process's group rank.
     """
@@ -77,7 +80,7 @@ def suspects(peers: list[RankProcess], members: list[int], me: int) -> list[tupl
         if i == me or world >= len(peers) or not peers[world].local:
             continue
         state = process_state(peers[world].pid)
-        if state is not None:
+        if state is not None and not (dead_only and state == "stopped"):
             out.append((i, f"rank {i} (world rank {world}, pid {peers[world].pid}) is {state}"))
     return out
 

@@ -18,19 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import ConnectAbandoned
-from .liveness import RankProcess, suspects
 
-__all__ = ["build_watched", "dead_members"]
+__all__ = ["build_watched"]
 
 #: seconds between looks at the members' processes while gloo connects
 LOOK_EVERY = 0.05
 #: seconds gloo gets past the timeout before the wait is given up
 GRACE = 1.0
-
-
-def dead_members(peers: list[RankProcess], members: list[int], me: int) -> list[tuple[int, str]]:
-    """(group rank, description) of members on this host that exited (stopped ones may resume)."""
-    return [(q, text) for q, text in suspects(peers, members, me) if not text.endswith(" is stopped")]
 
 
 def build_watched(build: Callable[[], Any], timeout: float, lost: Callable[[], list[tuple[int, str]]]) -> Any:

@@ -20,8 +20,8 @@ from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .checkline import CheckLine, open_line
-from .liveness import RankProcess, endpoints
-from .meshwait import build_watched, dead_members
+from .liveness import RankProcess, endpoints, suspects
+from .meshwait import build_watched
 from .placing import is_address, resolve
 from .sealing import Sealer
 from .settings import GlooSettings
@@ -170,7 +170,7 @@ def connect(
     pg = build_watched(
         lambda: make_group(store, prefix, rank, size, timeout, ifname),
         timeout,
-        lambda: dead_members(peers or [], world, rank),
+        lambda: suspects(peers or [], world, rank, dead_only=True),
     )
     mine = endpoints() - before
     ends: list[set[str]] = []
