@@ -455,9 +455,11 @@ def rank_ring_allreduce(g: Any) -> None:
             mc.all_sum(np.ones(want // 4 - 1, np.float32), group=g)
         finally:
             b.comm = watched._comm
-        # the data: ring from the threshold; below it on 4+ ranks Rabenseifner's (the library's
-        # own choice would depend on in place); the call key is a persistent request made before
-        below = 3 if n >= 4 else 0
+        # the data: ring from the threshold; below it on 4+ ranks a fixed choice (the library's
+        # own would depend on in place); the call key is a persistent request made before
+        below = algorithms.algorithm_for(n, want - 4, want)
+        if (n >= 4) != (below != 0):
+            raise AssertionError(f"rank {r}: {n} ranks, {want - 4} bytes run under algorithm {below}")
         if watched.seen != [1, below] or read() != 0:
             raise AssertionError(f"rank {r}: algorithm per start {watched.seen}, after {read()}; want [1, {below}], 0")
     edges = (algorithms.ring_threshold(n, "auto") or 4096, 65536)
@@ -736,7 +738,7 @@ def test_ring_threshold_and_setting() -> None:
     from meshcomm.plugin import ConfigError, load_settings
 
     mpi_before = "mpi4py.MPI" in sys.modules
-    from meshcomm_mpi.algorithms import ring_threshold
+    from meshcomm_mpi.algorithms import algorithm_for, ring_threshold
     from meshcomm_mpi.settings import MPISettings
 
     # importing it must not start MPI in this process (a singleton MPI leaves /dev/shm files)
@@ -744,6 +746,12 @@ def test_ring_threshold_and_setting() -> None:
 
     assert [ring_threshold(n, "auto") for n in (1, 2, 3, 4, 64)] == [None, 65536, 3 * 65536, 4 * 65536, 64 * 65536]
     assert ring_threshold(2, "off") is None and ring_threshold(8, 1000) == 1000
+    # below the ring, 4+ ranks run one fixed algorithm (libnbc's own choice would depend on in
+    # place): binomial (2) below 256 KiB, Rabenseifner's (3) from there; fewer ranks: libnbc's (0)
+    kib = 1024
+    assert [algorithm_for(4, b, 256 * kib) for b in (64 * kib - 1, 64 * kib, 256 * kib - 1, 256 * kib)] == [0, 2, 2, 1]
+    assert [algorithm_for(8, b, 512 * kib) for b in (128 * kib, 256 * kib, 512 * kib)] == [2, 3, 1]
+    assert [algorithm_for(3, b, 192 * kib) for b in (64 * kib, 192 * kib)] == [0, 1]
     assert load_settings(MPISettings, environ={"MESHCOMM_MPI_RING_FROM": "65536"}).ring_from == 65536
     for bad in ("-1", "ring", "1.5"):
         with pytest.raises(ConfigError, match="MESHCOMM_MPI_RING_FROM"):

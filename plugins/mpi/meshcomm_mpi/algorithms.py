@@ -19,7 +19,8 @@ faults that meshcomm works around by choosing for it:
 The algorithm is one process-wide MCA variable (``coll_libnbc_iallreduce_algorithm``),
 read when an all-reduce starts, which MPI's tool interface (MPI_T) may change between
 calls. :class:`AllreduceStarter` sets it for the one start that needs it (ring from the
-threshold up, Rabenseifner's where libnbc's own choice would depend on in place) and puts
+threshold up; where libnbc's own choice would depend on in place, the binomial tree below
+256 KiB, the faster one there on 4 ranks, and Rabenseifner's from 256 KiB) and puts
 it back at once, under one process-wide lock, so that no other start in the process
 runs under a setting meant for another. The choice depends only on the byte count and the
 number of ranks, which every rank of a matching call shares.
@@ -35,12 +36,17 @@ import ctypes
 import threading
 from typing import Any
 
-__all__ = ["AllreduceStarter", "ring_threshold"]
+__all__ = ["AllreduceStarter", "ring_threshold", "algorithm_for"]
 
 _VARIABLE = b"coll_libnbc_iallreduce_algorithm"
-_LIBRARY_CHOICE, _RING, _RABENSEIFNER = 0, 1, 3
+_LIBRARY_CHOICE, _RING, _BINOMIAL, _RABENSEIFNER = 0, 1, 2, 3
 #: from this many bytes on 4+ ranks libnbc's own choice depends on MPI_IN_PLACE
 _IN_PLACE_MATTERS_FROM = 65536
+#: below this many bytes (and the ring threshold) 4+ ranks run the binomial tree, from it
+#: Rabenseifner's: on 4 ranks binomial took 76-77 us at 64 KiB and 123-130 at 128 KiB
+#: against Rabenseifner's 115-159 and 132-165 (raw Iallreduce + test loop); from 256 KiB the
+#: two were alike, and from 512 KiB ring and Rabenseifner's were faster
+_BINOMIAL_BELOW = 256 << 10
 #: smallest array (bytes) that uses ring on 2 ranks: below it the persistent operations
 #: (backend.PLANNED_MAX) are faster through meshcomm (4-32 KiB: 11-23 against 21-31 us),
 #: at 64 KiB the two measured alike (raw Iallreduce, ring: 0.84x blocking at 32 KiB, 0.79x
@@ -64,13 +70,24 @@ def ring_threshold(size: int, setting: str | int) -> int | None:
     return int(setting)
 
 
+def algorithm_for(size: int, nbytes: int, ring_from: int) -> int:
+    """libnbc's algorithm code (0: its own choice) for an all-reduce of ``nbytes`` on ``size``
+    ranks, ring from ``ring_from`` bytes: on 4+ ranks from 64 KiB a fixed choice, so that
+    ranks that differ in passing MPI_IN_PLACE run the same algorithm."""
+    if nbytes >= ring_from:
+        return _RING
+    if size >= 4 and nbytes >= _IN_PLACE_MATTERS_FROM:
+        return _BINOMIAL if nbytes < _BINOMIAL_BELOW else _RABENSEIFNER
+    return _LIBRARY_CHOICE
+
+
 class _Variable:
     """The MCA variable through MPI_T: one handle, written only when the value changes."""
 
     def __init__(self, lib: Any, handle: ctypes.c_void_p) -> None:
         self._write = lib.MPI_T_cvar_write
         self._handle = handle
-        self._values = {v: ctypes.byref(ctypes.c_int(v)) for v in (_LIBRARY_CHOICE, _RING, _RABENSEIFNER)}
+        self._values = {v: ctypes.byref(ctypes.c_int(v)) for v in (_LIBRARY_CHOICE, _RING, _BINOMIAL, _RABENSEIFNER)}
 
     def set(self, value: int) -> None:
         if self._write(self._handle, self._values[value]) != 0:
@@ -136,15 +153,13 @@ class AllreduceStarter:
         #: MPI_IN_PLACE is safe when some ranks of a call pass it and others do not
         self.in_place = on or size == 1
         self.ring_from = ring_from if on else None
-        self._fix_from = _IN_PLACE_MATTERS_FROM if on and size >= 4 else None
+        self._size = size
 
     def choice(self, nbytes: int) -> int:
         """The algorithm an all-reduce of ``nbytes`` runs under (0: the library's choice)."""
-        if self.ring_from is not None and nbytes >= self.ring_from:
-            return _RING
-        if self._fix_from is not None and nbytes >= self._fix_from:
-            return _RABENSEIFNER
-        return _LIBRARY_CHOICE
+        if self.ring_from is None:
+            return _LIBRARY_CHOICE
+        return algorithm_for(self._size, nbytes, self.ring_from)
 
     def persistent(self, comm: Any, send: Any, recv: Any, op: Any) -> Any:
         """``comm.Allreduce_init(send, recv, op)`` of a small array, under the library's choice
