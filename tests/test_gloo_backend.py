@@ -282,7 +282,8 @@ def test_a_stopped_member_is_a_suspect_but_not_dead() -> None:
         stopped.send_signal(signal.SIGSTOP)
         while Path(f"/proc/{stopped.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
             time.sleep(0.01)
-        peers = [RankProcess.here(), RankProcess(RankProcess.here().host, stopped.pid, RankProcess.here().key)]
+        me = RankProcess.here()
+        peers = [me, RankProcess(me.host, stopped.pid, me.key)]
         assert suspects(peers, [0, 1], 0) == [(1, f"rank 1 (world rank 1, pid {stopped.pid}) is stopped")]
         assert suspects(peers, [0, 1], 0, dead_only=True) == []
     finally:

@@ -36,7 +36,7 @@ from .checkline import CheckLine, PeerClosed
 from .codecs import Plan, plan_for
 from .errors import first_line, translate
 from .joining import Admission, Joins, admit_waiting, write_admission
-from .liveness import RankProcess, owner, process_state, suspects
+from .liveness import RankProcess, owner, suspects
 from .records import Records
 from .rendezvous import connect
 from .smallreduce import line_key, on_line, reduce_rows
@@ -615,12 +615,8 @@ class GlooBackend(Backend):
         """Which of ``world_ranks`` are known gone: a status record (its program failed or
         ended), or on this host a process that is gone or a zombie."""
         ranks = list(world_ranks)
-        out = set(self._records.statuses(ranks))
-        for w in ranks:
-            p = self._peers[w] if w < len(self._peers) else None
-            if p is not None and p.local and process_state(p.pid) in ("gone", "exited (zombie)"):
-                out.add(w)
-        return out
+        dead = suspects(self._peers, ranks, -1, dead_only=True)  # -1: this rank is not among them
+        return set(self._records.statuses(ranks)) | {ranks[i] for i, _ in dead}
 
     def _arrived(self) -> None:
         """This rank wrote that it is here in this world's agreement: it is no longer connecting."""
