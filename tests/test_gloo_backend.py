@@ -291,6 +291,43 @@ def test_a_stopped_member_is_a_suspect_but_not_dead() -> None:
         stopped.wait()
 
 
+def test_members_that_give_no_sign_of_life_while_connecting_are_named_wherever_they_run() -> None:
+    """Signs of life in the store (every member of a group of world ranks 0, 2, 3, 5): one that
+    stopped giving them, one that never gave any and one whose sign was forged without the job
+    secret are named, with their world rank, pid and host; a member still giving them is not;
+    a store that cannot be opened a second time (a FileStore) names nobody."""
+    import torch.distributed as dist
+    from meshcomm_gloo.authstore import AuthStore
+    from meshcomm_gloo.heartbeat import EVERY, Heartbeat
+    from meshcomm_gloo.liveness import RankProcess
+    from meshcomm_gloo.sealing import Sealer
+
+    inner = dist.HashStore()
+
+    def store(reopen: bool = True) -> AuthStore:
+        return AuthStore(inner, Sealer(b"secret", "job"), reopen=(lambda _t: inner) if reopen else None)
+
+    peers = [RankProcess(f"host{w}", 100 + w, w) for w in range(6)]
+    members = [0, 2, 3, 5]
+    signs = {i: Heartbeat(store(), "g", i, members, peers, 5.0) for i in (0, 1, 2)}  # group rank 3: never
+    for s in signs.values():
+        s.beat(0.0)
+    inner.set("g/meshcomm-beat/2", b"999")  # group rank 2's one sign, overwritten by a stranger
+    assert signs[0].mark()
+    for t in (EVERY, 2 * EVERY, 3 * EVERY):
+        signs[0].beat(t)
+        signs[1].beat(t)  # group rank 1 goes on; group rank 2 gave one sign and stopped
+        signs[1].beat(t - EVERY / 2)  # (no more than one sign per EVERY seconds)
+        inner.set("g/meshcomm-beat/2", str(1000 + t).encode())  # the stranger's "signs" change, unsealed
+    silent = signs[0].silent()
+    assert [i for i, _ in silent] == [2, 3], silent
+    assert silent[1][1].startswith("rank 3 (world rank 5, pid 105 on host5) gave no sign of life"), silent
+    assert [i for i, _ in signs[1].silent()] == []  # it never noted the others' signs: it names nobody
+    on_file = Heartbeat(store(reopen=False), "g", 0, members, peers, 5.0)
+    on_file.beat(0.0)
+    assert not on_file.mark() and on_file.silent() == []
+
+
 def test_dtype_fallbacks_on_three_ranks() -> None:
     run(3, "_w_dtypes")
 
@@ -468,6 +505,21 @@ def test_rank_dying_in_the_mesh_connection_is_named_within_the_timeout() -> None
     assert "RAISED PeerLostError peer=1" in out and "rank 1 (world rank 1, pid" in out, out + err[-2000:]
     took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
     assert took < timeout, f"rank 0 took {took:.1f} s to give up on a dead rank 1 (MLX_TIMEOUT={timeout:g})"
+    assert res[1][0] == -signal.SIGKILL, res[1]
+
+
+def test_rank_dying_in_the_mesh_connection_on_another_host_is_named_by_its_silence() -> None:
+    """The same death where /proc cannot see it (every rank looks as if on its own host): rank 0
+    names rank 1 from its missing signs of life in the store, when gloo reports the refused
+    connection or at the deadline (MLX_TIMEOUT + 1 s), whichever side of the pair it is."""
+    timeout = 5.0
+    res = finish(start(2, [str(HERE), "_w_mesh_death", "elsewhere"], {"MLX_TIMEOUT": str(timeout)}), timeout=90)
+    rc, out, err = res[0]
+    assert rc == 0, err[-3000:]
+    assert re.search(r"RAISED (PeerLostError|CommTimeoutError) peer=1 ", out), out + err[-2000:]
+    assert "rank 1 (world rank 1, pid" in out and "gave no sign of life" in out, out
+    took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+    assert took < timeout + 3, f"rank 0 took {took:.1f} s to give up on a dead rank 1 (MLX_TIMEOUT={timeout:g})"
     assert res[1][0] == -signal.SIGKILL, res[1]
 
 
@@ -901,13 +953,18 @@ def _w_leave() -> None:
 
 def _w_mesh_death() -> None:
     """Rank 1 is SIGKILLed 1 s into gloo's mesh connection (its address is in the store by then);
-    rank 0 sleeps 2 s after admission, then connects, and reports what it raises."""
+    rank 0 sleeps 2 s after admission, then connects, and reports what it raises (``elsewhere``:
+    with every rank on a host of its own)."""
     import threading
 
     import meshcomm as mc
     from meshcomm_gloo import admission, rendezvous
 
     rank = int(os.environ["MLX_RANK"])
+    if sys.argv[2:] == ["elsewhere"]:  # each rank its own host: no /proc lookups of the others
+        from meshcomm_gloo import liveness
+
+        liveness.host_key = lambda: -1 - rank  # type: ignore[assignment]
     woke: list[float] = []
     if rank == 0:
         admit = admission.admit

@@ -16,15 +16,15 @@ can delete keys, overwrite them with garbage, or write before a rank does; all o
 makes start-up fail with this error or time out (denial of service), never use wrong data.
 A value recorded in an earlier start-up (another job with the same secret) carries another
 nonce and is refused. Within one start-up a sealed value can be copied back to the same
-key (replay); meshcomm writes each key once per start-up except failure records, where a
-replay could at most change an error message. Imports torch; imported only by the factory.
+key (replay); meshcomm writes each key once per start-up except failure records and signs of
+life (:mod:`.heartbeat`), where a replay could at most change an error message. Imports torch; imported only by the factory.
 """
 
 from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -50,14 +50,24 @@ class AuthStore(dist.Store):
     """Seals values written to ``inner`` and checks values read from it.
 
     ``namespace`` is put before every key (a shared store, e.g. torchrun's agent store,
-    holds other jobs' and torch's keys); ``rank`` and ``where`` only go into messages.
+    holds other jobs' and torch's keys); ``rank`` and ``where`` only go into messages;
+    ``reopen(timeout)`` makes another client of the same store (:meth:`twin`).
     """
 
     def __init__(
-        self, inner: Any, sealer: Sealer, *, namespace: str = "", rank: int = 0, where: str = "rendezvous store"
+        self,
+        inner: Any,
+        sealer: Sealer,
+        *,
+        namespace: str = "",
+        rank: int = 0,
+        where: str = "rendezvous store",
+        reopen: Callable[[float], Any] | None = None,
     ) -> None:
         super().__init__()
         self._inner = inner
+        self._given = sealer
+        self._reopen = reopen
         self._base = sealer.bound(b"")  # the session's own keys
         self._sealer = sealer  # every other key: over the start-up's nonce once begin() was called
         self._ns = namespace
@@ -74,6 +84,17 @@ class AuthStore(dist.Store):
         self._sealer = self._base.bound(nonce)
         #: the start-up's nonce (rank 0 hands it to newcomers that prove the secret: :mod:`.joining`)
         self.nonce = nonce
+
+    def twin(self, timeout: float) -> AuthStore | None:
+        """Another connection to the same store with the same seals, for a thread that must not
+        wait behind this connection's blocking calls (gloo's rendezvous holds it while it waits for
+        a key); None for a store that cannot be opened twice (a FileStore counts its users)."""
+        if self._reopen is None:
+            return None
+        other = AuthStore(self._reopen(timeout), self._given, namespace=self._ns, rank=self._rank, where=self._where)
+        if self.nonce:
+            other.begin(self.nonce)
+        return other
 
     def _full(self, key: str) -> str:
         return self._ns + key

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
-__all__ = ["translate", "first_line", "StoreAuthError", "ConnectAbandoned"]
+__all__ = ["translate", "first_line", "lost_connection", "StoreAuthError", "ConnectAbandoned"]
 
 _LOST = (
     "connection closed",
@@ -43,13 +43,20 @@ class StoreAuthError(DistributedError):
 
 class ConnectAbandoned(RuntimeError):
     """meshcomm stopped waiting for gloo's mesh connection (:mod:`.meshwait`): a member on this
-    host died (``suspects``: (group rank, description) each) or the deadline passed. Its text
-    reads like gloo's ("connection closed" / "timed out"), so :func:`translate` turns it into
-    PeerLostError or CommTimeoutError."""
+    host died, or the deadline passed, or gloo lost a connection (``suspects``: (group rank,
+    description) of the members to blame; ``seen``: where they were seen so, put before their
+    descriptions). Its text reads like gloo's ("connection closed" / "timed out"), so
+    :func:`translate` turns it into PeerLostError or CommTimeoutError."""
 
-    def __init__(self, message: str, suspects: list[tuple[int, str]]) -> None:
+    def __init__(self, message: str, suspects: list[tuple[int, str]], seen: str = "on this host") -> None:
         super().__init__(message)
         self.suspects = suspects
+        self.seen = seen
+
+
+def lost_connection(exc: BaseException) -> bool:
+    """Whether gloo's error says a connection was lost (closed, reset, refused ...)."""
+    return any(s in first_line(exc).lower() for s in _LOST)
 
 
 def first_line(exc: BaseException) -> str:
@@ -74,13 +81,17 @@ def translate(
     """
     said = first_line(exc)
     low = said.lower()
-    suspects = suspects or (exc.suspects if isinstance(exc, ConnectAbandoned) else [])
+    seen = "on this host"
+    if not suspects and isinstance(exc, ConnectAbandoned):
+        suspects, seen = exc.suspects, exc.seen
+    suspects = suspects or []
     told = "meshcomm stopped waiting" if isinstance(exc, ConnectAbandoned) else "gloo said"
     if peer is None and len(suspects) == 1:
         peer = suspects[0][0]
     target = f"rank {peer}" if peer is not None else "a peer"
     if suspects:
-        findings = "; on this host " + "; ".join(text for _, text in suspects)
+        findings = f"; {seen} " if seen else "; "
+        findings += "; ".join(text for _, text in suspects)
     elif peer is None:
         findings = " (gloo does not say which rank, and no rank on this host is dead or stopped)"
     else:

@@ -6,8 +6,10 @@ timeout it was given (measured with torch 2.13: 40 s with an 8 s timeout). So th
 group is built in a helper thread (gloo releases the GIL while it waits) and the calling
 thread watches: a member on this host that is gone ends the wait at once, naming it, and
 so does the deadline (the timeout plus a second, so that gloo's own errors, which say more,
-come first when gloo keeps to its timeout). An abandoned build finishes or fails on its own
-in the background; its result is dropped.
+come first when gloo keeps to its timeout). At the deadline, and when gloo reports a lost
+connection that no member on this host explains, the members that gave no sign of life in
+the store (:mod:`.heartbeat`) are named, wherever they run. An abandoned build finishes or
+fails on its own in the background; its result is dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ConnectAbandoned
+from .errors import ConnectAbandoned, first_line, lost_connection
+from .heartbeat import BEGIN, EVERY, WINDOW, Heartbeat
 
 __all__ = ["build_watched"]
 
@@ -27,9 +30,15 @@ LOOK_EVERY = 0.05
 GRACE = 1.0
 
 
-def build_watched(build: Callable[[], Any], timeout: float, lost: Callable[[], list[tuple[int, str]]]) -> Any:
+def build_watched(
+    build: Callable[[], Any],
+    timeout: float,
+    lost: Callable[[], list[tuple[int, str]]],
+    signs: Heartbeat | None = None,
+) -> Any:
     """``build()``'s result; raises what it raised, or ConnectAbandoned when ``lost()`` names a
-    dead member or ``timeout`` + GRACE seconds passed first."""
+    dead member or ``timeout`` + GRACE seconds passed first (naming the members ``signs`` found
+    silent)."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -44,17 +53,61 @@ def build_watched(build: Callable[[], Any], timeout: float, lost: Callable[[], l
     started = time.monotonic()
     threading.Thread(target=run, name="meshcomm-gloo-connect", daemon=True).start()
     deadline = started + timeout + GRACE
-    while not done.wait(LOOK_EVERY):
-        dead = lost()
-        if dead:
-            said = "; ".join(text for _, text in dead)
-            raise ConnectAbandoned(f"connection closed while connecting to every member: {said}", dead)
-        if time.monotonic() >= deadline:
-            raise ConnectAbandoned(
-                f"timed out after {time.monotonic() - started:.1f} s connecting to every member "
-                "(gloo was still waiting for a member's connection)",
-                [],
-            )
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    # the members' signs are noted once everyone waiting has given a few, a window before the deadline
+    mark_at = max(deadline - WINDOW, started + BEGIN + 2 * EVERY)
+    marked = False
+    try:
+        while not done.wait(LOOK_EVERY):
+            now = time.monotonic()
+            if signs is not None and now >= started + BEGIN:
+                signs.beat(now)
+                if not marked and now >= mark_at:
+                    marked = signs.mark()
+            dead = lost()
+            if dead:
+                said = "; ".join(text for _, text in dead)
+                raise ConnectAbandoned(f"connection closed while connecting to every member: {said}", dead)
+            if now >= deadline:
+                silent = signs.silent() if signs is not None and marked else []
+                raise ConnectAbandoned(
+                    f"timed out after {now - started:.1f} s connecting to every member "
+                    "(gloo was still waiting for a member's connection)",
+                    silent,
+                    seen="",
+                )
+        if "error" in box:
+            error = box["error"]
+            if signs is not None and lost_connection(error) and not lost():
+                silent = _listen(signs, started)
+                if silent:
+                    raise ConnectAbandoned(
+                        f"gloo lost a connection while connecting to every member: {first_line(error)}",
+                        silent,
+                        seen="",
+                    ) from error
+            raise error
+        return box["value"]
+    finally:
+        if signs is not None:
+            signs.close()
+
+
+def _listen(signs: Heartbeat, started: float) -> list[tuple[int, str]]:
+    """The members that give no sign of life over the next window (gloo lost a connection and
+    did not say whose): this member keeps giving its own meanwhile."""
+    now = time.monotonic()
+    until = max(now, started + BEGIN + 2 * EVERY)
+    while True:
+        signs.beat(now)
+        if now >= until:
+            break
+        time.sleep(LOOK_EVERY)
+        now = time.monotonic()
+    if not signs.mark():
+        return []
+    end = now + WINDOW
+    while now < end:
+        time.sleep(LOOK_EVERY)
+        now = time.monotonic()
+        signs.beat(now)
+    return signs.silent()

@@ -13,6 +13,7 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .checkline import CheckLine, open_line
+from .heartbeat import Heartbeat
 from .liveness import RankProcess, endpoints, suspects
 from .meshwait import build_watched
 from .placing import is_address, resolve
@@ -50,6 +52,7 @@ def make_store(config: Config, settings: GlooSettings, *, join: bool = False) ->
     rank, size, where = rdv.rank, rdv.size, rdv.describe()
     sealer = Sealer((settings.secret or "").encode(), rdv.job)
     inner: Any
+    reopen: Callable[[float], Any] | None = None  # a second client (FileStore: none, it counts its users)
     if rdv.kind == "file":
         try:
             inner = dist.FileStore(str(rdv.file), size)
@@ -72,7 +75,13 @@ def make_store(config: Config, settings: GlooSettings, *, join: bool = False) ->
             inner.set_timeout(_delta(config.timeout))
         except Exception as exc:
             raise _store_error(exc, where, rank, size, config.timeout, host=host) from exc
-    store = AuthStore(inner, sealer, namespace=rdv.namespace, rank=rank, where=where)
+
+        def client(timeout: float) -> Any:
+            return dist.TCPStore(rdv.addr, rdv.port, None, False, timeout=_delta(timeout), wait_for_workers=False)
+
+        reopen = client
+
+    store = AuthStore(inner, sealer, namespace=rdv.namespace, rank=rank, where=where, reopen=reopen)
     return store, rank, size, where
 
 
@@ -160,8 +169,9 @@ def connect(
     and this rank's call-check channel (:mod:`.checkline`; None in a group of one).
 
     gloo's connection is watched (:mod:`.meshwait`): it is given up with ConnectAbandoned after
-    ``timeout`` or as soon as a member on this host exits (``peers``: every world rank's
-    process; ``members[i]``: the world rank of group rank ``i``, default ``range(size)``).
+    ``timeout`` (naming the members that gave no sign of life: :mod:`.heartbeat`) or as soon as
+    a member on this host exits (``peers``: every world rank's process; ``members[i]``: the
+    world rank of group rank ``i``, default ``range(size)``).
     The endpoints let a failure's address ("closed by peer [ip]:port") be traced to a rank
     (:func:`.liveness.owner`); an empty list when they could not be learnt.
     """
@@ -171,6 +181,7 @@ def connect(
         lambda: make_group(store, prefix, rank, size, timeout, ifname),
         timeout,
         lambda: suspects(peers or [], world, rank, dead_only=True),
+        Heartbeat(store, prefix, rank, world, peers or [], timeout) if size > 1 else None,
     )
     mine = endpoints() - before
     ends: list[set[str]] = []
