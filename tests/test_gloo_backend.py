@@ -508,6 +508,24 @@ def test_rank_dying_in_the_mesh_connection_is_named_within_the_timeout() -> None
     assert res[1][0] == -signal.SIGKILL, res[1]
 
 
+def test_rank_stopped_in_the_mesh_connection_is_named_within_one_timeout() -> None:
+    """Rank 1 is SIGSTOPped 1 s into gloo's mesh connection: rank 0 raises CommTimeoutError naming
+    it as stopped within MLX_TIMEOUT + 2 s of connecting, whichever side of the pair it is (when
+    rank 0 connects, gloo's pair completes against the stopped process's listen queue; the
+    exchange after it waited a timeout, then the check channel another)."""
+    timeout = 4.0
+    procs = start(2, [str(HERE), "_w_mesh_death", "stop"], {"MLX_TIMEOUT": str(timeout)})
+    try:
+        rc, out, err = finish(procs[:1], timeout=60)[0]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert rc == 0, err[-3000:]
+    assert "RAISED CommTimeoutError peer=1 " in out and "is stopped" in out, out + err[-2000:]
+    took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
+    assert took < timeout + 2, f"rank 0 took {took:.1f} s to give up on a stopped rank 1 (MLX_TIMEOUT={timeout:g})"
+
+
 def test_rank_dying_in_the_mesh_connection_on_another_host_is_named_by_its_silence() -> None:
     """The same death where /proc cannot see it (every rank looks as if on its own host): rank 0
     names rank 1 from its missing signs of life in the store, when gloo reports the refused
@@ -954,7 +972,7 @@ def _w_leave() -> None:
 def _w_mesh_death() -> None:
     """Rank 1 is SIGKILLed 1 s into gloo's mesh connection (its address is in the store by then);
     rank 0 sleeps 2 s after admission, then connects, and reports what it raises (``elsewhere``:
-    with every rank on a host of its own)."""
+    with every rank on a host of its own; ``stop``: rank 1 is SIGSTOPped instead)."""
     import threading
 
     import meshcomm as mc
@@ -979,8 +997,10 @@ def _w_mesh_death() -> None:
     else:
         make_group = rendezvous.make_group
 
+        how = signal.SIGSTOP if sys.argv[2:] == ["stop"] else signal.SIGKILL
+
         def die_while_connecting(*args: object) -> object:
-            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            threading.Timer(1.0, os.kill, (os.getpid(), how)).start()
             return make_group(*args)  # type: ignore[arg-type]
 
         rendezvous.make_group = die_while_connecting  # type: ignore[assignment]

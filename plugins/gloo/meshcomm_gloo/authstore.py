@@ -17,7 +17,8 @@ makes start-up fail with this error or time out (denial of service), never use w
 A value recorded in an earlier start-up (another job with the same secret) carries another
 nonce and is refused. Within one start-up a sealed value can be copied back to the same
 key (replay); meshcomm writes each key once per start-up except failure records and signs of
-life (:mod:`.heartbeat`), where a replay could at most change an error message. Imports torch; imported only by the factory.
+life (:mod:`.heartbeat`), where a replay could at most change an error message. Imports
+torch; imported only by the factory.
 """
 
 from __future__ import annotations

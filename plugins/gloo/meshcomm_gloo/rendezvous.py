@@ -21,6 +21,7 @@ from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .checkline import CheckLine, open_line
+from .errors import ConnectAbandoned
 from .heartbeat import Heartbeat
 from .liveness import RankProcess, endpoints, suspects
 from .meshwait import build_watched
@@ -184,14 +185,49 @@ def connect(
         Heartbeat(store, prefix, rank, world, peers or [], timeout) if size > 1 else None,
     )
     mine = endpoints() - before
-    ends: list[set[str]] = []
-    try:
-        store.set(f"{prefix}/meshcomm-ends/{rank}", " ".join(sorted(mine)))
-        got = store.multi_get([f"{prefix}/meshcomm-ends/{q}" for q in range(size)])
-        ends = [set(bytes(v).decode().split()) for v in got]
-    except Exception:  # noqa: BLE001 - only error messages lose a name; the group works
-        pass
+    ends = _exchange_ends(store, prefix, rank, size, timeout, mine, world, peers or [])
     return pg, ends, open_line(store, prefix, rank, size, timeout, _reachable_ip(mine, ifname))
+
+
+def _exchange_ends(
+    store: Any,
+    prefix: str,
+    rank: int,
+    size: int,
+    timeout: float,
+    mine: set[str],
+    world: list[int],
+    peers: list[RankProcess],
+) -> list[set[str]]:
+    """Every member's TCP endpoints of the new group (empty if the store fails: only error
+    messages then lose a name). A member that has not published its own within ``timeout``
+    has not finished connecting (its side of gloo's mesh may have completed against a stopped
+    process's listen queue), so this raises ConnectAbandoned naming it instead of also waiting
+    a timeout for its check channel."""
+    keys = [f"{prefix}/meshcomm-ends/{q}" for q in range(size)]
+    try:
+        store.set(keys[rank], " ".join(sorted(mine)))
+        store.wait(keys, _delta(timeout))
+        return [set(bytes(v).decode().split()) for v in store.multi_get(keys)]
+    except Exception as exc:  # noqa: BLE001 - sorted out below
+        if not any(s in str(exc).lower() for s in ("timeout", "timed out")):
+            return []
+    try:
+        missing = [q for q in range(size) if not store.check([keys[q]])]
+    except Exception:  # noqa: BLE001 - the store is gone too: the check channel will say so
+        return []
+    if not missing:
+        return []
+    named = []
+    for q in missing:
+        w = world[q] if q < len(world) else q
+        where = f", pid {peers[w].pid} on {peers[w].host}" if w < len(peers) else ""
+        named.append((q, f"rank {q} (world rank {w}{where}) did not finish connecting"))
+    raise ConnectAbandoned(
+        f"timed out after {timeout:g} s waiting for every member to finish connecting to the group",
+        named,
+        seen="",
+    )
 
 
 def _reachable_ip(mine: set[str], ifname: str | None) -> str:
