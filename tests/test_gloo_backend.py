@@ -294,8 +294,9 @@ def test_a_stopped_member_is_a_suspect_but_not_dead() -> None:
 def test_members_that_give_no_sign_of_life_while_connecting_are_named_wherever_they_run() -> None:
     """Signs of life in the store (every member of a group of world ranks 0, 2, 3, 5): one that
     stopped giving them, one that never gave any and one whose sign was forged without the job
-    secret are named, with their world rank, pid and host; a member still giving them is not;
-    a store that cannot be opened a second time (a FileStore) names nobody."""
+    secret are named, with their world rank, pid and host; a member still giving them is not.
+    gloo connects over a second connection to the store, which a FileStore (it counts its
+    users) cannot give: there are no signs then."""
     import torch.distributed as dist
     from meshcomm_gloo.authstore import AuthStore
     from meshcomm_gloo.heartbeat import EVERY, Heartbeat
@@ -303,13 +304,10 @@ def test_members_that_give_no_sign_of_life_while_connecting_are_named_wherever_t
     from meshcomm_gloo.sealing import Sealer
 
     inner = dist.HashStore()
-
-    def store(reopen: bool = True) -> AuthStore:
-        return AuthStore(inner, Sealer(b"secret", "job"), reopen=(lambda _t: inner) if reopen else None)
-
+    store = AuthStore(inner, Sealer(b"secret", "job"))
     peers = [RankProcess(f"host{w}", 100 + w, w) for w in range(6)]
     members = [0, 2, 3, 5]
-    signs = {i: Heartbeat(store(), "g", i, members, peers, 5.0) for i in (0, 1, 2)}  # group rank 3: never
+    signs = {i: Heartbeat(store, "g", i, members, peers) for i in (0, 1, 2)}  # group rank 3: never
     for s in signs.values():
         s.beat(0.0)
     inner.set("g/meshcomm-beat/2", b"999")  # group rank 2's one sign, overwritten by a stranger
@@ -323,9 +321,13 @@ def test_members_that_give_no_sign_of_life_while_connecting_are_named_wherever_t
     assert [i for i, _ in silent] == [2, 3], silent
     assert silent[1][1].startswith("rank 3 (world rank 5, pid 105 on host5) gave no sign of life"), silent
     assert [i for i, _ in signs[1].silent()] == []  # it never noted the others' signs: it names nobody
-    on_file = Heartbeat(store(reopen=False), "g", 0, members, peers, 5.0)
-    on_file.beat(0.0)
-    assert not on_file.mark() and on_file.silent() == []
+    assert store.twin(1.0) is None  # made without a second client (as for a FileStore)
+    again = AuthStore(inner, Sealer(b"secret", "job"), reopen=lambda _t: inner)
+    again.begin(b"nonce")
+    twin = again.twin(1.0)
+    assert twin is not None and twin.nonce == b"nonce"
+    twin.set("k", b"v")
+    assert again.get("k") == b"v"  # the same seals over the other connection
 
 
 def test_dtype_fallbacks_on_three_ranks() -> None:
@@ -524,6 +526,23 @@ def test_rank_stopped_in_the_mesh_connection_is_named_within_one_timeout() -> No
     assert "RAISED CommTimeoutError peer=1 " in out and "is stopped" in out, out + err[-2000:]
     took = float(re.search(r"after (\d+\.\d)s", out).group(1))  # type: ignore[union-attr]
     assert took < timeout + 2, f"rank 0 took {took:.1f} s to give up on a stopped rank 1 (MLX_TIMEOUT={timeout:g})"
+
+
+def test_survivors_of_a_split_abandoned_for_a_dead_member_go_on_at_once() -> None:
+    """A member dies before its gloo address reaches the store: the others' split fails naming it
+    within a second, and their shrink does not wait behind gloo's abandoned rendezvous (it ran on
+    a store connection of its own; on the shared one the shrink waited until MLX_TIMEOUT)."""
+    timeout = 8.0
+    procs = start(3, [str(HERE), "_w_split_death"], {"MLX_TIMEOUT": str(timeout)})
+    res = finish(procs, timeout=90)
+    assert res[2][0] == -signal.SIGKILL, res[2]
+    for rc, out, err in res[:2]:
+        assert rc == 0, err[-3000:]
+        failed = re.search(r"SPLIT FAILED peer=2 after (\d+\.\d)s", out)
+        shrunk = re.search(r"SHRUNK to 2 sum=\[2\.0, 2\.0\] after (\d+\.\d)s", out)
+        assert failed and shrunk, out + err[-2000:]
+        assert float(failed.group(1)) < 2, out
+        assert float(shrunk.group(1)) < timeout / 2, f"the shrink waited: {out}"
 
 
 def test_rank_dying_in_the_mesh_connection_on_another_host_is_named_by_its_silence() -> None:
@@ -1010,6 +1029,29 @@ def _w_mesh_death() -> None:
     except mc.DistributedError as exc:
         took = time.monotonic() - woke[0]
         print(f"RAISED {type(exc).__name__} peer={getattr(exc, 'peer', None)} after {took:.1f}s: {exc}", flush=True)
+
+
+def _w_split_death() -> None:
+    """Rank 2 kills itself as it starts connecting a split (its gloo address never reaches the
+    store, so the others' gloo waits inside the store's client); ranks 0 and 1 report when the
+    split failed and when the survivors' shrink and an all_sum after it were done."""
+    import meshcomm as mc
+    from meshcomm_gloo import rendezvous
+
+    g = mc.init(strict=True, backend="gloo")
+    if g.rank() == 2:
+        rendezvous.make_group = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+    g.barrier()
+    t0 = time.monotonic()
+    try:
+        g.split(0)
+        print("NO ERROR")
+        return
+    except mc.PeerLostError as exc:
+        print(f"SPLIT FAILED peer={exc.peer} after {time.monotonic() - t0:.1f}s", flush=True)
+    s = g.shrink()
+    got = s.all_sum(np.ones(2))
+    print(f"SHRUNK to {s.size()} sum={got.tolist()} after {time.monotonic() - t0:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 gloo's mesh connection never says which member it is waiting for, and ``/proc``
 (:mod:`.liveness`) shows only the members on this host. So while meshcomm waits for gloo
 (:mod:`.meshwait`), a member that has waited :data:`BEGIN` seconds counts up a key of its own
-in the store every :data:`EVERY` seconds, through a second connection (gloo's rendezvous holds
-the first one while it waits for a key). The members whose count did not move during the last
-:data:`WINDOW` seconds before meshcomm gives up are the ones named: dead, stopped or cut off,
-wherever they run. A connection that ends within :data:`BEGIN` seconds costs nothing.
+in the store every :data:`EVERY` seconds (gloo's rendezvous runs on a connection of its own,
+:func:`.rendezvous.connect`, so the store's usual one is free). The members whose count did not
+move during the last :data:`WINDOW` seconds before meshcomm gives up are the ones named: dead,
+stopped or cut off, wherever they run. A connection that ends within :data:`BEGIN` seconds
+writes nothing.
 """
 
 from __future__ import annotations
@@ -30,18 +31,15 @@ class Heartbeat:
     """This member's signs of life while group ``prefix`` connects, and the members that gave none.
 
     ``store`` is the rendezvous store (an :class:`.authstore.AuthStore`: signs are sealed like
-    every other value, so no stranger can make a dead member look alive); ``rank`` is this
-    member's group rank, ``members[i]`` the world rank of group rank ``i`` and ``peers`` every
-    world rank's process (for the names in messages).
+    every other value, so no stranger can make a dead member look alive) on a connection that
+    gloo is not using; ``rank`` is this member's group rank, ``members[i]`` the world rank of
+    group rank ``i`` and ``peers`` every world rank's process (for the names in messages).
     """
 
-    def __init__(
-        self, store: Any, prefix: str, rank: int, members: list[int], peers: list[RankProcess], timeout: float
-    ) -> None:
-        self._origin, self._timeout = store, timeout
+    def __init__(self, store: Any, prefix: str, rank: int, members: list[int], peers: list[RankProcess]) -> None:
+        self._store = store
         self._prefix, self._rank, self._members, self._peers = prefix, rank, members, peers
-        self._store: Any = None
-        self._broken = not hasattr(store, "twin")
+        self._broken = False
         self._count = 0
         self._last = float("-inf")
         self._seen: dict[int, bytes | None] | None = None
@@ -50,15 +48,10 @@ class Heartbeat:
         return f"{self._prefix}/meshcomm-beat/{i}"
 
     def beat(self, now: float) -> None:
-        """Give a sign of life if one is due (the first opens the second connection)."""
+        """Give a sign of life if one is due."""
         if self._broken or now - self._last < EVERY:
             return
         try:
-            if self._store is None:
-                self._store = self._origin.twin(min(self._timeout, 5.0))
-                if self._store is None:
-                    self._broken = True
-                    return
             self._count += 1
             self._store.set(self._key(self._rank), str(self._count))
         except Exception:  # noqa: BLE001 - a store that cannot be reached names nobody
@@ -83,7 +76,7 @@ class Heartbeat:
 
     def mark(self) -> bool:
         """Note every member's sign now; False when that cannot be done (then :meth:`silent` names none)."""
-        if self._store is None or self._broken:
+        if self._broken or not self._count:
             return False
         self._seen = self._read()
         return self._seen is not None
@@ -111,7 +104,3 @@ class Heartbeat:
                     )
                 )
         return out
-
-    def close(self) -> None:
-        """Drop the second connection."""
-        self._store = None

@@ -56,40 +56,36 @@ def build_watched(
     # the members' signs are noted once everyone waiting has given a few, a window before the deadline
     mark_at = max(deadline - WINDOW, started + BEGIN + 2 * EVERY)
     marked = False
-    try:
-        while not done.wait(LOOK_EVERY):
-            now = time.monotonic()
-            if signs is not None and now >= started + BEGIN:
-                signs.beat(now)
-                if not marked and now >= mark_at:
-                    marked = signs.mark()
-            dead = lost()
-            if dead:
-                said = "; ".join(text for _, text in dead)
-                raise ConnectAbandoned(f"connection closed while connecting to every member: {said}", dead)
-            if now >= deadline:
-                silent = signs.silent() if signs is not None and marked else []
+    while not done.wait(LOOK_EVERY):
+        now = time.monotonic()
+        if signs is not None and now >= started + BEGIN:
+            signs.beat(now)
+            if not marked and now >= mark_at:
+                marked = signs.mark()
+        dead = lost()
+        if dead:
+            said = "; ".join(text for _, text in dead)
+            raise ConnectAbandoned(f"connection closed while connecting to every member: {said}", dead)
+        if now >= deadline:
+            silent = signs.silent() if signs is not None and marked else []
+            raise ConnectAbandoned(
+                f"timed out after {now - started:.1f} s connecting to every member "
+                "(gloo was still waiting for a member's connection)",
+                silent,
+                seen="",
+            )
+    if "error" in box:
+        error = box["error"]
+        if signs is not None and lost_connection(error) and not lost():
+            silent = _listen(signs, started)
+            if silent:
                 raise ConnectAbandoned(
-                    f"timed out after {now - started:.1f} s connecting to every member "
-                    "(gloo was still waiting for a member's connection)",
+                    f"gloo lost a connection while connecting to every member: {first_line(error)}",
                     silent,
                     seen="",
-                )
-        if "error" in box:
-            error = box["error"]
-            if signs is not None and lost_connection(error) and not lost():
-                silent = _listen(signs, started)
-                if silent:
-                    raise ConnectAbandoned(
-                        f"gloo lost a connection while connecting to every member: {first_line(error)}",
-                        silent,
-                        seen="",
-                    ) from error
-            raise error
-        return box["value"]
-    finally:
-        if signs is not None:
-            signs.close()
+                ) from error
+        raise error
+    return box["value"]
 
 
 def _listen(signs: Heartbeat, started: float) -> list[tuple[int, str]]:

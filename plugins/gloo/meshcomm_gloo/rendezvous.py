@@ -78,7 +78,12 @@ def make_store(config: Config, settings: GlooSettings, *, join: bool = False) ->
             raise _store_error(exc, where, rank, size, config.timeout, host=host) from exc
 
         def client(timeout: float) -> Any:
-            return dist.TCPStore(rdv.addr, rdv.port, None, False, timeout=_delta(timeout), wait_for_workers=False)
+            # the store is up: a connection that takes seconds will not come
+            c = dist.TCPStore(
+                rdv.addr, rdv.port, None, False, timeout=_delta(min(timeout, 5.0)), wait_for_workers=False
+            )
+            c.set_timeout(_delta(timeout))
+            return c
 
         reopen = client
 
@@ -177,16 +182,33 @@ def connect(
     (:func:`.liveness.owner`); an empty list when they could not be learnt.
     """
     world = list(range(size)) if members is None else members
+    # gloo's rendezvous waits inside the store's client, holding it: on a connection of its own,
+    # an abandoned connection cannot hold up this rank's later store calls (failure records,
+    # the survivors' agreement), and the signs of life go over the usual one meanwhile
+    own = _own_connection(store, timeout) if size > 1 else None
     before = endpoints()
     pg = build_watched(
-        lambda: make_group(store, prefix, rank, size, timeout, ifname),
+        lambda: make_group(own or store, prefix, rank, size, timeout, ifname),
         timeout,
         lambda: suspects(peers or [], world, rank, dead_only=True),
-        Heartbeat(store, prefix, rank, world, peers or [], timeout) if size > 1 else None,
+        None if own is None else Heartbeat(store, prefix, rank, world, peers or []),
     )
+    if own is not None:
+        own.use_connection_of(store)
     mine = endpoints() - before
     ends = _exchange_ends(store, prefix, rank, size, timeout, mine, world, peers or [])
     return pg, ends, open_line(store, prefix, rank, size, timeout, _reachable_ip(mine, ifname))
+
+
+def _own_connection(store: Any, timeout: float) -> Any:
+    """A second client of ``store`` (:meth:`.authstore.AuthStore.twin`); None where there is none."""
+    twin = getattr(store, "twin", None)
+    if twin is None:
+        return None
+    try:
+        return twin(timeout)
+    except Exception:  # noqa: BLE001 - the store is unreachable: gloo's rendezvous will say so on the usual one
+        return None
 
 
 def _exchange_ends(
