@@ -298,7 +298,7 @@ def test_members_that_give_no_sign_of_life_while_connecting_are_named_wherever_t
     gloo connects over a second connection to the store, which a FileStore (it counts its
     users) cannot give: there are no signs then."""
     import torch.distributed as dist
-    from meshcomm_gloo.authstore import AuthStore
+    from meshcomm_gloo.authstore import AuthStore, StoreAuthError
     from meshcomm_gloo.heartbeat import EVERY, Heartbeat
     from meshcomm_gloo.liveness import RankProcess
     from meshcomm_gloo.sealing import Sealer
@@ -328,6 +328,10 @@ def test_members_that_give_no_sign_of_life_while_connecting_are_named_wherever_t
     assert twin is not None and twin.nonce == b"nonce"
     twin.set("k", b"v")
     assert again.get("k") == b"v"  # the same seals over the other connection
+    inner.set("forged", b"x")
+    with pytest.raises(StoreAuthError):
+        twin.get("forged")
+    assert again.rejected is not None  # what gloo's rendezvous (on the twin) refused reaches the store's owner
 
 
 def test_dtype_fallbacks_on_three_ranks() -> None:

@@ -69,13 +69,14 @@ class AuthStore(dist.Store):
         self._inner = inner
         self._given = sealer
         self._reopen = reopen
+        self._twin_of: AuthStore | None = None  # the store a twin was made from: it learns what the twin refused
         self._base = sealer.bound(b"")  # the session's own keys
         self._sealer = sealer  # every other key: over the start-up's nonce once begin() was called
         self._ns = namespace
         self._rank = rank
         self._where = where
-        #: the first value this store refused (kept so that a caller can report it even if an
-        #: error crossed C++ code on its way out)
+        #: the first value this store (or a twin of it) refused (kept so that a caller can report
+        #: it even if an error crossed C++ code on its way out)
         self.rejected: StoreAuthError | None = None
         self.nonce = b""
 
@@ -93,6 +94,7 @@ class AuthStore(dist.Store):
         if self._reopen is None:
             return None
         other = AuthStore(self._reopen(timeout), self._given, namespace=self._ns, rank=self._rank, where=self._where)
+        other._twin_of = self
         if self.nonce:
             other.begin(self.nonce)
         return other
@@ -116,8 +118,10 @@ class AuthStore(dist.Store):
             return (sealer or self._sealer_of(key)).unseal(self._full(key), _bytes(raw))
         except BadSeal as bad:
             err = self._error(key, bad)
-            if self.rejected is None and sealer is None:
-                self.rejected = err
+            if sealer is None:
+                for store in (self, self._twin_of):
+                    if store is not None and store.rejected is None:
+                        store.rejected = err
             raise err from None
 
     def derive(self, label: str) -> bytes:
