@@ -486,18 +486,27 @@ def test_huge_timeout_does_not_overflow() -> None:
     assert all(out.strip() == "OK" for _, out, _ in res), res
 
 
-def test_missing_rank_times_out_at_start_up() -> None:
-    port = _free_port()
-    p = subprocess.Popen(
-        [sys.executable, str(HERE), "_w_any"],
-        env=_env(0, 2, {"MLX_TIMEOUT": "2"}, port=port),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    rc, out, err = finish([p], timeout=60)[0]
-    assert rc != 0 and "CommTimeoutError" in err and "MLX_WORLD_SIZE" in err, err[-2000:]
+def test_a_rank_that_never_starts_is_named_by_every_rank_that_did() -> None:
+    """Ranks 0 and 1 of 3 start; rank 2 never does: after MLX_TIMEOUT both raise CommTimeoutError
+    naming rank 2 and saying which settings to check (rank 0 read every challenge but rank 2's,
+    and its answer to rank 1 names rank 2), not "2/3 clients joined"."""
+    timeout, port = 3.0, _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE), "_w_any"],
+            env=_env(r, 3, {"MLX_TIMEOUT": str(timeout)}, port=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in (0, 1)
+    ]
+    res = finish(procs, timeout=60)
+    for r, (rc, _, err) in enumerate(res):
+        assert rc != 0 and "CommTimeoutError" in err, f"rank {r}: {err[-2000:]}"
+        named = "rank(s) 2" in err and "never reached the TCPStore" in err and "MLX_WORLD_SIZE" in err
+        assert named, f"rank {r}: {err[-2000:]}"
 
 
 def test_rank_dying_in_the_mesh_connection_is_named_within_the_timeout() -> None:

@@ -194,6 +194,11 @@ class AuthStore(dist.Store):
         self._inner.set_timeout(timeout)
 
     @property
+    def where(self) -> str:
+        """What the store is, for messages ("TCPStore 10.0.0.1:29500 (hosted by rank 0 ...)")."""
+        return self._where
+
+    @property
     def timeout(self) -> datetime.timedelta:
         return self._inner.timeout
 

@@ -64,15 +64,9 @@ def make_store(config: Config, settings: GlooSettings, *, join: bool = False) ->
         host = rdv.kind == "host"
         left = config.timeout if host else _wait_until_listening(rdv.addr, rdv.port, config.timeout)
         try:
-            # torchrun's agent store is shared with torch's own keys: do not touch its worker count
-            inner = dist.TCPStore(
-                rdv.addr,
-                rdv.port,
-                size,
-                host,
-                timeout=_delta(left),
-                wait_for_workers=not rdv.agent,
-            )
+            # rank 0 does not wait here for the others to connect: it waits for their start-up
+            # challenges (:mod:`.session`), which names the ranks that never came
+            inner = dist.TCPStore(rdv.addr, rdv.port, size, host, timeout=_delta(left), wait_for_workers=False)
             inner.set_timeout(_delta(config.timeout))
         except Exception as exc:
             raise _store_error(exc, where, rank, size, config.timeout, host=host) from exc
