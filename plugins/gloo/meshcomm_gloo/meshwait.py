@@ -55,19 +55,20 @@ def build_watched(
     deadline = started + timeout + GRACE
     # the members' signs are noted once everyone waiting has given a few, a window before the deadline
     mark_at = max(deadline - WINDOW, started + BEGIN + 2 * EVERY)
-    marked = False
+    marked = float("inf")  # when the signs were noted
     while not done.wait(LOOK_EVERY):
         now = time.monotonic()
         if signs is not None and now >= started + BEGIN:
             signs.beat(now)
-            if not marked and now >= mark_at:
-                marked = signs.mark()
+            if marked == float("inf") and now >= mark_at and signs.mark():
+                marked = now
         dead = lost()
         if dead:
             said = "; ".join(text for _, text in dead)
             raise ConnectAbandoned(f"connection closed while connecting to every member: {said}", dead)
         if now >= deadline:
-            silent = signs.silent() if signs is not None and marked else []
+            # (a window shorter than two signs, with a tiny MLX_TIMEOUT, would name live members)
+            silent = signs.silent() if signs is not None and now - marked >= 2 * EVERY else []
             raise ConnectAbandoned(
                 f"timed out after {now - started:.1f} s connecting to every member "
                 "(gloo was still waiting for a member's connection)",
