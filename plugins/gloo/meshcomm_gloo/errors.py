@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from meshcomm.plugin import CommTimeoutError, DistributedError, PeerLostError
 
-__all__ = ["translate", "first_line", "lost_connection", "StoreAuthError", "ConnectAbandoned"]
+__all__ = ["translate", "first_line", "lost_connection", "store_timed_out", "StoreAuthError", "ConnectAbandoned"]
 
 _LOST = (
     "connection closed",
@@ -52,6 +52,12 @@ class ConnectAbandoned(RuntimeError):
         super().__init__(message)
         self.suspects = suspects
         self.seen = seen
+
+
+def store_timed_out(exc: BaseException) -> bool:
+    """Whether a torch store call failed because it timed out (torch gives that no class of its own)."""
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
 
 
 def lost_connection(exc: BaseException) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import StoreAuthError
-from .liveness import RankProcess
+from .liveness import RankProcess, member
 
 __all__ = ["Heartbeat", "BEGIN", "EVERY", "WINDOW"]
 
@@ -88,19 +88,12 @@ class Heartbeat:
         now = self._read()
         if now is None:
             return []
-        out = []
-        for i, sign in now.items():
-            if sign is None or sign == self._seen.get(i):
-                world = self._members[i]
-                where = ""
-                if world < len(self._peers):
-                    p = self._peers[world]
-                    where = f", pid {p.pid} on {p.host}"
-                out.append(
-                    (
-                        i,
-                        f"rank {i} (world rank {world}{where}) gave no sign of life in the rendezvous store "
-                        f"for {WINDOW:g} s while the others waited (it died, stopped, or lost its network)",
-                    )
-                )
-        return out
+        return [
+            (
+                i,
+                f"{member(i, self._members, self._peers)} gave no sign of life in the rendezvous store "
+                f"for {WINDOW:g} s while the others waited (it died, stopped, or lost its network)",
+            )
+            for i, sign in now.items()
+            if sign is None or sign == self._seen.get(i)
+        ]

@@ -31,7 +31,7 @@ from typing import Any
 
 from meshcomm.plugin import CommTimeoutError, DistributedError
 
-from .errors import StoreAuthError
+from .errors import StoreAuthError, store_timed_out
 from .liveness import RankProcess
 from .session import NONCE_BYTES
 
@@ -161,7 +161,7 @@ def _wait_get(store: Any, key: str, deadline: float, timeout: float, what: str) 
     except StoreAuthError:
         raise
     except (TimeoutError, RuntimeError, DistributedError) as exc:
-        if isinstance(exc, RuntimeError) and "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+        if isinstance(exc, RuntimeError) and not store_timed_out(exc):
             raise DistributedError(
                 f"[gloo] newcomer: the rendezvous store failed while waiting to join: {str(exc).splitlines()[0]}"
             ) from None

@@ -19,7 +19,7 @@ from typing import Any
 
 from meshcomm.plugin import crowded, host_key
 
-__all__ = ["RankProcess", "suspects", "endpoints", "owner", "process_state", "spin_for"]
+__all__ = ["RankProcess", "member", "suspects", "endpoints", "owner", "process_state", "spin_for"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,13 @@ def suspects(
         if state is not None and not (dead_only and state == "stopped"):
             out.append((i, f"rank {i} (world rank {world}, pid {peers[world].pid}) is {state}"))
     return out
+
+
+def member(i: int, members: list[int], peers: list[RankProcess]) -> str:
+    """``rank i (world rank w, pid P on H)``: group rank ``i`` where it runs, as far as known."""
+    world = members[i] if i < len(members) else i
+    where = f", pid {peers[world].pid} on {peers[world].host}" if world < len(peers) else ""
+    return f"rank {i} (world rank {world}{where})"
 
 
 # -- which rank owns the address in a gloo message ---------------------------------------

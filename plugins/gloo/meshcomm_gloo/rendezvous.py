@@ -21,9 +21,9 @@ from meshcomm.plugin import BackendUnavailableError, CommTimeoutError, Config
 
 from .authstore import AuthStore
 from .checkline import CheckLine, open_line
-from .errors import ConnectAbandoned
+from .errors import ConnectAbandoned, store_timed_out
 from .heartbeat import Heartbeat
-from .liveness import RankProcess, endpoints, suspects
+from .liveness import RankProcess, endpoints, member, suspects
 from .meshwait import build_watched
 from .placing import is_address, resolve
 from .sealing import Sealer
@@ -226,7 +226,7 @@ def _exchange_ends(
         store.wait(keys, _delta(timeout))
         return [set(bytes(v).decode().split()) for v in store.multi_get(keys)]
     except Exception as exc:  # noqa: BLE001 - sorted out below
-        if not any(s in str(exc).lower() for s in ("timeout", "timed out")):
+        if not store_timed_out(exc):
             return []
     try:
         missing = [q for q in range(size) if not store.check([keys[q]])]
@@ -234,11 +234,7 @@ def _exchange_ends(
         return []
     if not missing:
         return []
-    named = []
-    for q in missing:
-        w = world[q] if q < len(world) else q
-        where = f", pid {peers[w].pid} on {peers[w].host}" if w < len(peers) else ""
-        named.append((q, f"rank {q} (world rank {w}{where}) did not finish connecting"))
+    named = [(q, f"{member(q, world, peers)} did not finish connecting") for q in missing]
     raise ConnectAbandoned(
         f"timed out after {timeout:g} s waiting for every member to finish connecting to the group",
         named,

@@ -26,7 +26,7 @@ from typing import Any
 
 from meshcomm.plugin import CommTimeoutError
 
-from .errors import StoreAuthError
+from .errors import StoreAuthError, store_timed_out
 from .sealing import short
 
 __all__ = ["Session", "open_session", "NONCE_BYTES"]
@@ -142,8 +142,8 @@ def _await_challenges(store: Any, size: int) -> None:
     try:
         store.wait(list(keys.values()))
         return
-    except Exception as exc:  # noqa: BLE001 - torch's timeout error has no class of its own
-        if not any(s in str(exc).lower() for s in ("timeout", "timed out")):
+    except Exception as exc:  # noqa: BLE001 - sorted out by its text
+        if not store_timed_out(exc):
             raise
     missing = [q for q, key in keys.items() if not store.check([key])]
     if not missing:
