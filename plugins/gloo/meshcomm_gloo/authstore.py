@@ -23,8 +23,11 @@ torch; imported only by the factory.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +42,17 @@ __all__ = ["AuthStore", "StoreAuthError", "SESSION"]
 SESSION = "meshcomm/session/"
 _OWNER = re.compile(r"(?:^|/)(?:proc|status|rejected|session/hello)/(\d+)$")
 _ANSWER = re.compile(r"(?:^|/)session/nonce/\d+$")  # written by rank 0
+
+
+#: twins given up on (:meth:`AuthStore.abandon`) whose waits the process's exit lets end
+_ABANDONED: list[AuthStore] = []
+
+
+@atexit.register
+def _let_abandoned_waits_end() -> None:
+    end = time.monotonic() + 1.0
+    while any(store._calls for store in _ABANDONED) and time.monotonic() < end:
+        time.sleep(0.005)
 
 
 def _bytes(value: Any) -> bytes:
@@ -70,6 +84,8 @@ class AuthStore(dist.Store):
         self._given = sealer
         self._reopen = reopen
         self._twin_of: AuthStore | None = None  # the store a twin was made from: it learns what the twin refused
+        self._abandoned = False
+        self._calls, self._calls_lock = 0, threading.Lock()  # waits in progress (a twin's)
         self._base = sealer.bound(b"")  # the session's own keys
         self._sealer = sealer  # every other key: over the start-up's nonce once begin() was called
         self._ns = namespace
@@ -163,6 +179,8 @@ class AuthStore(dist.Store):
         self._inner.set(self._full(key), self._seal(key, value))
 
     def get(self, key: str) -> bytes:
+        if self._twin_of is not None:  # gloo's own client: a wait it can be called out of
+            self._wait_unless_abandoned([self._full(key)], None)
         return self._open(key, self._inner.get(self._full(key)))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
@@ -176,10 +194,39 @@ class AuthStore(dist.Store):
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         full = [self._full(k) for k in keys]
-        if timeout is None:
+        if self._twin_of is not None:
+            self._wait_unless_abandoned(full, timeout)
+        elif timeout is None:
             self._inner.wait(full)
         else:
             self._inner.wait(full, timeout)
+
+    def abandon(self) -> None:
+        """meshcomm gave up on the connection this twin serves: a wait in it (gloo's rendezvous,
+        in a thread left behind) ends within a few milliseconds instead of at its timeout, and
+        the process's exit waits (at most a second) until it has, because a thread that comes
+        back into Python while the interpreter shuts down aborts the process."""
+        self._abandoned = True
+        _ABANDONED.append(self)
+
+    def _wait_unless_abandoned(self, full: list[str], timeout: datetime.timedelta | None) -> None:
+        """``inner.wait(full, timeout)`` by looking (``check``: torch warns on every timed-out
+        wait), so that :meth:`abandon` can end it."""
+        limit = (timeout if timeout is not None else self._inner.timeout).total_seconds()
+        deadline, pause = time.monotonic() + limit, 0.001
+        with self._calls_lock:
+            self._calls += 1
+        try:
+            while not self._inner.check(full):
+                if self._abandoned:
+                    raise RuntimeError("meshcomm stopped waiting: the connection of this group was given up")
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"wait timeout after {limit * 1000:.0f}ms, keys: {full}")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+        finally:
+            with self._calls_lock:
+                self._calls -= 1
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._inner.check([self._full(k) for k in keys]))

@@ -181,12 +181,17 @@ def connect(
     # the survivors' agreement), and the signs of life go over the usual one meanwhile
     own = _own_connection(store, timeout) if size > 1 else None
     before = endpoints()
-    pg = build_watched(
-        lambda: make_group(own or store, prefix, rank, size, timeout, ifname),
-        timeout,
-        lambda: suspects(peers or [], world, rank, dead_only=True),
-        None if own is None else Heartbeat(store, prefix, rank, world, peers or []),
-    )
+    try:
+        pg = build_watched(
+            lambda: make_group(own or store, prefix, rank, size, timeout, ifname),
+            timeout,
+            lambda: suspects(peers or [], world, rank, dead_only=True),
+            None if own is None else Heartbeat(store, prefix, rank, world, peers or []),
+        )
+    except ConnectAbandoned:
+        if own is not None:
+            own.abandon()  # gloo's rendezvous, left behind, leaves its store wait now
+        raise
     if own is not None:
         own.use_connection_of(store)
     mine = endpoints() - before
