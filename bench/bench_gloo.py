@@ -13,6 +13,7 @@ Usage::
 
     python bench/bench_gloo.py                 # 2 and 4 ranks, 8 B .. 64 MiB, table on stdout
     python bench/bench_gloo.py --ranks 2 --max-mib 4 --markdown
+    python bench/bench_gloo.py --ranks 2 --sizes 524288,2097152   # chosen sizes, in bytes
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _plan(nbytes: int) -> tuple[int, int]:
     return 15, 100
 
 
-def worker(max_bytes: int) -> None:
+def worker(sizes: list[int]) -> None:
     """One rank: time both sides for every size; rank 0 prints JSON results."""
     import datetime
 
@@ -70,7 +71,7 @@ def worker(max_bytes: int) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     results = []
-    for nbytes in [s for s in SIZES if s <= max_bytes]:
+    for nbytes in sizes:
         x = np.zeros(nbytes // 4, dtype=np.float32)
         t = torch.from_numpy(x)
         for _ in range(3):  # warm up both paths (connections, allocator)
@@ -101,7 +102,7 @@ def worker(max_bytes: int) -> None:
         print("RESULT " + json.dumps({"ranks": size, "rows": results}), flush=True)
 
 
-def _run(nranks: int, max_bytes: int, timeout: float) -> dict:
+def _run(nranks: int, sizes: list[int], timeout: float) -> dict:
     port, tport = _free_port(), _free_port()
     procs = []
     for r in range(nranks):
@@ -116,7 +117,7 @@ def _run(nranks: int, max_bytes: int, timeout: float) -> dict:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--max-bytes", str(max_bytes)],
+                [sys.executable, __file__, "--worker", "--sizes", ",".join(map(str, sizes))],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -163,14 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-mib", type=float, default=64, help="largest message in MiB (default 64)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is abandoned")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", default="", help="comma list of sizes in bytes (default: the sizes up to --max-mib)")
     p.add_argument("--markdown", action="store_true", help="(the table is always markdown)")
     args = p.parse_args(argv)
-    if args.worker:
-        worker(args.max_bytes)
-        return 0
     max_bytes = int(args.max_mib * (1 << 20))
-    runs = [_run(int(n), max_bytes, args.timeout) for n in args.ranks.split(",")]
+    sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [n for n in SIZES if n <= max_bytes]
+    if any(n <= 0 or n % 4 for n in sizes):
+        p.error(f"--sizes {args.sizes}: every size must be a positive multiple of 4 bytes (float32)")
+    if args.worker:
+        worker(sizes)
+        return 0
+    runs = [_run(int(n), sizes, args.timeout) for n in args.ranks.split(",")]
     print("float32, median per call of the slowest rank; ratio = meshcomm / torch (1.00 = same speed)")
     print(_table(runs))
     return 0

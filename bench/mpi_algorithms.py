@@ -7,7 +7,8 @@ Raw mpi4py only (meshcomm is not imported): the table behind the choice of algor
 :mod:`meshcomm_mpi.algorithms` (docs/backends/mpi.md, "Which algorithm the all-reduce runs").
 Each job runs under the mpiexec of the MPI mpi4py loads. Per size it times, in rotating
 blocks with a barrier before each, the blocking ``Allreduce`` and ``Iallreduce`` completed by
-a ``Test`` loop under libnbc's own choice (0), ring (1), binomial (2) and Rabenseifner's (3),
+a ``Test`` loop under libnbc's own choice (0), ring (1), binomial (2), Rabenseifner's (3) and
+recursive doubling (4),
 switched through MPI_T the way the backend does; every result is compared with the blocking
 call's. A cell is the median over blocks of the slowest rank's time, divided by the blocking
 call's.
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-ALGORITHMS = {0: "Open MPI's choice", 1: "ring", 2: "binomial", 3: "Rabenseifner"}
+ALGORITHMS = {0: "Open MPI's choice", 1: "ring", 2: "binomial", 3: "Rabenseifner", 4: "recursive doubling"}
 DEFAULT_SIZES = "8,4096,32768,131072,262144,1048576,4194304"
 
 
