@@ -466,7 +466,9 @@ def test_a_tcp_limit_whose_helper_goes_silent_or_closes_fails_instead_of_hanging
     closing = "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1]))).close()"
     for spin in (False, True):
         with socket.create_server(("127.0.0.1", 0)) as srv, limits._helper(silent, srv.getsockname()[1]) as child:
-            conn = limits._accept(srv, child)
+            # the helper's start may take seconds on a loaded machine: only its silence is timed
+            conn = limits._accept(srv, child, timeout=60)
+            conn.settimeout(limits.HELPER_TIMEOUT)  # what _accept gives a blocking connection
             with conn:
                 if spin:
                     conn.setblocking(False)
@@ -476,5 +478,8 @@ def test_a_tcp_limit_whose_helper_goes_silent_or_closes_fails_instead_of_hanging
                 assert time.monotonic() - t0 < 20
         assert child.returncode is not None, "the helper is killed on the way out"
     with socket.create_server(("127.0.0.1", 0)) as srv, limits._helper(closing, srv.getsockname()[1]) as child:
-        with limits._accept(srv, child) as conn, pytest.raises(RuntimeError, match="closed its connection early"):
+        with (
+            limits._accept(srv, child, timeout=60) as conn,
+            pytest.raises(RuntimeError, match="closed its connection early"),
+        ):
             limits._recv_exact(conn, 8)
