@@ -7,7 +7,7 @@ import pytest
 from meshcomm import BackendUnavailableError, Config
 from meshcomm.runtime.hookspecs import hookimpl
 from meshcomm.runtime.registry import Registry
-from meshcomm.runtime.single import SingleBackend
+from meshcomm.runtime.single_backend import SingleBackend
 
 
 class _Plugin:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -46,25 +47,28 @@ def _call_path() -> str:
     return "compiled call path" if on else "pure-Python call path (MESHCOMM_COMPILED=0)"
 
 
-def _parser() -> argparse.ArgumentParser:
+#: each subcommand but ``info``, by the module whose ``add_parser(sub)`` adds it
+_COMMANDS = {"launch": ".launch.cli", "bench": ".bench.cli", "trace": ".trace.cli"}
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``command``, only that subcommand's arguments, so that
+    ``meshcomm launch`` does not import what ``bench`` needs (NumPy and the API)."""
     p = argparse.ArgumentParser(prog="meshcomm", description="collective communication for NumPy arrays")
     sub = p.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="list installed backends, versions and why any is unavailable")
-    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    info.set_defaults(func=_info)
-    from .launch.cli import add_parser as add_launch
-
-    add_launch(sub)
-    from .bench.cli import add_parser as add_bench
-
-    add_bench(sub)
-    from .trace.cli import add_parser as add_trace
-
-    add_trace(sub)
+    if command in (None, "info"):
+        info = sub.add_parser("info", help="list installed backends, versions and why any is unavailable")
+        info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        info.set_defaults(func=_info)
+    for name, module in _COMMANDS.items():
+        if command in (None, name):
+            importlib.import_module(module, __package__).add_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``meshcomm`` console script and ``python -m meshcomm``."""
-    args = _parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = words[0] if words and (words[0] in _COMMANDS or words[0] == "info") else None
+    args = _parser(command).parse_args(words)
     return int(args.func(args) or 0)

@@ -44,19 +44,15 @@ What is here, by job:
 * errors: the exceptions a backend raises (:class:`PeerLostError`,
   :class:`CommTimeoutError`, :class:`CollectiveMismatchError`, …).
 
-Importing this module is cheap (no plugin, no launcher code): a plugin's entry-point
-module imports it at load time.
+Importing this module is cheap (no plugin, no launcher code, no NumPy until a name that
+needs it is used): a plugin's entry-point module imports it at load time.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from .protocol import algorithms
-from .protocol import dtypes as _dtypes
-from .protocol.algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
-from .protocol.backend import DEFAULT_TIMEOUT, Backend, in_place
-from .protocol.dtypes import UFUNCS, check_dtype, dtype_code, dtype_from_code, reducer
 from .protocol.errors import (
     BackendUnavailableError,
     CallsDiffer,
@@ -68,6 +64,7 @@ from .protocol.errors import (
     PeerLostError,
 )
 from .protocol.operations import wire_names
+from .protocol.timeouts import DEFAULT_TIMEOUT
 from .runtime.config import Config, Settings, load_settings, setting
 from .runtime.hookspecs import Availability, BackendRegistrar, EnvironmentCheck, Factory, hookimpl
 from .runtime.jobsecret import SECRET_HINT, JobSecretSettings, check_job_secret
@@ -84,8 +81,24 @@ from .runtime.launchvars import FAMILIES, MPI_FAMILIES, Family
 from .runtime.lifetime import die_with_parent
 from .runtime.placement import Coordinator, Placement, coordinator, crowded, host_cores, host_key, placement
 
+#: the names that need NumPy, imported on first use (see __getattr__), and their modules
+_NUMPY_NAMES = {
+    "algorithms": ".protocol.algorithms",  # the module itself
+    **dict.fromkeys(
+        ("SplitPlan", "reduce_scatter_by_all_reduce", "split_members", "split_plan"), ".protocol.algorithms"
+    ),
+    **dict.fromkeys(("Backend", "in_place"), ".protocol.backend"),
+    **dict.fromkeys(
+        ("SUPPORTED", "bfloat16", "UFUNCS", "check_dtype", "dtype_code", "dtype_from_code", "reducer"),
+        ".protocol.dtypes",
+    ),
+}
+
 if TYPE_CHECKING:  # resolved by __getattr__ at run time
-    from .protocol.dtypes import SUPPORTED, bfloat16
+    from .protocol import algorithms
+    from .protocol.algorithms import SplitPlan, reduce_scatter_by_all_reduce, split_members, split_plan
+    from .protocol.backend import Backend, in_place
+    from .protocol.dtypes import SUPPORTED, UFUNCS, bfloat16, check_dtype, dtype_code, dtype_from_code, reducer
 
 __all__ = [
     # registering
@@ -154,8 +167,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``SUPPORTED`` and ``bfloat16``, resolved on first use (they import the optional
-    ml_dtypes, which costs ~0.9 s: only code that reads them pays it)."""
-    if name in ("SUPPORTED", "bfloat16"):
-        return getattr(_dtypes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The names that need NumPy, on first use: a plugin's entry-point module, which the
+    launcher loads too, imports this module without NumPy. ``SUPPORTED`` and ``bfloat16``
+    are not kept (each read asks :mod:`meshcomm.protocol.dtypes`, which imports the optional
+    ml_dtypes, ~0.9 s, only when they are read)."""
+    where = _NUMPY_NAMES.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(where, __package__)
+    value = module if name == "algorithms" else getattr(module, name)
+    if name not in ("SUPPORTED", "bfloat16"):
+        globals()[name] = value
+    return value

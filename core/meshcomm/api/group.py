@@ -25,7 +25,7 @@ from ..protocol.dtypes import BASE_SUPPORTED, check_dtype
 from ..protocol.errors import CallsDiffer, DistributedError, NotSupportedError
 from ..protocol.operations import REDUCTIONS
 from ..runtime import exits
-from ..runtime.single import SingleBackend
+from ..runtime.single_backend import SingleBackend
 from . import debug as _debug
 from . import objects
 from . import observer as _observer

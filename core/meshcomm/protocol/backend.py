@@ -29,12 +29,9 @@ import numpy as np
 
 from . import algorithms
 from .errors import NotSupportedError
+from .timeouts import DEFAULT_TIMEOUT
 
 __all__ = ["Backend", "SubgroupBackend", "in_place", "shape_key", "SHAPE_KEYS", "DEFAULT_TIMEOUT"]
-
-#: seconds a rank waits on a peer unless told otherwise: the default of ``MLX_TIMEOUT``
-#: (:attr:`meshcomm.runtime.config.Config.timeout`) and of :attr:`Backend.timeout`
-DEFAULT_TIMEOUT: float = 300.0
 
 
 class _ShapeKeys(dict):

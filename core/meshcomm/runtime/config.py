@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..protocol.backend import DEFAULT_TIMEOUT
 from ..protocol.errors import ConfigError
+from ..protocol.timeouts import DEFAULT_TIMEOUT
 from .placement import Coordinator, coordinator, parse_coordinator, placement
 
 __all__ = ["Config", "Settings", "load_settings", "setting", "env_names", "MAX_TIMEOUT", "MAX_RANKS"]

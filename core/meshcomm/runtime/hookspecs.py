@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
-from ..protocol.backend import Backend
 from .launchspec import ExternalLauncher, LauncherSupport, RankEnvLauncher
 
 if TYPE_CHECKING:  # pydantic is imported by the first init(), not by import meshcomm
     from pydantic import BaseModel
 
+    from ..protocol.backend import Backend
     from .config import Config
 
 __all__ = [
@@ -57,7 +57,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: ``factory(config, settings) -> Backend``: starts the backend (``settings`` is an instance
 #: of the model passed as ``settings=``, or None)
-Factory = Callable[["Config", Any], Backend]
+Factory = Callable[["Config", Any], "Backend"]
 #: ``available() -> None | str``: None when the backend's libraries load, else why not
 Availability = Callable[[], str | None]
 #: ``environment(config, settings) -> None | str``: None when this process was started for the backend

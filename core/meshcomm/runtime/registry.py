@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from ..protocol.backend import Backend
 from ..protocol.errors import BackendUnavailableError, ConfigError
 from . import hookspecs, single
 from .hookspecs import Availability, BackendRegistrar, BackendSpec, EnvironmentCheck, Factory
 
 if TYPE_CHECKING:
+    from ..protocol.backend import Backend
     from .config import Config
 
 __all__ = [
@@ -218,6 +218,8 @@ class Registry:
 
     @staticmethod
     def _start_spec(spec: BackendSpec, config: Config) -> Backend:
+        from ..protocol.backend import Backend  # here: loading the registry (the launcher) needs no NumPy
+
         settings = spec.load_settings()
         backend = spec.factory(config, settings)
         if not isinstance(backend, Backend):

@@ -10,11 +10,10 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshcomm.plugin import (
     SECRET_HINT,
-    Backend,
     BackendRegistrar,
     BackendUnavailableError,
     Config,
@@ -25,6 +24,9 @@ from meshcomm.plugin import (
 
 from .launcher import GlooLauncher
 from .settings import GlooSettings
+
+if TYPE_CHECKING:  # NumPy's import waits for a backend to start: the launcher loads this module too
+    from meshcomm.plugin import Backend
 
 __all__ = ["meshcomm_register_backends", "available", "environment", "factory", "NO_SECRET_WARNING"]
 

@@ -8,12 +8,15 @@ check and the factory load what they need when the core calls them.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshcomm.plugin import Backend, BackendRegistrar, Config, JobSpec, hookimpl
+from meshcomm.plugin import BackendRegistrar, Config, JobSpec, hookimpl
 
 from .environment import launch_reason, unavailable_reason
 from .settings import MPISettings
+
+if TYPE_CHECKING:  # NumPy's import waits for a backend to start: the launcher loads this module too
+    from meshcomm.plugin import Backend
 
 __all__ = ["meshcomm_register_backends", "MPILauncher"]
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Literal
 
 from meshcomm.plugin import (
     SECRET_HINT,
-    Backend,
     BackendRegistrar,
     Config,
     ConfigError,
@@ -26,7 +25,9 @@ from meshcomm.plugin import (
     setting,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # NumPy's import waits for a backend to start: the launcher loads this module too
+    from meshcomm.plugin import Backend
+
     from .connect import Connection
     from .dialing import Dialer
     from .hostfile import Peer
