@@ -134,6 +134,19 @@ def test_import_meshcomm_pulls_neither_ml_dtypes_nor_pydantic() -> None:
     )
 
 
+def test_the_launcher_runs_a_job_without_importing_numpy_or_the_api(tmp_path) -> None:
+    """``meshcomm launch`` loads the registry, the plugins' entry points and the settings
+    model, but not NumPy or the API: every job pays its launcher's start-up."""
+    prog = tmp_path / "prog.py"
+    prog.write_text("import numpy as np, meshcomm as mc\nassert mc.all_sum(np.ones(2), group=mc.init())[0] == 2\n")
+    _fresh(
+        "from meshcomm.cli import main\n"
+        f"assert main(['launch', '-n', '2', '--backend', 'sockets', '--', {str(prog)!r}]) == 0\n"
+        "loaded = [m for m in ('numpy', 'meshcomm.api.group', 'meshcomm.bench.collectives') if m in sys.modules]\n"
+        "assert not loaded, 'the launcher imported ' + str(loaded)"
+    )
+
+
 def test_bfloat16_is_admitted_on_first_sight_and_by_its_wire_code() -> None:
     pytest.importorskip("ml_dtypes")
     _fresh(
