@@ -39,6 +39,7 @@ T_START = time.time()
 import meshcomm as mc  # noqa: E402
 import numpy as np  # noqa: E402
 
+_ = mc.init  # the API: `import meshcomm` imports it on first use, and it counts as imports here
 T_IMPORTED = time.time()
 
 
