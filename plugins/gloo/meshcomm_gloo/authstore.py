@@ -44,7 +44,8 @@ _OWNER = re.compile(r"(?:^|/)(?:proc|status|rejected|session/hello)/(\d+)$")
 _ANSWER = re.compile(r"(?:^|/)session/nonce/\d+$")  # written by rank 0
 
 
-#: twins given up on (:meth:`AuthStore.abandon`) whose waits the process's exit lets end
+#: twins given up on (:meth:`AuthStore.abandon`) with a wait still in progress: the process's
+#: exit lets those waits end; a twin leaves the list when its last wait has ended
 _ABANDONED: list[AuthStore] = []
 
 
@@ -206,8 +207,10 @@ class AuthStore(dist.Store):
         in a thread left behind) ends within a few milliseconds instead of at its timeout, and
         the process's exit waits (at most a second) until it has, because a thread that comes
         back into Python while the interpreter shuts down aborts the process."""
-        self._abandoned = True
-        _ABANDONED.append(self)
+        with self._calls_lock:
+            self._abandoned = True
+            if self._calls:
+                _ABANDONED.append(self)
 
     def _wait_unless_abandoned(self, full: list[str], timeout: datetime.timedelta | None) -> None:
         """``inner.wait(full, timeout)`` by looking (``check``: torch warns on every timed-out
@@ -227,6 +230,8 @@ class AuthStore(dist.Store):
         finally:
             with self._calls_lock:
                 self._calls -= 1
+                if self._abandoned and not self._calls and self in _ABANDONED:
+                    _ABANDONED.remove(self)  # nothing left to wait for at exit: not kept alive
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._inner.check([self._full(k) for k in keys]))
